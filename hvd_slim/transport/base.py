@@ -1,0 +1,80 @@
+"""The transport interface: the only thing the exchange needs from a network.
+
+A transport moves opaque byte payloads (1-D ``numpy.uint8`` arrays) between the ranks of one
+job with two collectives, ``gather`` to a root and ``broadcast`` from it, and counts what it
+moved. Everything above it (wire format, selection, residuals) is pure and testable in one
+process with :class:`hvd_slim.transport.fake.FakeCluster`.
+
+Byte accounting, identical for every implementation so figures compare across transports:
+
+* ``gather``: every rank (the root too) adds ``len(payload) + LENGTH_BYTES`` to ``bytes_sent``;
+  the root adds the sum of that over all ranks to ``bytes_received``.
+* ``broadcast``: the root adds ``len(payload) + LENGTH_BYTES`` to ``bytes_sent``; every rank (the
+  root too) adds the same to ``bytes_received``.
+
+``LENGTH_BYTES`` is the int64 length word that variable-size collectives need.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import numpy as np
+
+LENGTH_BYTES = 8
+
+
+@dataclass
+class TransportStats:
+    """Cumulative counters of one rank's traffic through a transport."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    calls: int = 0
+    per_op: dict = field(default_factory=dict)
+
+    def record(self, op: str, sent: int, received: int) -> None:
+        self.bytes_sent += sent
+        self.bytes_received += received
+        self.calls += 1
+        s, r = self.per_op.get(op, (0, 0))
+        self.per_op[op] = (s + sent, r + received)
+
+
+class TransportError(RuntimeError):
+    """A collective failed: a peer died, timed out or sent something unusable."""
+
+
+class Transport(abc.ABC):
+    """Moves byte payloads between ``size`` ranks; this instance is rank ``rank``."""
+
+    name = "abstract"
+
+    def __init__(self, rank: int, size: int) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside [0, {size})")
+        self.rank = rank
+        self.size = size
+        self.stats = TransportStats()
+
+    @abc.abstractmethod
+    def gather(self, payload: np.ndarray, root: int) -> Optional[List[np.ndarray]]:
+        """Send ``payload`` to ``root``. The root returns every rank's payload in rank order
+        (its own included); other ranks return None. Payload sizes may differ by rank."""
+
+    @abc.abstractmethod
+    def broadcast(self, payload: Optional[np.ndarray], root: int) -> np.ndarray:
+        """The root sends ``payload``; every rank (the root too) returns the bytes received.
+        Non-root ranks pass None."""
+
+    def close(self) -> None:
+        """Release resources; the default has none."""
+
+
+def as_payload(buf: np.ndarray) -> np.ndarray:
+    """Check that ``buf`` is a 1-D contiguous uint8 array, the only payload type a transport takes."""
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
+        raise TypeError(f"a transport payload must be a 1-D numpy uint8 array, got {type(buf).__name__}"
+                        f"{'' if not isinstance(buf, np.ndarray) else f' of {buf.dtype} with shape {buf.shape}'}")
+    return np.ascontiguousarray(buf)

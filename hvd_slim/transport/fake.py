@@ -1,0 +1,106 @@
+"""An in-process transport with N simulated ranks, one thread each, for single-process tests.
+
+Each rank's exchange runs in its own thread against its own :class:`FakeTransport`; the
+collectives meet at a shared barrier. A rank that raises breaks the barrier, so the others get a
+:class:`TransportError` instead of waiting forever, and :func:`run_ranks` re-raises the first
+failure with its rank.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+
+from .base import LENGTH_BYTES, Transport, TransportError, as_payload
+
+
+class FakeCluster:
+    """Shared state of N simulated ranks; hand ``cluster.transport(r)`` to rank r."""
+
+    def __init__(self, size: int, timeout: float = 60.0) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size
+        self.timeout = timeout
+        self._barrier = threading.Barrier(size, timeout=timeout)
+        self._slots: List[Optional[np.ndarray]] = [None] * size
+
+    def transport(self, rank: int) -> "FakeTransport":
+        return FakeTransport(self, rank)
+
+    def _wait(self, rank: int, what: str) -> None:
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError as exc:
+            raise TransportError(f"rank {rank}: {what} aborted because a peer failed or timed out "
+                                 f"after {self.timeout}s") from exc
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+
+class FakeTransport(Transport):
+    """One simulated rank's endpoint; payloads are copied so no rank aliases another's memory."""
+
+    name = "fake"
+
+    def __init__(self, cluster: FakeCluster, rank: int) -> None:
+        super().__init__(rank, cluster.size)
+        self._c = cluster
+
+    def gather(self, payload: np.ndarray, root: int) -> Optional[List[np.ndarray]]:
+        payload = as_payload(payload)
+        c = self._c
+        c._slots[self.rank] = payload.copy()
+        c._wait(self.rank, "gather")
+        out = None
+        received = 0
+        if self.rank == root:
+            out = [s.copy() for s in c._slots]
+            received = sum(len(s) + LENGTH_BYTES for s in out)
+        c._wait(self.rank, "gather")
+        self.stats.record("gather", len(payload) + LENGTH_BYTES, received)
+        return out
+
+    def broadcast(self, payload: Optional[np.ndarray], root: int) -> np.ndarray:
+        c = self._c
+        if self.rank == root:
+            c._slots[root] = as_payload(payload).copy()
+        c._wait(self.rank, "broadcast")
+        out = c._slots[root].copy()
+        c._wait(self.rank, "broadcast")
+        n = len(out) + LENGTH_BYTES
+        self.stats.record("broadcast", n if self.rank == root else 0, n)
+        return out
+
+
+def run_ranks(size: int, fn: Callable[[int, FakeTransport], Any], timeout: float = 120.0) -> List[Any]:
+    """Run ``fn(rank, transport)`` for every simulated rank in its own thread; return the results
+    in rank order, or raise the first rank's exception (naming the rank)."""
+    cluster = FakeCluster(size, timeout=timeout)
+    results: List[Any] = [None] * size
+    errors: List[Optional[BaseException]] = [None] * size
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, cluster.transport(rank))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below with the rank attached
+            errors[rank] = exc
+            cluster.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        if t.is_alive():
+            cluster.abort()
+            raise TimeoutError(f"simulated rank did not finish within {timeout}s")
+    # A peer's TransportError is a consequence; report the rank that failed first on its own.
+    primary = [(r, e) for r, e in enumerate(errors) if e is not None and not isinstance(e, TransportError)]
+    primary = primary or [(r, e) for r, e in enumerate(errors) if e is not None]
+    if primary:
+        rank, exc = primary[0]
+        raise RuntimeError(f"simulated rank {rank} failed: {type(exc).__name__}: {exc}") from exc
+    return results

@@ -1,0 +1,1 @@
+"""Measurements: selection speed, wire size, end-to-end step time against peers."""

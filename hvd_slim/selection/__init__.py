@@ -1,0 +1,9 @@
+"""Per-step slice selection (DESIGN.md section 2, steps 2-3): pure tensor functions.
+
+``significance`` scores coordinates, :class:`CoreSelector` picks the exact top-k core in about
+one pass, and ``explore`` draws the seeded, stratified exploration set outside the core.
+"""
+from .core import CoreSelector, significance
+from .explore import explore
+
+__all__ = ["significance", "CoreSelector", "explore"]

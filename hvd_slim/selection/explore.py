@@ -1,0 +1,102 @@
+"""Exploration (DESIGN.md section 2, step 3): seeded stratified sampling outside the core.
+
+The ``M = d - len(core)`` coordinates outside the core are numbered by complement position
+``p`` in ``[0, M)``. These positions are split into ``c`` contiguous strata of equal width (to
+within one), and one position is drawn uniformly from each: distinct by construction, sorted,
+O(c). A position maps back to its coordinate with one ``searchsorted`` against the core.
+
+Integer strata cannot all have width exactly ``M / c``, so a fixed layout would favour the
+positions of narrow strata (by up to 2x when ``M / c`` is near 1). The strata are therefore laid
+out on the complement read as a ring, starting at a random rotation: every position then has
+inclusion probability exactly ``c / M``, and each stratum still gets an independent pick.
+
+Randomness comes only from a Philox counter-based generator keyed by ``key``, read as raw 64-bit
+words (numpy keeps raw bit-generator streams stable across versions and machines), so a
+receiver regenerates the same set from the same key and explored indices never travel.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+# Domain tag mixed into every key, so exploration streams never coincide with another use of
+# the same (seed, role, rank, step, bucket) tuple elsewhere in the package.
+_DOMAIN = 0x45585031   # "EXP1"
+_U53 = 2.0 ** -53
+
+
+def _rng_words(key: Sequence[int], count: int) -> np.ndarray:
+    """``count`` raw uint64 words of the Philox stream keyed by ``key``."""
+    words = [_DOMAIN, len(key)]
+    for v in key:
+        v = int(v)
+        if v < 0 or v >= 1 << 64:
+            raise ValueError(f"explore: key entries must be in [0, 2**64), got {v} in {tuple(key)}")
+        # Fixed two words per entry: SeedSequence alone would map (1, 2) and (1, 2, 0), or
+        # (2**32,) and (0, 1), to the same pool.
+        words += [v & 0xFFFFFFFF, v >> 32]
+    seed = np.random.SeedSequence(words).generate_state(2, dtype=np.uint64)
+    bitgen = np.random.Philox(key=seed)
+    return np.asarray(bitgen.random_raw(count), dtype=np.uint64)
+
+
+def _uniform(raw: np.ndarray) -> np.ndarray:
+    """Floats in [0, 1) from the top 53 bits of raw words (exact, platform independent)."""
+    return (raw >> np.uint64(11)).astype(np.float64) * _U53
+
+
+def _as_core(core: Union[torch.Tensor, np.ndarray], d: int) -> np.ndarray:
+    """The core as int64 numpy, checked sorted, unique and within [0, d)."""
+    c = core.detach().cpu().numpy() if isinstance(core, torch.Tensor) else np.asarray(core)
+    if c.ndim != 1 or (c.size and not np.issubdtype(c.dtype, np.integer)):
+        raise ValueError(f"explore: core must be a 1-D integer tensor, got {c.dtype} {c.shape}")
+    c = c.astype(np.int64, copy=False)
+    if c.size:
+        if c[0] < 0 or c[-1] >= d:
+            raise ValueError(f"explore: core indices must lie in [0, {d}), "
+                             f"got range [{c[0]}, {c[-1]}]")
+        if c.size > 1 and not np.all(c[1:] > c[:-1]):
+            raise ValueError("explore: core must be sorted ascending without duplicates")
+    return c
+
+
+def explore(d: int, core: torch.Tensor, k_e: int, key: Sequence[int]) -> torch.Tensor:
+    """``min(k_e, d - len(core))`` distinct indices in [0, d) outside ``core``, ascending (int64).
+
+    ``core``: sorted unique int64 indices. ``key``: non-negative ints, e.g.
+    ``(seed, role, rank, step, bucket)``; the same key always gives the same output.
+    """
+    d, k_e = int(d), int(k_e)
+    if d < 0 or k_e < 0:
+        raise ValueError(f"explore: need d >= 0 and k_e >= 0, got d={d}, k_e={k_e}")
+    cr = _as_core(core, d)
+    m = d - cr.size               # complement size
+    c = min(k_e, m)
+    if c <= 0:
+        return torch.empty(0, dtype=torch.int64)
+
+    raw = _rng_words(key, c + 1)
+    rot = min(int(_uniform(raw[:1])[0] * m), m - 1)   # ring rotation, uniform in [0, m)
+    i = np.arange(c + 1, dtype=np.int64)
+    if c * m < 1 << 62:
+        bounds = (i * m) // c     # exact integer stratum bounds
+    else:                         # i * m would overflow int64: float bounds, still increasing
+        bounds = np.floor(i * (m / c)).astype(np.int64)
+        bounds[-1] = m
+    lo, width = bounds[:-1], np.diff(bounds)   # every width >= 1 since c <= m
+    pick = lo + np.minimum((_uniform(raw[1:]) * width).astype(np.int64), width - 1)
+
+    # Undo the rotation: positions >= m - rot wrap to the front. Both runs are ascending, so
+    # the result is sorted by moving the wrapped tail ahead (no sort needed).
+    pos = pick + rot
+    split = int(np.searchsorted(pos, m, side="left"))
+    pos = np.concatenate([pos[split:] - m, pos[:split]])
+
+    # Complement position p -> coordinate: p plus the number of core entries at or below it,
+    # which is how many of ``core[j] - j`` (non-core coordinates before core[j]) are <= p.
+    if cr.size:
+        gaps = cr - np.arange(cr.size, dtype=np.int64)
+        pos = pos + np.searchsorted(gaps, pos, side="right")
+    return torch.from_numpy(pos)

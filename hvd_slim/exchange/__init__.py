@@ -1,0 +1,5 @@
+"""One step of Slim-DP as a fixed sequence: compensate -> select -> push -> aggregate -> pull -> apply."""
+from .layout import DENSE, SPARSE, Bucket, Layout
+from .step import ExchangeError, SlimExchange
+
+__all__ = ["DENSE", "SPARSE", "Bucket", "Layout", "ExchangeError", "SlimExchange"]

@@ -1,0 +1,153 @@
+"""How parameters map onto the exchange's flat buffers ("buckets").
+
+Parameters are ordered by name (the same on every rank whatever the registration order), then
+split by size: tensors under ``min_compress_numel`` are fused into a dense bucket per dtype; the
+rest form one compressed bucket per dtype, a single flat vector of ``d`` coordinates on which the
+slice is chosen (DESIGN §2). A compressed bucket whose slice would not be smaller than dense is
+sent dense ("dense fallback"), which also makes ``density=1.0`` exactly a dense average.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..config import SlimConfig
+from ..wire.indices import index_bytes_bound
+
+DENSE = "dense"
+SPARSE = "sparse"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One parameter's place in a bucket's flat buffer."""
+
+    name: str
+    param: torch.Tensor
+    offset: int
+    numel: int
+
+
+@dataclass
+class Bucket:
+    """A flat buffer of same-dtype parameters, exchanged dense or as Slim-DP slices."""
+
+    index: int
+    kind: str                 # DENSE or SPARSE
+    dtype: torch.dtype
+    wire_dtype: torch.dtype   # dtype of values on the wire (fp16 with Compression.fp16)
+    segments: List[Segment]
+    numel: int
+    k: int = 0                # push slice size
+    k_core: int = 0
+    k_explore: int = 0
+    k_pull: int = 0           # pull slice size (pull="slim")
+    k_pull_core: int = 0
+    k_pull_explore: int = 0
+
+    @property
+    def value_bytes(self) -> int:
+        return torch.empty((), dtype=self.wire_dtype).element_size()
+
+    def params(self) -> List[torch.Tensor]:
+        return [s.param for s in self.segments]
+
+
+def slice_sizes(d: int, density: float, exploration: float) -> Tuple[int, int, int]:
+    """(k, k_core, k_explore) for a vector of ``d`` coordinates."""
+    k = min(d, max(1, int(math.ceil(density * d))))
+    k_e = int(round(exploration * k))
+    return k, k - k_e, k_e
+
+
+def slice_is_smaller(d: int, k: int, k_core: int, value_bytes: int) -> bool:
+    """True when k values plus the worst-case core index encoding beat sending all d values."""
+    return k * value_bytes + index_bytes_bound(d, k_core) < d * value_bytes
+
+
+class Layout:
+    """Buckets for a fixed, name-ordered list of parameters."""
+
+    def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]], config: SlimConfig,
+                 wire_dtype_of: Callable[[torch.dtype], torch.dtype]) -> None:
+        ordered = sorted(named_params, key=lambda item: item[0])
+        groups: dict = {}
+        for name, p in ordered:
+            kind = SPARSE if p.numel() >= config.min_compress_numel and p.is_floating_point() \
+                else DENSE
+            groups.setdefault((kind, p.dtype), []).append((name, p))
+        # Widest wire dtype first keeps every value section aligned for its own dtype.
+        keys = sorted(groups, key=lambda kd: (-torch.empty((), dtype=wire_dtype_of(kd[1]))
+                                               .element_size(), kd[0] != DENSE, str(kd[1])))
+        self.buckets: List[Bucket] = []
+        for kind, dtype in keys:
+            segs, off = [], 0
+            for name, p in groups[(kind, dtype)]:
+                segs.append(Segment(name, p, off, p.numel()))
+                off += p.numel()
+            b = Bucket(len(self.buckets), kind, dtype, wire_dtype_of(dtype), segs, off)
+            if kind == SPARSE:
+                b.k, b.k_core, b.k_explore = slice_sizes(off, config.density, config.exploration)
+                b.k_pull, b.k_pull_core, b.k_pull_explore = slice_sizes(
+                    off, config.effective_pull_density, config.exploration)
+                if not slice_is_smaller(off, b.k, b.k_core, b.value_bytes):
+                    b.kind = DENSE  # dense fallback: no residual, exactly a dense average
+            self.buckets.append(b)
+        self.names = [n for n, _ in ordered]
+
+    @property
+    def sparse(self) -> List[Bucket]:
+        return [b for b in self.buckets if b.kind == SPARSE]
+
+    def digest(self) -> int:
+        """64-bit hash of names, shapes, dtypes and bucket plan; equal on agreeing ranks."""
+        h = hashlib.sha256()
+        for b in self.buckets:
+            h.update(f"{b.kind}|{b.dtype}|{b.wire_dtype}|{b.numel}|{b.k}|{b.k_pull}\n".encode())
+            for s in b.segments:
+                h.update(f"{s.name}|{tuple(s.param.shape)}\n".encode())
+        return int.from_bytes(h.digest()[:8], "little")
+
+    def describe(self) -> List[str]:
+        """One line per parameter: name, shape, dtype, bucket kind; used in mismatch errors."""
+        return [f"{s.name} {tuple(s.param.shape)} {b.dtype} {b.kind}"
+                for b in self.buckets for s in b.segments]
+
+    # --- flat views ------------------------------------------------------------------------
+    @staticmethod
+    def read_grads(bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+        """Copy each parameter's gradient into ``out`` (zeros where a parameter got none)."""
+        for s in bucket.segments:
+            dst = out[s.offset:s.offset + s.numel]
+            g = s.param.grad
+            if g is None:
+                dst.zero_()
+            else:
+                if g.is_sparse:
+                    g = g.to_dense()
+                dst.copy_(g.reshape(-1))
+        return out
+
+    @staticmethod
+    def read_params(bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+        for s in bucket.segments:
+            out[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        return out
+
+    @staticmethod
+    def write_grads(bucket: Bucket, flat: torch.Tensor,
+                    only: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
+        """Write ``flat`` into each parameter's ``.grad`` (in place when it exists)."""
+        for s in bucket.segments:
+            p = s.param
+            if only is not None and not only(p):
+                continue
+            src = flat[s.offset:s.offset + s.numel].view(p.shape)
+            if p.grad is None or p.grad.is_sparse or p.grad.shape != p.shape:
+                p.grad = src.to(p.dtype).clone()
+            else:
+                p.grad.copy_(src)

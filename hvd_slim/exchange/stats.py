@@ -1,0 +1,74 @@
+"""Counted bytes and times of one rank's exchange, as ``comm_stats()`` reports them."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+from ..wire import message as wm
+from .layout import SPARSE, Layout
+
+
+class ExchangeStats:
+    """Cumulative figures. ``bytes_pushed``/``bytes_pulled`` are counted by the transport; the
+    breakdowns come from the encoded message layout and add up to the same totals (less the
+    transport's length words)."""
+
+    FIELDS = ("steps", "flushes", "bytes_pushed", "bytes_pulled", "dense_bytes",
+              "ring_allreduce_bytes", "push_header_bytes", "push_dense_value_bytes",
+              "push_sparse_value_bytes", "push_index_bytes", "pull_header_bytes",
+              "pull_value_bytes", "pull_index_bytes", "select_seconds", "exchange_seconds")
+
+    def __init__(self, layout: Layout, size: int) -> None:
+        self._layout = layout
+        grad_bytes = sum(b.numel * torch.empty((), dtype=b.dtype).element_size()
+                         for b in layout.buckets)
+        self.grad_bytes = grad_bytes
+        # What a bandwidth-optimal ring allreduce sends per rank for the same gradients.
+        self.ring_bytes = int(round(2 * (size - 1) / size * grad_bytes)) if size > 1 else 0
+        for f in self.FIELDS:
+            setattr(self, f, 0)
+        self.select_seconds = 0.0
+        self.exchange_seconds = 0.0
+        self.last: Dict[str, int] = {}
+
+    def record_push(self, sections: List[wm.Section], sizes: Dict[str, int]) -> None:
+        dense = sum(len(s.values) for b, s in zip(self._layout.buckets, sections)
+                    if b.kind != SPARSE)
+        sparse = sizes["values"] - dense
+        self.push_header_bytes += sizes["header"]
+        self.push_dense_value_bytes += dense
+        self.push_sparse_value_bytes += sparse
+        self.push_index_bytes += sizes["indices"]
+        self.last = {"push_header_bytes": sizes["header"], "push_dense_value_bytes": dense,
+                     "push_sparse_value_bytes": sparse, "push_index_bytes": sizes["indices"]}
+
+    def record_pull(self, buf: np.ndarray, sections: List[wm.Section]) -> None:
+        values = sum(len(s.values) for s in sections)
+        index = sum(len(s.idx_bytes) for s in sections)
+        header = len(buf) - values - index
+        self.pull_header_bytes += header
+        self.pull_value_bytes += values
+        self.pull_index_bytes += index
+        self.last.update(pull_header_bytes=header, pull_value_bytes=values,
+                         pull_index_bytes=index)
+
+    def finish_step(self, seconds: float) -> None:
+        self.steps += 1
+        self.dense_bytes += self.grad_bytes
+        self.ring_allreduce_bytes += self.ring_bytes
+        self.exchange_seconds += seconds
+
+    def as_dict(self) -> Dict[str, float]:
+        out = {f: getattr(self, f) for f in self.FIELDS}
+        out["last_step"] = dict(self.last)
+        return out
+
+    def state_dict(self) -> Dict[str, float]:
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+    def load_state_dict(self, state: Dict[str, float]) -> None:
+        for f, v in state.items():
+            if f in self.FIELDS:
+                setattr(self, f, v)

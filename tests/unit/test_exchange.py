@@ -1,0 +1,271 @@
+"""The whole Slim-DP exchange over the in-process fake transport, checked against DESIGN §2's
+invariants (conservation, identity, determinism, wire size) and a dense reference."""
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_slim.config import SlimConfig
+from hvd_slim.exchange import ExchangeError, Layout, SlimExchange
+from hvd_slim.transport import run_ranks
+from hvd_slim.wire.indices import index_bytes_bound
+
+SHAPES = {"conv.weight": (20, 10, 5, 5), "fc.weight": (30, 200), "fc.bias": (30,),
+          "norm.weight": (30,)}
+
+
+def make_params(dtype=torch.float32):
+    return [(n, torch.nn.Parameter(torch.zeros(s, dtype=dtype))) for n, s in SHAPES.items()]
+
+
+def grad_for(rank, step, name, shape, dtype=torch.float32):
+    """Seeded per (rank, step, name) so every run and every rank count agree; heavy-tailed so
+    that the significant coordinates matter."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rank}|{step}|{name}".encode()))
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    return (x * torch.rand(shape, generator=g, dtype=torch.float64).pow(4) * 10).to(dtype)
+
+
+def simulate(size, steps, flush=False, dtype=torch.float32, **cfg):
+    """Run ``steps`` exchanges on ``size`` simulated ranks. Per rank returns the pulled updates
+    per step, the gradients it fed in, its exchange, and the flushed update if any."""
+    config = SlimConfig(min_compress_numel=cfg.pop("min_compress_numel", 1000), **cfg)
+
+    def rank_fn(rank, transport):
+        named = make_params(dtype)
+        layout = Layout(named, config, lambda dt: dt)
+        ex = SlimExchange(layout, config, transport)
+        pulled, fed = [], []
+        for t in range(steps):
+            grads = {}
+            for name, p in named:
+                p.grad = grad_for(rank, t, name, p.shape, dtype)
+                grads[name] = p.grad.clone()
+            fed.append(grads)
+            ex.step()
+            pulled.append({name: p.grad.clone() for name, p in named})
+        flushed = None
+        if flush:
+            for _, p in named:
+                p.grad = None
+            ex.flush()
+            flushed = {name: p.grad.clone() for name, p in named if p.grad is not None}
+        return pulled, fed, ex, flushed
+
+    return run_ranks(size, rank_fn)
+
+
+def total(dicts):
+    out = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v.double()
+    return out
+
+
+def residual_by_name(ex, which="worker"):
+    """Worker (or server) residual, cut back into parameter-shaped tensors."""
+    mems = ex.memory if which == "worker" else ex.server.memory
+    out = {}
+    for b in ex.layout.sparse:
+        r = mems[b.index].residual
+        for s in b.segments:
+            out[s.name] = r[s.offset:s.offset + s.numel].view(s.param.shape).double()
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+@pytest.mark.parametrize("pull", ["slim", "union"])
+def test_conservation_and_identity(size, pull):
+    steps = 6
+    res = simulate(size, steps, op="sum", density=0.02, pull=pull, seed=7)
+    # Identity: every rank applied bitwise the same update at every step.
+    for t in range(steps):
+        for name in SHAPES:
+            for r in range(1, size):
+                assert torch.equal(res[0][0][t][name], res[r][0][t][name]), (t, name, r)
+    # Conservation: everything pulled + the server's residual + every worker's residual equals
+    # the sum of every gradient fed in (op=Sum).
+    fed = total(d for rank in res for d in rank[1])
+    pulled = total(res[0][0])
+    server = res[0][2] if res[0][2].server is not None else None
+    srv = residual_by_name(server, "server") if pull == "slim" else {}
+    for name in SHAPES:
+        lhs = pulled[name] + srv.get(name, 0)
+        for rank in res:
+            lhs = lhs + residual_by_name(rank[2]).get(name, 0)
+        assert torch.allclose(lhs, fed[name], rtol=1e-5, atol=1e-4), name
+    if pull == "union":
+        for b in res[0][2].layout.sparse:
+            assert float(server.server.memory[b.index].residual.abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_density_one_is_the_dense_mean(size):
+    res = simulate(size, 3, density=1.0)
+    for t in range(3):
+        for name in SHAPES:
+            mean = sum(res[r][1][t][name].double() for r in range(size)) / size
+            assert torch.allclose(res[0][0][t][name].double(), mean, rtol=1e-6, atol=1e-5)
+    # Dense fallback keeps no residual at all.
+    assert not res[0][2].layout.sparse
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_flush_empties_every_residual_and_delivers_everything(size):
+    steps = 5
+    res = simulate(size, steps, flush=True, op="sum", density=0.01, seed=3)
+    fed = total(d for rank in res for d in rank[1])
+    delivered = total(res[0][0] + [res[0][3]])
+    for name in SHAPES:
+        assert torch.allclose(delivered[name], fed[name], rtol=1e-5, atol=1e-4), name
+    for rank in res:
+        assert rank[2].residual_norm() == 0.0
+        assert rank[3].keys() == res[0][3].keys()
+        for name, v in rank[3].items():
+            assert torch.equal(v, res[0][3][name])
+
+
+def test_determinism_same_seed_same_result_other_seed_differs():
+    a = simulate(3, 4, density=0.01, seed=11)
+    b = simulate(3, 4, density=0.01, seed=11)
+    c = simulate(3, 4, density=0.01, seed=12)
+    same = all(torch.equal(a[0][0][t][n], b[0][0][t][n]) for t in range(4) for n in SHAPES)
+    differs = any(not torch.equal(a[0][0][t][n], c[0][0][t][n]) for t in range(4) for n in SHAPES)
+    assert same and differs
+
+
+@pytest.mark.parametrize("q", [1, 4])
+def test_wire_size_values_plus_core_indices_only(q):
+    steps = 6
+    res = simulate(2, steps, density=0.01, refresh_interval=q)
+    ex = res[1][2]
+    (b,) = ex.layout.sparse
+    k = b.k
+    stats = ex.stats
+    assert stats.push_sparse_value_bytes == steps * k * 4
+    refreshes = sum(1 for t in range(steps) if t % q == 0)
+    assert stats.push_index_bytes <= refreshes * index_bytes_bound(b.numel, b.k_core)
+    assert stats.push_index_bytes > 0
+    dense_numel = sum(bb.numel for bb in ex.layout.buckets if bb.kind == "dense")
+    assert stats.push_dense_value_bytes == steps * dense_numel * 4
+    # Transport-counted bytes are exactly the message parts plus one length word a step.
+    assert stats.bytes_pushed == (stats.push_header_bytes + stats.push_dense_value_bytes
+                                  + stats.push_sparse_value_bytes + stats.push_index_bytes
+                                  + 8 * steps)
+    if q > 1:
+        assert stats.last["push_index_bytes"] == 0  # step 5 is not a refresh step
+
+
+def test_index_bytes_stay_under_two_per_core_index_at_one_percent():
+    res = simulate(2, 3, density=0.01, exploration=0.0)
+    ex = res[1][2]
+    (b,) = ex.layout.sparse
+    assert ex.stats.push_index_bytes <= 3 * 2 * b.k_core
+
+
+def test_fp16_values_keep_their_rounding_error_in_the_residual():
+    config = SlimConfig(density=0.02, op="sum", min_compress_numel=1000)
+
+    def rank_fn(rank, transport):
+        named = make_params()
+        layout = Layout(named, config, lambda dt: torch.float16 if dt.is_floating_point else dt)
+        ex = SlimExchange(layout, config, transport)
+        fed, pulled = [], []
+        for t in range(4):
+            for name, p in named:
+                p.grad = grad_for(rank, t, name, p.shape)
+            fed.append({n: p.grad.clone() for n, p in named})
+            ex.step()
+            pulled.append({n: p.grad.clone() for n, p in named})
+        return fed, pulled, ex
+
+    res = run_ranks(2, rank_fn)
+    assert res[0][2].stats.push_sparse_value_bytes == 4 * res[0][2].layout.sparse[0].k * 2
+    fed = total(d for r in res for d in r[0])
+    got = total(res[0][1])
+    srv = residual_by_name(res[0][2], "server")
+    name = "fc.weight"
+    lhs = got[name] + srv[name] + residual_by_name(res[0][2])[name] + residual_by_name(res[1][2])[name]
+    assert torch.allclose(lhs, fed[name], rtol=1e-4, atol=1e-3)
+
+
+def test_mismatched_model_fails_on_every_rank_without_hanging():
+    config = SlimConfig(density=0.01, min_compress_numel=1000)
+
+    def rank_fn(rank, transport):
+        named = make_params()
+        if rank == 1:
+            named[1] = ("fc.weight", torch.nn.Parameter(torch.zeros(31, 200)))
+        ex = SlimExchange(Layout(named, config, lambda dt: dt), config, transport)
+        for _, p in named:
+            p.grad = torch.ones_like(p)
+        try:
+            ex.step()
+        except ExchangeError as exc:
+            return str(exc)
+        return None
+
+    msgs = run_ranks(3, rank_fn)
+    assert all(m is not None and "rank 1" in m and "digest" in m for m in msgs), msgs
+    assert len(set(msgs)) == 1
+
+
+def test_a_failed_step_loses_no_gradient():
+    """A worker whose step fails keeps what it computed in its residual."""
+    config = SlimConfig(density=0.01, min_compress_numel=1000, op="sum")
+
+    def rank_fn(rank, transport):
+        named = make_params()
+        if rank == 1:
+            named[0] = ("conv.weight", torch.nn.Parameter(torch.zeros(20, 10, 5, 6)))
+        ex = SlimExchange(Layout(named, config, lambda dt: dt), config, transport)
+        for _, p in named:
+            p.grad = torch.ones_like(p)
+        with pytest.raises(ExchangeError):
+            ex.step()
+        return sum(float(m.residual.sum()) for m in ex.memory.values())
+
+    sums = run_ranks(2, rank_fn)
+    assert sums[0] == sum(math.prod(s) for n, s in SHAPES.items() if math.prod(s) >= 1000)
+
+
+def test_state_dict_round_trip_continues_identically():
+    config = SlimConfig(density=0.02, min_compress_numel=1000, refresh_interval=3, seed=5)
+
+    def run(rank, transport, split):
+        named = make_params()
+        ex = SlimExchange(Layout(named, config, lambda dt: dt), config, transport)
+        out = []
+        for t in range(8):
+            if t == split:
+                state = ex.state_dict()
+                named = make_params()
+                ex = SlimExchange(Layout(named, config, lambda dt: dt), config, transport)
+                ex.load_state_dict(state)
+            for name, p in named:
+                p.grad = grad_for(rank, t, name, p.shape)
+            ex.step()
+            out.append([p.grad.clone() for _, p in named])
+        return out
+
+    plain = run_ranks(3, lambda r, tr: run(r, tr, split=-1))
+    resumed = run_ranks(3, lambda r, tr: run(r, tr, split=4))
+    for r in range(3):
+        for t in range(8):
+            for a, b in zip(plain[r][t], resumed[r][t]):
+                assert torch.equal(a, b)
+
+
+def test_checkpoint_of_another_rank_is_refused():
+    config = SlimConfig(density=0.02, min_compress_numel=1000)
+
+    def rank_fn(rank, transport):
+        ex = SlimExchange(Layout(make_params(), config, lambda dt: dt), config, transport)
+        return ex
+
+    exs = run_ranks(2, rank_fn)
+    with pytest.raises(ValueError, match="rank 0 of 2.*rank 1 of 2"):
+        exs[1].load_state_dict(exs[0].state_dict())

@@ -121,6 +121,8 @@ def _header(buf: np.ndarray, who: str) -> tuple:
     if kind == ERROR:
         text = bytes(buf[HEADER.size:HEADER.size + extra]).decode("utf-8", "replace")
         raise RemoteError(text)
+    if extra != 0:
+        raise WireError(f"{who}: reserved header field is {extra}, expected 0")
     return kind, nb, sender, step, digest
 
 
@@ -147,7 +149,9 @@ def decode(buf: np.ndarray, *, kind: int, sender: int, step: int, digest: int,
         raise WireError(f"{who}: truncated: {len(buf)} bytes, the table needs {table_end}")
     entries = [ENTRY.unpack_from(buf, HEADER.size + i * ENTRY.size) for i in range(nb)]
     total = table_end
-    for i, ((mode, ikind, _pad, count, n_idx, nbytes), ex) in enumerate(zip(entries, expect)):
+    for i, ((mode, ikind, pad, count, n_idx, nbytes), ex) in enumerate(zip(entries, expect)):
+        if pad != 0:
+            raise WireError(f"{who}: bucket {i}: reserved table field is {pad}, expected 0")
         if mode not in ex.modes:
             allowed = ", ".join(MODE_NAMES.get(m, str(m)) for m in ex.modes)
             raise WireError(f"{who}: bucket {i} has mode {MODE_NAMES.get(mode, mode)}, "

@@ -1,0 +1,331 @@
+"""Horovod-shaped tensor collectives: reduce ops, ``Compression``, allreduce / allgather /
+broadcast with their async and in-place variants, ``poll`` and ``synchronize``.
+
+Collectives run eagerly over MPI on the job communicator; ``*_async`` calls complete before they
+return and hand back a handle for ``synchronize``. ``join``, ``barrier`` and the object and
+parameter helpers live in :mod:`hvd_slim.functions`. Every call first allgathers a small signature
+(dtype, shape, root or op) so that ranks passing mismatched tensors all raise the same clear error
+instead of hanging or corrupting memory. CUDA tensors are staged through host memory; float16 and
+bfloat16 are reduced in float32, because MPI has no half-precision sum.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .runtime import basics
+from .runtime.checks import agree, check_root_rank, check_tensor_args, label
+
+# Horovod's reduce-op values.
+Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+_MPI_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
+_HALF = (torch.float16, torch.bfloat16)
+_REDUCIBLE = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64)
+
+
+class Compressor:
+    """Horovod's compressor interface: ``compress(tensor) -> (tensor, ctx)`` before a collective,
+    ``decompress(tensor, ctx) -> tensor`` after it; ``ctx`` never leaves the rank."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Sends the tensor unchanged."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Casts floating-point tensors to float16 for the wire and back; other dtypes pass through."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        return (tensor.to(torch.float16) if tensor.dtype.is_floating_point else tensor), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor.to(ctx) if ctx is not None and ctx.is_floating_point else tensor
+
+
+class Compression:
+    """The built-in compressors: ``Compression.none`` and ``Compression.fp16``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+# ---- validation ---------------------------------------------------------------------------
+
+def _mpi() -> Any:
+    from .transport import mpi  # imported lazily: importing it initialises MPI
+    return mpi
+
+
+def _resolve_op(what: str, op: Optional[int], average: Optional[bool]) -> int:
+    """Horovod's handling of the deprecated ``average`` flag, then a check of ``op``."""
+    if op is not None and average is not None:
+        raise ValueError(f"{what}: the op parameter supersedes average; pass only one of them")
+    if op is None:
+        if average is not None:
+            warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
+                          DeprecationWarning, stacklevel=3)
+        op = Sum if average is False else Average
+    if op == Adasum:
+        raise ValueError(f"{what}: op=Adasum is not supported by hvd_slim; use hvd.Average or hvd.Sum")
+    if op not in _MPI_OPS:
+        raise ValueError(f"{what}: op={op!r} is not one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max, "
+                         f"hvd.Product")
+    return op
+
+
+# ---- implementations ----------------------------------------------------------------------
+
+def _host_copy(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A fresh contiguous CPU copy (the staging buffer that MPI writes into)."""
+    return torch.empty(t.shape, dtype=dtype or t.dtype).copy_(t.detach())
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view aliasing a contiguous CPU tensor's memory (any dtype, 0-d included)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _direct(t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether MPI can work on ``t``'s own memory instead of a staged copy."""
+    return t is not None and t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype
+
+
+def _scale_(buf: torch.Tensor, factor: float, divisor: int = 1) -> None:
+    """``buf *= factor / divisor`` in place; integers go through float64 and truncate toward zero,
+    as in Horovod, dividing last so an exact average stays exact."""
+    if factor == 1 and divisor == 1:
+        return
+    if buf.dtype.is_floating_point:
+        buf.mul_(factor / divisor)
+    else:
+        buf.copy_(buf.to(torch.float64).mul_(factor).div_(divisor))
+
+
+def _allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float, name: Optional[str],
+               what: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    size = basics.size()
+    agree(what, name, tensor, {"op": op})
+    work = torch.float32 if tensor.dtype in _HALF else tensor.dtype
+    if work not in _REDUCIBLE:
+        raise TypeError(f"{what}{label(name)}: cannot reduce dtype {tensor.dtype}; use a floating "
+                        f"point or integer tensor")
+    direct = _direct(out, work)
+    with torch.no_grad():
+        buf = out.detach() if direct else _host_copy(tensor, work)
+        _scale_(buf, prescale)
+        _mpi().allreduce_inplace(basics.job_comm(), buf.numpy(), _MPI_OPS[op])
+        _scale_(buf, postscale, size if op == Average else 1)
+        if out is None:
+            return buf.to(device=tensor.device, dtype=tensor.dtype)
+        if not direct:
+            out.copy_(buf)
+    return out
+
+
+def _allgather(tensor: torch.Tensor, name: Optional[str], what: str) -> Tuple[torch.Tensor, np.ndarray]:
+    """The concatenation along dim 0 (0-d tensors count as one row) and every rank's row count."""
+    t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+    rows = agree(what, name, t, {}, dim0_free=True)
+    host = t if _direct(t, t.dtype) else _host_copy(t)
+    row_bytes = host.element_size() * int(np.prod(host.shape[1:], dtype=np.int64))
+    out = torch.empty((int(rows.sum()), *t.shape[1:]), dtype=t.dtype)
+    _mpi().allgatherv_bytes(basics.job_comm(), _bytes(host), rows * row_bytes, out=_bytes(out))
+    return out.to(tensor.device), rows
+
+
+def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str], what: str,
+               out: Optional[torch.Tensor] = None, checked: bool = True) -> torch.Tensor:
+    """Root's ``tensor`` as a new tensor, or written into ``out``. ``checked=False`` skips the
+    cross-rank check, for callers that already made one for a whole batch of tensors."""
+    root = check_root_rank(what, root_rank, basics.size())
+    if checked:
+        agree(what, name, tensor, {"root_rank": root})
+    direct = _direct(out, tensor.dtype)
+    with torch.no_grad():
+        buf = out.detach() if direct else _host_copy(tensor)
+        _mpi().bcast_inplace(basics.job_comm(), _bytes(buf), root)
+        if out is None:
+            return buf.to(tensor.device)
+        if not direct:
+            out.copy_(buf)
+    return out
+
+
+# Out-of-place collectives are differentiable, with Horovod's gradients.
+class _AllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, op: int, pre: float, post: float, name: Optional[str]) -> torch.Tensor:
+        ctx.args = (op, pre, post, name)
+        return _allreduce(tensor, op, pre, post, name, "allreduce")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        op, pre, post, name = ctx.args
+        return _allreduce(grad, op, pre, post, name, "allreduce (backward)"), None, None, None, None
+
+
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str]) -> torch.Tensor:
+        out, rows = _allgather(tensor, name, "allgather")
+        ctx.name, ctx.shape, ctx.rows = name, tensor.shape, rows
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        reduced = _allreduce(grad, Average, 1.0, 1.0, ctx.name, "allgather (backward)")
+        r = basics.rank()
+        start = int(ctx.rows[:r].sum())
+        return reduced.narrow(0, start, int(ctx.rows[r])).reshape(ctx.shape), None
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root: int, name: Optional[str]) -> torch.Tensor:
+        ctx.root, ctx.name = root, name
+        return _broadcast(tensor, root, name, "broadcast")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        reduced = _allreduce(grad, Average, 1.0, 1.0, ctx.name, "broadcast (backward)")
+        return (reduced if basics.rank() == ctx.root else torch.zeros_like(reduced)), None, None
+
+
+def _differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad and torch.is_grad_enabled()
+
+
+# ---- public API ---------------------------------------------------------------------------
+
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: Any = Compression.none, op: Optional[int] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: Any = None) -> torch.Tensor:
+    """The reduction of ``tensor`` over all ranks (default: the average), as a new tensor on the
+    input's device; differentiable. ``compression`` wraps the transfer (compress, reduce,
+    decompress); the factors multiply before and after the reduction."""
+    check_tensor_args("allreduce", tensor, name, process_set)
+    op = _resolve_op("allreduce", op, average)
+    sent, ctx = compression.compress(tensor)
+    if _differentiable(sent):
+        out = _AllreduceFn.apply(sent, op, prescale_factor, postscale_factor, name)
+    else:
+        out = _allreduce(sent, op, prescale_factor, postscale_factor, name, "allreduce")
+    return compression.decompress(out, ctx)
+
+
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = None) -> torch.Tensor:
+    """In-place :func:`allreduce`; returns ``tensor``."""
+    check_tensor_args("allreduce_", tensor, name, process_set)
+    op = _resolve_op("allreduce_", op, average)
+    return _allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_", out=tensor)
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> torch.Tensor:
+    """Every rank's tensor concatenated along dim 0 in rank order; the first dimension may differ
+    between ranks, the others and the dtype may not. Differentiable."""
+    check_tensor_args("allgather", tensor, name, process_set)
+    if _differentiable(tensor):
+        return _AllgatherFn.apply(tensor, name)
+    return _allgather(tensor, name, "allgather")[0]
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: Any = None) -> torch.Tensor:
+    """A new tensor holding ``root_rank``'s value of ``tensor``; differentiable."""
+    check_tensor_args("broadcast", tensor, name, process_set)
+    if _differentiable(tensor):
+        return _BroadcastFn.apply(tensor, root_rank, name)
+    return _broadcast(tensor, root_rank, name, "broadcast")
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: Any = None) -> torch.Tensor:
+    """Overwrite ``tensor`` in place with ``root_rank``'s value; returns ``tensor``."""
+    check_tensor_args("broadcast_", tensor, name, process_set)
+    return _broadcast(tensor, root_rank, name, "broadcast_", out=tensor)
+
+
+# Async variants complete eagerly; the handle maps to the finished output until synchronize().
+_handles: Dict[int, torch.Tensor] = {}
+_next_handle = itertools.count(1)
+
+
+def _handle(result: torch.Tensor) -> int:
+    handle = next(_next_handle)
+    _handles[handle] = result
+    return handle
+
+
+def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                    op: Optional[int] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, process_set: Any = None) -> int:
+    """Start :func:`allreduce` (without compression); returns a handle for :func:`synchronize`."""
+    check_tensor_args("allreduce_async", tensor, name, process_set)
+    op = _resolve_op("allreduce_async", op, average)
+    return _handle(_allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_async"))
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                     op: Optional[int] = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0, process_set: Any = None) -> int:
+    """Start :func:`allreduce_`; returns a handle for :func:`synchronize`."""
+    return _handle(allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> int:
+    """Start :func:`allgather`; returns a handle for :func:`synchronize`."""
+    check_tensor_args("allgather_async", tensor, name, process_set)
+    return _handle(_allgather(tensor, name, "allgather_async")[0])
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: Any = None) -> int:
+    """Start :func:`broadcast`; returns a handle for :func:`synchronize`."""
+    check_tensor_args("broadcast_async", tensor, name, process_set)
+    return _handle(_broadcast(tensor, root_rank, name, "broadcast_async"))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: Any = None) -> int:
+    """Start :func:`broadcast_`; returns a handle for :func:`synchronize`."""
+    return _handle(broadcast_(tensor, root_rank, name, process_set))
+
+
+def poll(handle: int) -> bool:
+    """Whether the operation behind ``handle`` has finished (always True: operations run eagerly)."""
+    if handle not in _handles:
+        raise ValueError(f"poll: unknown handle {handle!r}; it was not returned by an *_async call "
+                         f"or was already passed to synchronize()")
+    return True
+
+
+def synchronize(handle: int) -> Optional[torch.Tensor]:
+    """The output of the operation behind ``handle``, releasing the handle; None for a handle
+    that is unknown or already synchronized (as in Horovod)."""
+    return _handles.pop(handle, None)
+

@@ -1,0 +1,223 @@
+"""Horovod's higher-level helpers: ``broadcast_object``, ``allgather_object``,
+``broadcast_parameters``, ``broadcast_optimizer_state``, ``join`` and ``barrier``.
+
+Every function is collective: all ranks must call it, in the same order. A local failure
+(an unpicklable object, mismatched parameter lists) is turned into the same exception on every
+rank instead of leaving the others waiting in MPI.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .collectives import _broadcast
+from .runtime import basics
+from .runtime.checks import check_root_rank
+
+try:  # Horovod uses cloudpickle (lambdas, local classes); plain pickle covers ordinary objects
+    import cloudpickle as _pickle
+except ImportError:  # pragma: no cover - depends on the environment
+    import pickle as _pickle  # type: ignore[no-redef]
+
+
+class _PickleFailure:
+    """Sent in place of an object that could not be pickled, so every rank can raise."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank, self.message = rank, message
+
+
+def _mpi() -> Any:
+    from .transport import mpi  # imported lazily: importing it initialises MPI
+    return mpi
+
+
+def _dumps(obj: Any) -> Tuple[np.ndarray, bool]:
+    """``obj`` pickled, or a pickled :class:`_PickleFailure` (and True) when it cannot be."""
+    try:
+        return np.frombuffer(bytearray(_pickle.dumps(obj)), dtype=np.uint8), False
+    except Exception as exc:  # noqa: BLE001 - sent to the peers, who raise it in _loads
+        failure = _PickleFailure(basics.rank(), f"{type(exc).__name__}: {exc}")
+        return np.frombuffer(bytearray(_pickle.dumps(failure)), dtype=np.uint8), True
+
+
+def _loads(buf: np.ndarray, what: str) -> Any:
+    obj = _pickle.loads(buf.tobytes())
+    if isinstance(obj, _PickleFailure):
+        raise ValueError(f"{what}: rank {obj.rank} could not pickle its object ({obj.message}); pass "
+                         f"a picklable object")
+    return obj
+
+
+def _check_same(what: str, values: List[int], meaning: str) -> None:
+    """Collective: raise on every rank unless every rank passed the same ``values``."""
+    rows = _mpi().allgather_int64(basics.job_comm(), values)
+    bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
+    if bad.size:
+        raise ValueError(f"{what}: rank {int(bad[0])} passed {meaning} {rows[bad[0]].tolist()} but rank 0 "
+                         f"passed {rows[0].tolist()}; every rank must pass the same {meaning}")
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: Any = None) -> Any:
+    """``root_rank``'s ``obj`` on every rank (the root gets its own object back), via pickle."""
+    what = "broadcast_object" + (f" ({name!r})" if name else "")
+    if process_set is not None:
+        raise ValueError(f"{what}: process_set is not supported by hvd_slim; omit it")
+    root = check_root_rank(what, root_rank, basics.size())
+    _check_same(what, [root], "root_rank")
+    is_root = basics.rank() == root
+    payload, failed = _dumps(obj) if is_root else (None, False)
+    data = _mpi().bcast_bytes(basics.job_comm(), payload, root)
+    if is_root and not failed:
+        return obj
+    return _loads(data, what)  # raises on every rank (the root too) after a pickling failure
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
+    """Every rank's ``obj``, as a list in rank order, via pickle."""
+    what = "allgather_object" + (f" ({name!r})" if name else "")
+    parts = _mpi().allgather_bytes(basics.job_comm(), _dumps(obj)[0])
+    return [_loads(p, what) for p in parts]
+
+
+def _named_tensors(params: Any, what: str) -> List[Tuple[Any, torch.Tensor]]:
+    if isinstance(params, torch.Tensor) or isinstance(params, (str, bytes)):
+        raise ValueError(f"{what}: invalid params of type {type(params).__name__}; pass a dict such as "
+                         f"model.state_dict() or a list of parameters or (name, parameter) tuples")
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"{what}: invalid params of type {type(params).__name__}; pass a dict or a list")
+    for i, item in enumerate(items):
+        if len(item) != 2 or not isinstance(item[1], torch.Tensor):
+            raise ValueError(f"{what}: entry {i} is a {type(item[-1]).__name__}, not a tensor or a "
+                             f"(name, tensor) pair")
+    return items
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Overwrite every tensor in ``params`` in place with ``root_rank``'s values. ``params`` is a
+    dict (``model.state_dict()``, taken in key order) or a list of tensors or (name, tensor)
+    tuples (``model.named_parameters()``)."""
+    what = "broadcast_parameters"
+    items = _named_tensors(params, what)
+    root = check_root_rank(what, root_rank, basics.size())
+    layout = [(str(t.dtype), tuple(t.shape)) for _, t in items]
+    # One collective checks the whole list, so a mismatch raises everywhere before any transfer.
+    rows = _mpi().allgather_int64(basics.job_comm(), [root, len(items), zlib.crc32(repr(layout).encode())])
+    if (rows != rows[0]).any():
+        _explain_mismatch(what, items, layout, rows)
+    for key, tensor in items:
+        _broadcast(tensor, root, None if key is None else str(key), what, out=tensor, checked=False)
+
+
+def _explain_mismatch(what: str, items: List[Tuple[Any, torch.Tensor]], layout: List[Any],
+                      rows: np.ndarray) -> None:
+    """Collective (all ranks got here together): raise a ValueError naming the first difference."""
+    if (rows[:, 0] != rows[0, 0]).any():
+        raise ValueError(f"{what}: ranks passed different root_rank values {rows[:, 0].tolist()}")
+    mine = [(str(k), d, s) for (k, _), (d, s) in zip(items, layout)]
+    everyone = allgather_object(mine, name=what)
+    for r, theirs in enumerate(everyone):
+        if len(theirs) != len(everyone[0]):
+            raise ValueError(f"{what}: rank {r} passed {len(theirs)} tensors but rank 0 passed "
+                             f"{len(everyone[0])}; every rank must pass the same parameters")
+        for i, (a, b) in enumerate(zip(everyone[0], theirs)):
+            if a[1:] != b[1:]:
+                raise ValueError(f"{what}: tensor {i} ({b[0]}) is {b[1]} {list(b[2])} on rank {r} but "
+                                 f"{a[1]} {list(a[2])} on rank 0; every rank must pass the same shapes "
+                                 f"and dtypes")
+    raise ValueError(f"{what}: ranks passed different parameter lists")
+
+
+def _is_wrapped(optimizer: torch.optim.Optimizer) -> bool:
+    """An hvd_slim or Horovod DistributedOptimizer, whose own step() would start an exchange."""
+    return bool(getattr(optimizer, "_hvd_slim_wrapped", False)) or \
+        type(optimizer).__module__.startswith("horovod.")
+
+
+def _initialise_state(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module]) -> None:
+    """Create the optimizer's state with one step on zero gradients, leaving the parameters and
+    their gradients as they were (Horovod lets weight decay move the parameters here)."""
+    sparse = set()
+    if model is not None:
+        sparse = {id(m.weight) for m in model.modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [(p, p.detach().clone(), p.grad) for p in params]
+    try:
+        for p in params:
+            if p.requires_grad:
+                zero = torch.zeros_like(p)
+                p.grad = zero.to_sparse() if id(p) in sparse else zero
+        if _is_wrapped(optimizer):
+            # The wrapper subclasses the user's optimizer: its parent's step() runs no exchange.
+            super(optimizer.__class__, optimizer).step()
+        else:
+            optimizer.step()
+    finally:
+        with torch.no_grad():
+            for p, data, grad in saved:
+                p.copy_(data)
+                p.grad = grad
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: Optional[torch.nn.Module] = None) -> None:
+    """Make every rank's optimizer state and param-group options equal to ``root_rank``'s.
+    An empty state is first created by a step on zero gradients (``model`` marks sparse
+    embeddings). Tensors are broadcast in place; scalars and options go through
+    :func:`broadcast_object`."""
+    what = "broadcast_optimizer_state"
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(f"{what}: cannot broadcast torch.optim.LBFGS state")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{what}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    root = check_root_rank(what, root_rank, basics.size())
+    if len(optimizer.state) == 0:
+        _initialise_state(optimizer, model)
+    tensors: List[Tuple[str, torch.Tensor]] = []
+    scalars: Dict[Tuple[int, int, Any], Any] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            state = optimizer.state.get(p) or {}
+            for key in sorted(state, key=str):  # sorted: the order must not depend on history
+                value = state[key]
+                if torch.is_tensor(value):
+                    tensors.append((f"group {g} param {i} state {key!r}", value))
+                else:
+                    scalars[(g, i, key)] = value
+    options = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    # Unlike Horovod, options are broadcast even for a stateless optimizer (plain SGD's lr too).
+    broadcast_parameters(tensors, root)
+    scalars, options = broadcast_object((scalars, options), root, name=what)
+    if basics.rank() == root:
+        return
+    if len(options) != len(optimizer.param_groups):
+        raise ValueError(f"{what}: rank {root} has {len(options)} param groups but rank "
+                         f"{basics.rank()} has {len(optimizer.param_groups)}")
+    for (g, i, key), value in scalars.items():
+        optimizer.state[optimizer.param_groups[g]["params"][i]][key] = value
+    for group, opts in zip(optimizer.param_groups, options):
+        group.update(opts)
+
+
+def join(device: int = -1) -> int:
+    """Wait until every rank has joined; returns the rank that joined last. (Collectives run
+    eagerly, so there are no pending operations for joined ranks to fill in.)"""
+    arrived = _mpi().allgather_int64(basics.job_comm(), [time.time_ns()])[:, 0]
+    return int(np.argmax(arrived))
+
+
+def barrier(process_set: Any = None) -> None:
+    """Block until every rank has called barrier()."""
+    if process_set is not None:
+        raise ValueError("barrier: process_set is not supported by hvd_slim; omit it")
+    _mpi().barrier(basics.job_comm())

@@ -1,0 +1,72 @@
+"""Argument checks shared by the public API, and :func:`agree`, the collective check that all
+ranks passed matching tensors, so a mismatch raises one clear error everywhere instead of hanging
+MPI or corrupting memory."""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from . import basics
+
+
+def _mpi() -> Any:
+    from ..transport import mpi  # imported lazily: importing it initialises MPI
+    return mpi
+
+
+def check_tensor_args(what: str, tensor: Any, name: Any, process_set: Any) -> None:
+    """Local checks of a collective's common arguments; ``what`` names the call in errors."""
+    if process_set is not None:
+        raise ValueError(f"{what}: process_set is not supported by hvd_slim; omit it (collectives "
+                         f"always run on every rank of the job)")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{what}{label(name)}: sparse tensors are not supported; pass "
+                        f"tensor.to_dense() (or sparse_as_dense=True to the optimizer)")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"{what}: name must be a str or None, got {type(name).__name__}")
+
+
+def label(name: Optional[str]) -> str:
+    """`` of 'name'`` for error messages, or nothing for an unnamed tensor."""
+    return f" of {name!r}" if name else ""
+
+
+def check_root_rank(what: str, root_rank: Any, size: int) -> int:
+    """``root_rank`` as an int, or a ValueError when it is not a rank of a ``size``-rank job."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) \
+            or not 0 <= root_rank < size:
+        raise ValueError(f"{what}: root_rank={root_rank!r} is not a rank of this job; pass an int in "
+                         f"[0, {size})")
+    return int(root_rank)
+
+
+def _crc(obj: Any) -> int:
+    return zlib.crc32(repr(obj).encode())
+
+
+def agree(what: str, name: Optional[str], tensor: torch.Tensor, extra: Dict[str, int],
+          dim0_free: bool = False) -> np.ndarray:
+    """Collective check that every rank passed the same dtype, shape (except dim 0 when
+    ``dim0_free``) and ``extra`` values; raises the same ValueError on every rank otherwise.
+    Returns every rank's first dimension (0 when the tensor is 0-d)."""
+    comm, mpi = basics.job_comm(), _mpi()
+    shape = tuple(tensor.shape)
+    compared = shape[1:] if dim0_free else shape
+    key = [_crc(tensor.dtype), len(shape), _crc(compared), *extra.values()]
+    rows = mpi.allgather_int64(comm, key + [shape[0] if shape else 0])
+    if (rows[:, :-1] != rows[0, :-1]).any():
+        mine = f"{str(tensor.dtype).replace('torch.', '')} shape {list(shape)}" + "".join(
+            f" {k}={v}" for k, v in extra.items())
+        descs = mpi.allgather_bytes(comm, np.frombuffer(mine.encode(), dtype=np.uint8))
+        listing = "; ".join(f"rank {r}: {d.tobytes().decode()}" for r, d in enumerate(descs))
+        rule = "the same dtype and trailing dimensions" if dim0_free else "the same dtype and shape"
+        raise ValueError(f"{what}{label(name)}: ranks passed mismatched arguments ({listing}); every "
+                         f"rank must pass {rule}" + (" and the same " + ", ".join(extra) if extra else ""))
+    return rows[:, -1]
+
+

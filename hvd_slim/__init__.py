@@ -1,0 +1,37 @@
+"""hvd_slim: Horovod's PyTorch API with a Slim-DP sparse gradient exchange underneath.
+
+``import hvd_slim as hvd`` in place of ``import horovod.torch as hvd``: the same ``init``,
+``rank``, collectives and ``broadcast_*`` helpers, and a ``DistributedOptimizer`` whose
+exchange sends a small, well-chosen slice of each gradient instead of all of it. See README.md.
+"""
+from .collectives import (Adasum, Average, Compression, Max, Min, Product, Sum, allgather,
+                          allgather_async, allreduce, allreduce_, allreduce_async,
+                          allreduce_async_, broadcast, broadcast_, broadcast_async,
+                          broadcast_async_, poll, synchronize)
+from .config import ConfigError, SlimConfig
+from .exchange import ExchangeError
+from .functions import (allgather_object, barrier, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters, join)
+from .optimizer import DistributedOptimizer
+from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                      gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
+                      mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
+                      size)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # runtime
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+    "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
+    "rocm_built",
+    # collectives
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize",
+    "join", "barrier", "broadcast_object", "allgather_object", "broadcast_parameters",
+    "broadcast_optimizer_state",
+    # Slim-DP
+    "DistributedOptimizer", "SlimConfig", "ConfigError", "ExchangeError",
+]

@@ -1,0 +1,222 @@
+"""``DistributedOptimizer``: Horovod's optimizer protocol with the Slim-DP exchange underneath.
+
+The factory returns an instance of a class created on the fly that subclasses the user's
+optimizer class (same name), as Horovod does, so ``isinstance(opt, torch.optim.SGD)`` and the
+hyperparameters in ``param_groups`` carry over. Gradient hooks count backward passes; the whole
+exchange runs in :meth:`synchronize` (one gather and one broadcast per step).
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .exchange import SPARSE, Layout, SlimExchange
+from .wrapping import (SlimSettings, momentum_plan, named_parameter_list, resolve_settings,
+                       wire_dtype_fn)
+
+
+class _SlimOptimizer(torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass of the user's optimizer class."""
+
+    def __init__(self, params, settings: SlimSettings, source: torch.optim.Optimizer) -> None:
+        super(self.__class__, self).__init__(params)
+        # Horovod rebuilds the optimizer from param_groups only; also keep what the user's
+        # optimizer already had (its defaults for add_param_group, and any loaded state).
+        self.defaults = dict(source.defaults)
+        for p, st in source.state.items():
+            self.state[p] = st
+        self._hvd_slim_wrapped = True
+        self._settings = settings
+        self.backward_passes_per_step = settings.config.backward_passes_per_step
+        named = settings.named_parameters
+        self._parameter_names = {p: n for n, p in named}
+        self._requires_update = [p for _, p in named if p.requires_grad]
+        self._layout = Layout([(n, p) for n, p in named if p.requires_grad], settings.config,
+                              wire_dtype_fn(settings.compression))
+        plan = momentum_plan(self, self._layout, settings.config)
+        self._mc_params = {id(p) for b in self._layout.sparse if b.index in plan
+                           for p in b.params()}
+        self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
+        self._exchange = SlimExchange(self._layout, settings.config, settings.transport, plan)
+        self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
+        self._pending = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
+                              for p in self._requires_update]
+
+    # --- hooks -------------------------------------------------------------------------------
+    def _make_hook(self, p: torch.Tensor):
+        def hook(_param: torch.Tensor) -> None:
+            if self._delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+            self._delay[p] -= 1
+            self._pending.add(p)
+        return hook
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes accumulate before each exchange."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        self.backward_passes_per_step = passes
+        for p in self._delay:
+            self._delay[p] = passes
+
+    # --- Horovod protocol --------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Run the Slim-DP exchange now: afterwards every ``p.grad`` holds the pulled update.
+
+        Every rank must call it the same number of times; parameters that got no gradient on
+        this rank contribute zeros, so different subgraphs per rank never deadlock."""
+        self._exchange.step()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._pending.clear()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Make ``step()`` skip the exchange, after an explicit ``synchronize()``::
+
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Exchange (unless inside ``skip_synchronize``), then the wrapped optimizer's step."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return self._inner_step(closure, only_sparse=False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pending:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(). This is "
+                                 "prohibited as it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def _inner_step(self, closure, only_sparse: bool):
+        """The wrapped optimizer's step. With momentum correction the compressed parameters are
+        stepped without the optimizer's own momentum (the exchange already applied it)."""
+        if not self._mc_params and not only_sparse:
+            return super(self.__class__, self).step(closure)
+        saved = self.param_groups
+        view = []
+        for g in saved:
+            plain = [p for p in g["params"] if id(p) not in self._mc_params
+                     and (not only_sparse or id(p) in self._sparse_params)]
+            corrected = [p for p in g["params"] if id(p) in self._mc_params]
+            if plain:
+                view.append({**g, "params": plain})
+            if corrected:
+                view.append({**g, "params": corrected, "momentum": 0.0, "dampening": 0.0,
+                             "nesterov": False})
+        self.param_groups = view
+        try:
+            return super(self.__class__, self).step(closure)
+        finally:
+            self.param_groups = saved
+
+    # --- Slim-DP extras ----------------------------------------------------------------------
+    def flush(self) -> None:
+        """Send every residual (workers' and server's) densely and apply it through one step of
+        the wrapped optimizer on the compressed parameters. Afterwards nothing computed is
+        pending: call it before a final checkpoint or an exact evaluation. Collective."""
+        if self._pending:
+            raise AssertionError("optimizer.flush() was called after loss.backward() but before "
+                                 "optimizer.step(): step first, then flush")
+        self._exchange.flush()
+        self._inner_step(None, only_sparse=True)
+        for b in self._layout.sparse:
+            for p in b.params():
+                if p.grad is not None:
+                    p.grad.zero_()
+
+    def comm_stats(self) -> Dict[str, Any]:
+        """Cumulative traffic of this rank: ``steps``, ``bytes_pushed``, ``bytes_pulled`` (counted
+        at the transport), ``dense_bytes`` (gradient bytes a dense allreduce would reduce),
+        ``ring_allreduce_bytes`` (what a ring allreduce would send per rank), the per-part
+        breakdown, selection time and ``last_step``."""
+        out = self._exchange.stats.as_dict()
+        out.update(transport=self._settings.transport.name, world_size=self._exchange.size,
+                   density=self._settings.config.density,
+                   compressed_numel=sum(b.numel for b in self._layout.sparse),
+                   dense_numel=sum(b.numel for b in self._layout.buckets if b.kind != SPARSE))
+        return out
+
+    @property
+    def slim_config(self):
+        """The validated :class:`hvd_slim.SlimConfig` in force."""
+        return self._settings.config
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state plus this rank's Slim-DP state under ``"hvd_slim"``
+        (residuals, velocities, cached cores, step). Residuals are per rank: save every rank's."""
+        sd = super(self.__class__, self).state_dict()
+        sd["hvd_slim"] = self._exchange.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        slim = state_dict.pop("hvd_slim", None)
+        self._pending.clear()
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        super(self.__class__, self).load_state_dict(state_dict)
+        if slim is not None:
+            self._exchange.load_state_dict(slim)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                         compression: Any = None, backward_passes_per_step: int = 1,
+                         op: Any = None, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: Any = None, **slim_kwargs: Any) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that each ``step()`` exchanges gradients with Slim-DP.
+
+    Horovod's arguments keep Horovod's meaning (``groups``/``num_groups`` are accepted and have no
+    effect: the exchange is always one fused message per step; sparse gradients are densified).
+    Slim-DP keywords: ``density``, ``exploration``, ``refresh_interval``, ``magnitude_weight``,
+    ``momentum_correction``, ``pull``, ``pull_density``, ``min_compress_numel``, ``server_rank``,
+    ``seed``; each not given reads ``HVD_SLIM_<NAME>`` from the environment, then its default.
+    ``transport`` takes a transport instance (tests) or ``"mpi"`` (default).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if getattr(optimizer, "_hvd_slim_wrapped", False):
+        raise ValueError("optimizer is already an hvd_slim.DistributedOptimizer: wrap the "
+                         "original optimizer once")
+    named = named_parameter_list(optimizer, named_parameters)
+    settings = resolve_settings(named, compression, backward_passes_per_step, op,
+                                gradient_predivide_factor, num_groups, groups, sparse_as_dense,
+                                process_set, slim_kwargs)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_SlimOptimizer.__dict__))
+    return cls(optimizer.param_groups, settings, optimizer)
+
+
+__all__: List[str] = ["DistributedOptimizer"]

@@ -1,0 +1,263 @@
+"""DistributedOptimizer under mpirun: every rank runs these tests in the same order.
+
+They pass at any world size and compare against closed forms or a dense MPI reference
+(mpi4py's own Allreduce, independent of hvd_slim's code).
+"""
+import hashlib
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import hvd_slim as hvd
+
+COMM = MPI.COMM_WORLD
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)  # the same start on every rank, as broadcast_parameters would give
+        self.conv = torch.nn.Conv2d(1, 8, 3)
+        self.fc = torch.nn.Linear(8 * 6 * 6, 64)
+        self.head = torch.nn.Linear(64, 4)
+        self.side = torch.nn.Linear(64, 4)
+
+    def forward(self, x, use_side=False):
+        h = torch.relu(self.conv(x)).flatten(1)
+        h = torch.relu(self.fc(h))
+        return self.side(h) if use_side else self.head(h)
+
+
+def batch(step, rank=None):
+    rank = hvd.rank() if rank is None else rank
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    return torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+
+def wrap(model, opt=None, **kw):
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    kw.setdefault("min_compress_numel", 1000)
+    return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kw)
+
+
+def loss_of(model, step, **kw):
+    x, y = batch(step)
+    return torch.nn.functional.cross_entropy(model(x, **kw), y)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def flat_grads(model):
+    return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
+                      for p in model.parameters()]).double()
+
+
+def digest(t):
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+def assert_same_on_every_rank(t):
+    digests = COMM.allgather(digest(t))
+    assert len(set(digests)) == 1, f"replicas differ: {digests}"
+
+
+def mpi_mean(t):
+    buf = t.detach().double().numpy().copy()
+    COMM.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    return torch.from_numpy(buf / COMM.Get_size())
+
+
+@pytest.mark.parametrize("pull", ["slim", "union"])
+def test_fifty_steps_keep_replicas_identical(pull):
+    model = Net()
+    opt = wrap(model, density=0.01, pull=pull)
+    for t in range(50):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+    assert_same_on_every_rank(flat(model))
+    assert opt.comm_stats()["steps"] == 50
+
+
+def test_density_one_matches_mpi_allreduce_averaging():
+    model, ref = Net(), Net()
+    opt = wrap(model, density=1.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for t in range(10):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_of(ref, t).backward()
+        for p in ref.parameters():
+            g = torch.zeros_like(p) if p.grad is None else p.grad
+            p.grad = mpi_mean(g).to(p.dtype)
+        ref_opt.step()
+    assert torch.allclose(flat(model), flat(ref), rtol=1e-6, atol=1e-6)
+
+
+def test_conservation_at_one_percent():
+    """op=Sum: everything pulled + the server's residual + every worker's residual equals the
+    sum over ranks and steps of every gradient computed."""
+    model = Net()
+    opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.01), density=0.01, op=hvd.Sum)
+    fed = torch.zeros_like(flat(model), dtype=torch.float64)
+    pulled = torch.zeros_like(fed)
+    for t in range(10):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        fed += flat_grads(model)
+        opt.synchronize()
+        pulled += flat_grads(model)
+        with opt.skip_synchronize():
+            opt.step()
+    ex = opt._exchange
+    residual = torch.zeros_like(fed)
+    offsets, off = {}, 0
+    for name, p in model.named_parameters():
+        offsets[name] = (off, p.numel())
+        off += p.numel()
+    memories = [ex.memory] + ([ex.server.memory] if ex.server is not None else [])
+    for mem in memories:
+        for b in ex.layout.sparse:
+            r = mem[b.index].residual
+            for s in b.segments:
+                o, n = offsets[s.name]
+                residual[o:o + n] += r[s.offset:s.offset + s.numel].double()
+    size = COMM.Get_size()
+    lhs = pulled + mpi_mean(residual) * size  # pulled is identical on every rank
+    rhs = mpi_mean(fed) * size
+    assert torch.allclose(lhs, rhs, rtol=1e-5, atol=1e-5)
+    assert ex.residual_norm() > 0  # something really was held back
+
+
+@pytest.mark.parametrize("q", [1, 8])
+def test_wire_size_per_step(q):
+    model = Net()
+    opt = wrap(model, density=0.01, refresh_interval=q)
+    (b,) = opt._layout.sparse
+    from hvd_slim.wire.indices import index_bytes_bound
+    for t in range(3):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+        last = opt.comm_stats()["last_step"]
+        assert last["push_sparse_value_bytes"] == b.k * 4
+        if q > 1 and t % q != 0:
+            assert last["push_index_bytes"] == 0
+        else:
+            assert 0 < last["push_index_bytes"] <= index_bytes_bound(b.numel, b.k_core)
+            assert last["push_index_bytes"] <= 2 * b.k_core
+        parts = (last["push_header_bytes"] + last["push_dense_value_bytes"]
+                 + last["push_sparse_value_bytes"] + last["push_index_bytes"])
+        assert last["bytes_pushed"] == parts + 8
+
+
+def test_unused_parameters_on_one_rank():
+    model = Net()
+    opt = wrap(model, density=0.05)
+    for t in range(4):
+        opt.zero_grad()
+        loss_of(model, t, use_side=(hvd.rank() % 2 == 1)).backward()
+        opt.step()
+    assert_same_on_every_rank(flat(model))
+
+
+def test_clipping_between_synchronize_and_skip_synchronize():
+    model = Net()
+    opt = wrap(model, density=0.05)
+    opt.zero_grad()
+    (loss_of(model, 0) * 1000).backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    norm = flat_grads(model).norm()
+    assert norm <= 0.01 + 1e-6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with opt.skip_synchronize():
+            opt.step()
+    assert_same_on_every_rank(flat(model))
+
+
+def test_zero_grad_guard():
+    model = Net()
+    opt = wrap(model)
+    loss_of(model, 0).backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_no_named_parameters():
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), density=0.05,
+                                   min_compress_numel=1000)
+    for t in range(3):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+    assert_same_on_every_rank(flat(model))
+
+
+def test_backward_passes_per_step_two_matches_dense_reference():
+    model, ref = Net(), Net()
+    opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.05), density=1.0,
+               backward_passes_per_step=2)
+    opt.zero_grad()
+    loss_of(model, 0).backward()
+    loss_of(model, 1).backward()
+    opt.step()
+    loss_of(ref, 0).backward()
+    loss_of(ref, 1).backward()
+    for p in ref.parameters():
+        p.data -= 0.05 * mpi_mean(torch.zeros_like(p) if p.grad is None else p.grad).float()
+    assert torch.allclose(flat(model), flat(ref), atol=1e-6)
+
+
+def test_flush_zeroes_every_residual_and_applies_everything():
+    """loss = sum(p * c): gradients do not depend on p, so the flushed model has a closed form."""
+    model = Net()
+    p0 = flat(model).clone()
+    opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.5), density=0.01)
+    coeffs = torch.zeros_like(p0)
+    for t in range(5):
+        g = torch.Generator().manual_seed(31 * hvd.rank() + t)
+        c = torch.randn(p0.shape, generator=g)
+        coeffs += c
+        opt.zero_grad()
+        (flat_params_dot(model, c)).backward()
+        opt.step()
+    assert opt._exchange.residual_norm() > 0
+    opt.flush()
+    assert opt._exchange.residual_norm() == 0.0
+    expected = p0 - 0.5 * mpi_mean(coeffs).float()
+    assert torch.allclose(flat(model), expected, atol=1e-5)
+
+
+def flat_params_dot(model, c):
+    return (torch.cat([p.reshape(-1) for p in model.parameters()]) * c).sum()
+
+
+def test_state_dict_round_trip_continues_bitwise():
+    def run(split):
+        model = Net()
+        opt = wrap(model, density=0.02)
+        for t in range(8):
+            if t == split:
+                sd_m, sd_o = model.state_dict(), opt.state_dict()
+                model = Net()
+                opt = wrap(model, density=0.02)
+                model.load_state_dict(sd_m)
+                opt.load_state_dict(sd_o)
+            opt.zero_grad()
+            loss_of(model, t).backward()
+            opt.step()
+        return flat(model)
+
+    assert torch.equal(run(-1), run(4))

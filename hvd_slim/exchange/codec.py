@@ -1,7 +1,7 @@
 """Tensor <-> wire bytes, and what each side expects of a message for a given step."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -18,11 +18,19 @@ def to_bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
-def from_bytes(buf: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``dtype`` over ``buf`` (which the caller owns and does not reuse)."""
+def from_bytes(buf: np.ndarray, dtype: torch.dtype, like: Optional[Bucket] = None) -> torch.Tensor:
+    """A tensor of ``dtype`` over ``buf`` (which the caller owns and does not reuse); with
+    ``like``, converted to that bucket's dtype and moved to its device."""
     if len(buf) == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.from_numpy(np.ascontiguousarray(buf)).view(dtype)
+        t = torch.empty(0, dtype=dtype)
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(buf)).view(dtype)
+    return t if like is None else t.to(device=like.device, dtype=like.dtype)
+
+
+def indices_on(idx: np.ndarray, b: Bucket) -> torch.Tensor:
+    """Decoded int64 indices as a tensor on the bucket's device."""
+    return torch.from_numpy(idx).to(b.device)
 
 
 def is_refresh(step: int, refresh_interval: int) -> bool:

@@ -42,6 +42,7 @@ class Bucket:
     wire_dtype: torch.dtype   # dtype of values on the wire (fp16 with Compression.fp16)
     segments: List[Segment]
     numel: int
+    device: torch.device = torch.device("cpu")  # where the bucket's residual and buffers live
     k: int = 0                # push slice size
     k_core: int = 0
     k_explore: int = 0
@@ -79,17 +80,18 @@ class Layout:
         for name, p in ordered:
             kind = SPARSE if p.numel() >= config.min_compress_numel and p.is_floating_point() \
                 else DENSE
-            groups.setdefault((kind, p.dtype), []).append((name, p))
+            groups.setdefault((kind, p.dtype, p.device), []).append((name, p))
         # Widest wire dtype first keeps every value section aligned for its own dtype.
         keys = sorted(groups, key=lambda kd: (-torch.empty((), dtype=wire_dtype_of(kd[1]))
-                                               .element_size(), kd[0] != DENSE, str(kd[1])))
+                                               .element_size(), kd[0] != DENSE, str(kd[1]),
+                                               str(kd[2])))
         self.buckets: List[Bucket] = []
-        for kind, dtype in keys:
+        for kind, dtype, device in keys:
             segs, off = [], 0
-            for name, p in groups[(kind, dtype)]:
+            for name, p in groups[(kind, dtype, device)]:
                 segs.append(Segment(name, p, off, p.numel()))
                 off += p.numel()
-            b = Bucket(len(self.buckets), kind, dtype, wire_dtype_of(dtype), segs, off)
+            b = Bucket(len(self.buckets), kind, dtype, wire_dtype_of(dtype), segs, off, device=device)
             if kind == SPARSE:
                 b.k, b.k_core, b.k_explore = slice_sizes(off, config.density, config.exploration)
                 b.k_pull, b.k_pull_core, b.k_pull_explore = slice_sizes(
@@ -107,6 +109,7 @@ class Layout:
         """64-bit hash of names, shapes, dtypes and bucket plan; equal on agreeing ranks."""
         h = hashlib.sha256()
         for b in self.buckets:
+            # The device type is deliberately left out: a CPU and a CUDA replica may interoperate.
             h.update(f"{b.kind}|{b.dtype}|{b.wire_dtype}|{b.numel}|{b.k}|{b.k_pull}\n".encode())
             for s in b.segments:
                 h.update(f"{s.name}|{tuple(s.param.shape)}\n".encode())
@@ -147,7 +150,9 @@ class Layout:
             if only is not None and not only(p):
                 continue
             src = flat[s.offset:s.offset + s.numel].view(p.shape)
-            if p.grad is None or p.grad.is_sparse or p.grad.shape != p.shape:
-                p.grad = src.to(p.dtype).clone()
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = src.to(device=p.device, dtype=p.dtype).to_sparse()  # hand back sparse
+            elif p.grad is None or p.grad.shape != p.shape:
+                p.grad = src.to(device=p.device, dtype=p.dtype, copy=True)
             else:
                 p.grad.copy_(src)

@@ -19,7 +19,7 @@ from ..memory import ResidualMemory
 from ..selection import CoreSelector, explore, significance
 from ..transport.base import Transport
 from ..wire import message as wm
-from .codec import from_bytes, is_refresh, to_bytes
+from .codec import from_bytes, indices_on, is_refresh, to_bytes
 from .layout import DENSE, Bucket, Layout
 from .server import ROLE_PULL, ROLE_PUSH, Server, decode_pull
 from .stats import ExchangeStats
@@ -40,15 +40,18 @@ class SlimExchange:
         self.digest = layout.digest() ^ int(config.digest(), 16)
         self.step_count = 0
         momentum = momentum or {}
-        self.memory = {b.index: ResidualMemory(b.numel, b.dtype, **momentum.get(b.index, {}))
+        self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device,
+                                               **momentum.get(b.index, {}))
                        for b in layout.sparse}
         self.selector = {b.index: CoreSelector() for b in layout.sparse}
         self.core: Dict[int, torch.Tensor] = {}        # this worker's cached push cores
         self.pull_core: Dict[int, torch.Tensor] = {}   # the server's cached pull cores
         self.server = Server(layout, config, self.size, self.rank) \
             if self.rank == config.server_rank else None
-        self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype) for b in layout.buckets}
-        self._score = {b.index: torch.zeros(b.numel, dtype=b.dtype) for b in layout.sparse}
+        self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+                      for b in layout.buckets}
+        self._score = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+                       for b in layout.sparse}
         self._pending: List[tuple] = []
         self.stats = ExchangeStats(layout, self.size)
 
@@ -101,14 +104,14 @@ class SlimExchange:
             self.core[b.index] = self.selector[b.index].select(score, b.k_core)
         core = self.core[b.index]
         sel = torch.cat([core, explore(b.numel, core, b.k_explore,
-                                       (cfg.seed, ROLE_PUSH, self.rank, t, b.index))])
+                                       (cfg.seed, ROLE_PUSH, self.rank, t, b.index)).to(b.device)])
         self.stats.select_seconds += time.perf_counter() - t_sel
         wire = a[sel].to(b.wire_dtype)
         # Forget what was sent only once the step succeeds: until then it stays in the residual.
         self._pending.append((b.index, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype else None,
                               True))
         if is_refresh(t, cfg.refresh_interval):
-            return wm.make_section(wm.M_SLICE, to_bytes(wire), b.numel, indices=core.numpy())
+            return wm.make_section(wm.M_SLICE, to_bytes(wire), b.numel, indices=core.cpu().numpy())
         return wm.make_section(wm.M_SLICE_CACHED, to_bytes(wire), b.numel)
 
     def _push(self, sections: List[wm.Section], kind: int, t: int) -> Optional[List[np.ndarray]]:
@@ -154,23 +157,24 @@ class SlimExchange:
         for b, sec in zip(self.layout.buckets, sections):
             if sec.mode == wm.M_EMPTY:
                 continue
-            vals = from_bytes(sec.values, b.wire_dtype).to(b.dtype)
+            vals = from_bytes(sec.values, b.wire_dtype, like=b)
             if sec.mode == wm.M_DENSE:
                 flat = vals
             else:
                 flat = self._flat[b.index].zero_()
                 if sec.mode == wm.M_EXPLICIT:
-                    idx = torch.from_numpy(sec.indices)
+                    idx = indices_on(sec.indices, b)
                 else:
                     if sec.mode == wm.M_SLICE:
-                        self.pull_core[b.index] = torch.from_numpy(sec.indices)
+                        self.pull_core[b.index] = indices_on(sec.indices, b)
                     core = self.pull_core.get(b.index)
                     if core is None:
                         raise ExchangeError(f"rank {self.rank}: the server reused a cached pull "
                                             "core this rank does not have")
                     idx = torch.cat([core, explore(b.numel, core, b.k_pull_explore,
                                                    (self.cfg.seed, ROLE_PULL,
-                                                    self.cfg.server_rank, t, b.index))])
+                                                    self.cfg.server_rank, t, b.index)
+                                                   ).to(b.device)])
                 flat[idx] = vals
             self.layout.write_grads(b, flat)
 

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ..wire import message as wm
+from ..wire.indices import index_bytes_bound
 from .layout import DENSE, Bucket, slice_is_smaller
 
 
@@ -40,6 +41,23 @@ def is_refresh(step: int, refresh_interval: int) -> bool:
 
 def pull_is_dense(b: Bucket) -> bool:
     return not slice_is_smaller(b.numel, b.k_pull, b.k_pull_core, b.value_bytes)
+
+
+def message_bound(expect: List[wm.Expect]) -> int:
+    """The largest message any rank can send under ``expect``: known to every rank, so a
+    fixed-size transport pads to it instead of exchanging lengths."""
+    total = wm.HEADER.size + wm.ENTRY.size * len(expect)
+    for ex in expect:
+        worst = 0
+        for mode, want in ex.modes.items():
+            if want is None:  # explicit indices are sent only when cheaper than dense
+                worst = max(worst, ex.d * ex.itemsize)
+                continue
+            count, n_idx = want
+            idx = index_bytes_bound(ex.d, n_idx) if mode in (wm.M_SLICE, wm.M_EXPLICIT) else 0
+            worst = max(worst, count * ex.itemsize + idx)
+        total += worst
+    return total
 
 
 def push_expect(buckets: List[Bucket], step: int, q: int, flush: bool = False) -> List[wm.Expect]:

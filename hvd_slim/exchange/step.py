@@ -19,7 +19,8 @@ from ..memory import ResidualMemory
 from ..selection import CoreSelector, explore, significance
 from ..transport.base import Transport
 from ..wire import message as wm
-from .codec import from_bytes, indices_on, is_refresh, to_bytes
+from .codec import (from_bytes, indices_on, is_refresh, message_bound, pull_expect,
+                    push_expect, to_bytes)
 from .layout import DENSE, Bucket, Layout
 from .server import ROLE_PULL, ROLE_PUSH, Server, decode_pull
 from .stats import ExchangeStats
@@ -119,7 +120,9 @@ class SlimExchange:
                                [b.value_bytes for b in self.layout.buckets])
         self.stats.record_push(sections, sizes)
         before = self.transport.stats.bytes_sent
-        gathered = self.transport.gather(buf, root=self.cfg.server_rank)
+        bound = message_bound(push_expect(self.layout.buckets, t, self.cfg.refresh_interval,
+                                          flush=kind == wm.FLUSH_PUSH))
+        gathered = self.transport.gather(buf, root=self.cfg.server_rank, bound=bound)
         sent = self.transport.stats.bytes_sent - before
         self.stats.bytes_pushed += sent
         self.stats.last["bytes_pushed"] = sent
@@ -135,7 +138,11 @@ class SlimExchange:
                 reply = wm.encode_error(self.rank, t, f"server rank {self.rank} failed at step "
                                         f"{t}: {type(exc).__name__}: {exc}")
         before = self.transport.stats.bytes_received
-        buf = self.transport.broadcast(reply, root=self.cfg.server_rank)
+        bound = message_bound(pull_expect(self.layout.buckets, t, self.cfg.refresh_interval,
+                                          self.cfg.pull, flush))
+        if reply is not None and len(reply) > bound and wm.is_error(reply):
+            reply = reply[:bound]  # an error text never needs more room than a pull
+        buf = self.transport.broadcast(reply, root=self.cfg.server_rank, bound=bound)
         received = self.transport.stats.bytes_received - before
         self.stats.bytes_pulled += received
         self.stats.last["bytes_pulled"] = received

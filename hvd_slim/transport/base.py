@@ -12,7 +12,12 @@ Byte accounting, identical for every implementation so figures compare across tr
 * ``broadcast``: the root adds ``len(payload) + LENGTH_BYTES`` to ``bytes_sent``; every rank (the
   root too) adds the same to ``bytes_received``.
 
-``LENGTH_BYTES`` is the int64 length word that variable-size collectives need.
+``LENGTH_BYTES`` is the int64 length word that variable-size collectives need. A transport that
+pads payloads to ``bound`` (fixed-size collectives) counts the padded bytes it really moves.
+
+``bound``: the caller may pass an upper limit on every rank's payload length that every rank
+computes identically (the exchange knows it from the slice sizes). Transports whose collectives
+need equal sizes pad to it instead of exchanging lengths first; others may ignore it.
 """
 from __future__ import annotations
 
@@ -59,17 +64,27 @@ class Transport(abc.ABC):
         self.stats = TransportStats()
 
     @abc.abstractmethod
-    def gather(self, payload: np.ndarray, root: int) -> Optional[List[np.ndarray]]:
+    def gather(self, payload: np.ndarray, root: int, bound: Optional[int] = None
+               ) -> Optional[List[np.ndarray]]:
         """Send ``payload`` to ``root``. The root returns every rank's payload in rank order
-        (its own included); other ranks return None. Payload sizes may differ by rank."""
+        (its own included); other ranks return None. Payload sizes may differ by rank; none
+        exceeds ``bound`` when it is given."""
 
     @abc.abstractmethod
-    def broadcast(self, payload: Optional[np.ndarray], root: int) -> np.ndarray:
+    def broadcast(self, payload: Optional[np.ndarray], root: int, bound: Optional[int] = None
+                  ) -> np.ndarray:
         """The root sends ``payload``; every rank (the root too) returns the bytes received.
-        Non-root ranks pass None."""
+        Non-root ranks pass None. The payload does not exceed ``bound`` when it is given."""
 
     def close(self) -> None:
         """Release resources; the default has none."""
+
+
+def check_bound(payload: np.ndarray, bound: Optional[int], rank: int, op: str) -> None:
+    """A payload over the announced bound is a bug in the caller, never silently truncated."""
+    if bound is not None and len(payload) > bound:
+        raise ValueError(f"rank {rank}: {op} payload of {len(payload)} bytes exceeds the "
+                         f"announced bound of {bound} bytes")
 
 
 def as_payload(buf: np.ndarray) -> np.ndarray:

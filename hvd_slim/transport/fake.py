@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
-from .base import LENGTH_BYTES, Transport, TransportError, as_payload
+from .base import LENGTH_BYTES, Transport, TransportError, as_payload, check_bound
 
 
 class FakeCluster:
@@ -49,8 +49,10 @@ class FakeTransport(Transport):
         super().__init__(rank, cluster.size)
         self._c = cluster
 
-    def gather(self, payload: np.ndarray, root: int) -> Optional[List[np.ndarray]]:
+    def gather(self, payload: np.ndarray, root: int, bound: Optional[int] = None
+               ) -> Optional[List[np.ndarray]]:
         payload = as_payload(payload)
+        check_bound(payload, bound, self.rank, "gather")
         c = self._c
         c._slots[self.rank] = payload.copy()
         c._wait(self.rank, "gather")
@@ -63,10 +65,12 @@ class FakeTransport(Transport):
         self.stats.record("gather", len(payload) + LENGTH_BYTES, received)
         return out
 
-    def broadcast(self, payload: Optional[np.ndarray], root: int) -> np.ndarray:
+    def broadcast(self, payload: Optional[np.ndarray], root: int, bound: Optional[int] = None
+                  ) -> np.ndarray:
         c = self._c
         if self.rank == root:
             c._slots[root] = as_payload(payload).copy()
+            check_bound(c._slots[root], bound, self.rank, "broadcast")
         c._wait(self.rank, "broadcast")
         out = c._slots[root].copy()
         c._wait(self.rank, "broadcast")

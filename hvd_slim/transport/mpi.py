@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from .base import LENGTH_BYTES, Transport, TransportError, as_payload
+from .base import LENGTH_BYTES, Transport, TransportError, as_payload, check_bound
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -71,8 +71,10 @@ class MpiTransport(Transport):
         self.comm = comm
 
     @_mpi_errors("gather")
-    def gather(self, payload: np.ndarray, root: int) -> Optional[List[np.ndarray]]:
+    def gather(self, payload: np.ndarray, root: int, bound: Optional[int] = None
+               ) -> Optional[List[np.ndarray]]:
         payload = as_payload(payload)
+        check_bound(payload, bound, self.rank, "gather")  # Gatherv needs no padding
         _check_root(root, self.size, "MpiTransport.gather")
         is_root = self.rank == root
         lengths = np.empty(self.size, dtype=np.int64) if is_root else None
@@ -89,9 +91,12 @@ class MpiTransport(Transport):
         return np.split(buf, displs[1:])
 
     @_mpi_errors("broadcast")
-    def broadcast(self, payload: Optional[np.ndarray], root: int) -> np.ndarray:
+    def broadcast(self, payload: Optional[np.ndarray], root: int, bound: Optional[int] = None
+                  ) -> np.ndarray:
         _check_root(root, self.size, "MpiTransport.broadcast")
         is_root = self.rank == root
+        if is_root:
+            check_bound(as_payload(payload), bound, self.rank, "broadcast")
         out = bcast_bytes(self.comm, as_payload(payload) if is_root else None, root)
         n = out.size + LENGTH_BYTES
         self.stats.record("broadcast", n if is_root else 0, n)

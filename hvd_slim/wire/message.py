@@ -100,6 +100,11 @@ def encode(kind: int, sender: int, step: int, digest: int, sections: Sequence[Se
     return buf, sizes
 
 
+def is_error(buf: np.ndarray) -> bool:
+    """True for a message made by :func:`encode_error`."""
+    return len(buf) >= HEADER.size and bytes(buf[:4]) == MAGIC and int(buf[5]) == ERROR
+
+
 def encode_error(sender: int, step: int, text: str) -> np.ndarray:
     body = text.encode("utf-8", "replace")
     head = HEADER.pack(MAGIC, VERSION, ERROR, 0, sender, step, 0, len(body))
@@ -119,6 +124,7 @@ def _header(buf: np.ndarray, who: str) -> tuple:
         raise WireError(f"{who}: wire version {ver}, this build speaks {VERSION}: "
                         "run the same hvd_slim version on every rank")
     if kind == ERROR:
+        # The text may have been cut to fit the pull's bound: decode what arrived.
         text = bytes(buf[HEADER.size:HEADER.size + extra]).decode("utf-8", "replace")
         raise RemoteError(text)
     if extra != 0:

@@ -10,6 +10,7 @@ from .collectives import (Adasum, Average, Compression, Max, Min, Product, Sum, 
                           broadcast_async_, poll, synchronize)
 from .config import ConfigError, SlimConfig
 from .exchange import ExchangeError
+from .exchange.errors import NonFiniteGradientError
 from .functions import (allgather_object, barrier, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters, join)
 from .optimizer import DistributedOptimizer
@@ -17,6 +18,7 @@ from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
                       gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                       mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
                       size)
+from .transport.base import TransportError, TransportTimeout
 
 __version__ = "0.1.0"
 
@@ -34,4 +36,5 @@ __all__ = [
     "broadcast_optimizer_state",
     # Slim-DP
     "DistributedOptimizer", "SlimConfig", "ConfigError", "ExchangeError",
+    "NonFiniteGradientError", "TransportError", "TransportTimeout",
 ]

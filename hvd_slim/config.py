@@ -11,41 +11,55 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import numbers
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional
 
 PULL_MODES = ("slim", "union")
 OPS = ("average", "sum")
+NONFINITE_MODES = ("raise", "skip", "propagate")
 ENV_PREFIX = "HVD_SLIM_"
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
 ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
-                "server_rank", "seed")
+                "server_rank", "seed", "nonfinite", "timeout")
+# Settings each rank may choose for itself: left out of the digest the ranks compare.
+LOCAL_FIELDS = ("timeout",)
+# Settings a resumed run may change: left out of the checkpoint compatibility check.
+RESUMABLE_FIELDS = ("timeout", "nonfinite")
+DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's NCCL default, long enough for an evaluation
 
 
 class ConfigError(ValueError):
-    """A Slim-DP keyword is out of range or conflicts with another one."""
+    """A Slim-DP keyword is out of range or conflicts with another one. ``field`` names it."""
+
+    def __init__(self, message: str, field: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    # numbers.Real admits numpy scalars (np.float32 is not a float subclass); bool is excluded.
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _check_fraction(name: str, value: Any, low_open: bool) -> None:
+def _check_fraction(name: str, value: Any, low_open: bool) -> float:
+    rng = "(0, 1]" if low_open else "[0, 1]"
     if not _is_number(value) or math.isnan(value):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
+        raise ConfigError(f"{name} must be a number in {rng}, got {value!r}", name)
     lo_ok = value > 0 if low_open else value >= 0
     if not lo_ok or value > 1:
-        rng = "(0, 1]" if low_open else "[0, 1]"
-        raise ConfigError(f"{name} must be in {rng}, got {value!r}")
+        raise ConfigError(f"{name} must be in {rng}, got {value!r}", name)
+    return float(value)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}", name)
     if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
+        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}", name)
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -70,34 +84,45 @@ class SlimConfig:
     backward_passes_per_step: int = 1  # local backward passes accumulated per exchange
     # --- randomness --------------------------------------------------------------------------
     seed: int = 0                      # keys every replica's exploration generator
+    # --- failure handling --------------------------------------------------------------------
+    nonfinite: str = "raise"           # NaN/Inf gradient: "raise", "skip" the step, "propagate"
+    timeout: Optional[float] = DEFAULT_TIMEOUT  # seconds to wait in the exchange; None: forever
 
     def __post_init__(self) -> None:
-        _check_fraction("density", self.density, low_open=True)
+        # Values are normalised to plain Python types, so the digest (a repr) is the same on
+        # ranks that passed np.float32(0.01) and 0.01.
+        norm: Dict[str, Any] = {
+            "density": _check_fraction("density", self.density, low_open=True),
+            "exploration": _check_fraction("exploration", self.exploration, low_open=False)}
         if self.pull_density is not None:
-            _check_fraction("pull_density", self.pull_density, low_open=True)
-        _check_fraction("exploration", self.exploration, low_open=False)
-        if not _is_number(self.magnitude_weight) or not math.isfinite(self.magnitude_weight) \
-                or self.magnitude_weight < 0:
-            raise ConfigError(f"magnitude_weight must be a finite number >= 0, "
-                              f"got {self.magnitude_weight!r}")
-        _check_int("refresh_interval", self.refresh_interval, 1)
-        _check_int("min_compress_numel", self.min_compress_numel, 0)
-        _check_int("server_rank", self.server_rank, 0)
-        _check_int("backward_passes_per_step", self.backward_passes_per_step, 1)
-        _check_int("seed", self.seed, 0)
+            norm["pull_density"] = _check_fraction("pull_density", self.pull_density, True)
+        w = self.magnitude_weight
+        if not _is_number(w) or not math.isfinite(w) or w < 0:
+            raise ConfigError(f"magnitude_weight must be a finite number >= 0, got {w!r}",
+                              "magnitude_weight")
+        norm["magnitude_weight"] = float(w)
+        for name, low in (("refresh_interval", 1), ("min_compress_numel", 0),
+                          ("server_rank", 0), ("backward_passes_per_step", 1), ("seed", 0)):
+            norm[name] = _check_int(name, getattr(self, name), low)
         if self.momentum_correction not in (None, True, False):
             raise ConfigError(f"momentum_correction must be True, False or None (auto), "
-                              f"got {self.momentum_correction!r}")
-        if self.pull not in PULL_MODES:
-            raise ConfigError(f"pull must be one of {PULL_MODES}, got {self.pull!r}")
-        if self.op not in OPS:
-            raise ConfigError(f"op must be one of {OPS}, got {self.op!r}")
+                              f"got {self.momentum_correction!r}", "momentum_correction")
+        for name, allowed in (("pull", PULL_MODES), ("op", OPS), ("nonfinite", NONFINITE_MODES)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}",
+                                  name)
         f = self.gradient_predivide_factor
         if not _is_number(f) or not math.isfinite(f) or f <= 0:
-            raise ConfigError(f"gradient_predivide_factor must be a finite number > 0, got {f!r}")
+            raise ConfigError(f"gradient_predivide_factor must be a finite number > 0, got {f!r}",
+                              "gradient_predivide_factor")
+        norm["gradient_predivide_factor"] = float(f)
         if f != 1.0 and self.op != "average":
             raise ConfigError("gradient_predivide_factor not supported with op != Average: "
-                              "use op=hvd.Average or leave the factor at 1.0")
+                              "use op=hvd.Average or leave the factor at 1.0",
+                              "gradient_predivide_factor")
+        norm["timeout"] = _check_timeout(self.timeout)
+        for name, value in norm.items():
+            object.__setattr__(self, name, value)
 
     # --- derived -------------------------------------------------------------------------------
     @property
@@ -108,14 +133,24 @@ class SlimConfig:
         """Checks that need the world size: the server must be one of the ranks."""
         if not 0 <= self.server_rank < size:
             raise ConfigError(f"server_rank must be in [0, {size}) for a job of {size} ranks, "
-                              f"got {self.server_rank}")
+                              f"got {self.server_rank}{self.env_note('server_rank')}",
+                              "server_rank")
+
+    def env_note(self, name: str) -> str:
+        """`` (from environment variable HVD_SLIM_X)`` when ``name`` came from the environment."""
+        var = getattr(self, "_env_sources", {}).get(name)
+        return f" (from environment variable {var})" if var else ""
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def shared_dict(self) -> Dict[str, Any]:
+        """The fields every rank must agree on (all but the per-rank ``LOCAL_FIELDS``)."""
+        return {k: v for k, v in self.to_dict().items() if k not in LOCAL_FIELDS}
+
     def digest(self) -> str:
-        """A short hash of every field, equal on ranks that agree on the config."""
-        text = repr(sorted(self.to_dict().items()))
+        """A short hash of the shared fields, equal on ranks that agree on the config."""
+        text = repr(sorted(self.shared_dict().items()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
@@ -127,13 +162,25 @@ class SlimConfig:
         return cls(**dict(d))
 
 
+def _check_timeout(value: Any) -> Optional[float]:
+    """None or 0 disable the exchange timeout; otherwise a finite number of seconds > 0."""
+    if value is None:
+        return None
+    if not _is_number(value) or math.isnan(value) or value < 0 or math.isinf(value):
+        raise ConfigError(f"timeout must be a number of seconds > 0, or 0/None to wait forever, "
+                          f"got {value!r}", "timeout")
+    return None if value == 0 else float(value)
+
+
 def _parse_env(name: str, text: str) -> Any:
     """Parse HVD_SLIM_<NAME> by the field's type; errors name the variable."""
     var = ENV_PREFIX + name.upper()
     t = text.strip()
     try:
-        if name == "pull":
-            return t
+        if name in ("pull", "nonfinite"):
+            return t.lower()
+        if name == "timeout" and t.lower() in ("none", "off", "never", ""):
+            return None
         if name == "momentum_correction":
             low = t.lower()
             if low in ("auto", "none", ""):
@@ -145,12 +192,27 @@ def _parse_env(name: str, text: str) -> Any:
             raise ValueError("expected true/false/auto")
         if name == "pull_density" and t.lower() in ("none", ""):
             return None
-        if name in ("refresh_interval", "min_compress_numel", "server_rank", "seed"):
-            return int(t)
+        if name in _INT_FIELDS:
+            try:
+                return int(t)
+            except ValueError:
+                x = float(t)          # "1e3" or "4.0" is an integer too; "2.5" is not
+                if not x.is_integer():
+                    raise ValueError(f"{t!r} is not an integer") from None
+                return int(x)
         return float(t)
     except ValueError as exc:
         raise ConfigError(f"environment variable {var}={text!r} is not a valid value for "
-                          f"{name}: {exc}") from None
+                          f"{name} ({_ENV_FORMS.get(name, 'a number')}): {exc}", name) from None
+
+
+_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed")
+# What each variable accepts, for parse errors.
+_ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a number in (0, 1] "
+              "or none", "refresh_interval": "an integer >= 1", "min_compress_numel":
+              "an integer >= 0", "server_rank": "an integer rank", "seed": "an integer >= 0",
+              "timeout": "seconds > 0, or 0/none to wait forever", "density": "a number in (0, 1]",
+              "exploration": "a number in [0, 1]", "magnitude_weight": "a number >= 0"}
 
 
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None
@@ -171,10 +233,13 @@ def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, s
             from_env[name] = var
     values.update(explicit)
     try:
-        return SlimConfig(**values)
+        config = SlimConfig(**values)
     except ConfigError as exc:
-        msg = str(exc)
-        for name, var in from_env.items():
-            if msg.startswith(name + " "):
-                raise ConfigError(f"{msg} (from environment variable {var})") from None
+        if exc.field in from_env:
+            raise ConfigError(f"{exc} (from environment variable {from_env[exc.field]})",
+                              exc.field) from None
         raise
+    # Remembered (outside the dataclass fields, so not in the digest) for later checks that
+    # need the world size or the optimizer, so their errors can name the variable too.
+    object.__setattr__(config, "_env_sources", dict(from_env))
+    return config

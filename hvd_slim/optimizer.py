@@ -35,8 +35,15 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._parameter_names = {p: n for n, p in named}
         self._requires_update = [p for _, p in named if p.requires_grad]
         self._layout = Layout([(n, p) for n, p in named if p.requires_grad], settings.config,
-                              wire_dtype_fn(settings.compression))
-        plan = momentum_plan(self, self._layout, settings.config)
+                              wire_dtype_fn(settings.compression),
+                              frozen=[(n, p) for n, p in named if not p.requires_grad])
+        try:
+            plan = momentum_plan(self, self._layout, settings.config)
+        except ValueError as exc:
+            note = settings.config.env_note("momentum_correction")
+            if not note:
+                raise
+            raise ValueError(f"{exc}{note}") from None
         self._mc_params = {id(p) for b in self._layout.sparse if b.index in plan
                            for p in b.params()}
         self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
@@ -45,6 +52,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._pending = set()
         self._synchronized = False
         self._should_synchronize = True
+        self._skipped = False   # the last exchange was skipped by every rank (NaN/Inf)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                               for p in self._requires_update]
 
@@ -73,11 +81,18 @@ class _SlimOptimizer(torch.optim.Optimizer):
         """Run the Slim-DP exchange now: afterwards every ``p.grad`` holds the pulled update.
 
         Every rank must call it the same number of times; parameters that got no gradient on
-        this rank contribute zeros, so different subgraphs per rank never deadlock."""
-        self._exchange.step()
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
-        self._pending.clear()
+        this rank contribute zeros, so different subgraphs per rank never deadlock. With
+        ``nonfinite="skip"``, a step with a NaN/Inf gradient on any rank is skipped by every
+        rank: ``p.grad`` keep this rank's gradients and the following ``step()`` does nothing."""
+        self._skipped = False
+        try:
+            self._skipped = not self._exchange.step()
+        finally:
+            # A failed exchange also ends this step's accumulation: the next backward starts a
+            # new one (what was computed is kept in the residual, or dropped on NaN/Inf).
+            self._pending.clear()
+            for p in self._delay:
+                self._delay[p] = self.backward_passes_per_step
         self._synchronized = True
 
     @contextmanager
@@ -106,6 +121,9 @@ class _SlimOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
+        if self._skipped:   # every rank skipped this step: the wrapped optimizer must not step
+            self._skipped = False
+            return None
         return self._inner_step(closure, only_sparse=False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -156,7 +174,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
         """Cumulative traffic of this rank: ``steps``, ``bytes_pushed``, ``bytes_pulled`` (counted
         at the transport), ``dense_bytes`` (gradient bytes a dense allreduce would reduce),
         ``ring_allreduce_bytes`` (what a ring allreduce would send per rank), the per-part
-        breakdown, selection time and ``last_step``."""
+        breakdown, selection time and ``last_step``; ``skipped_steps`` and
+        ``last_skip_reason`` count the steps every rank skipped (``nonfinite="skip"``)."""
         out = self._exchange.stats.as_dict()
         out.update(transport=self._settings.transport.name, world_size=self._exchange.size,
                    density=self._settings.config.density,
@@ -177,16 +196,26 @@ class _SlimOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict` on this rank. Everything is validated first:
+        a checkpoint of another rank, model or Slim-DP config raises ValueError (naming what
+        differs) and leaves the optimizer exactly as it was."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict expects a dict, got {type(state_dict).__name__}")
         state_dict = dict(state_dict)
         slim = state_dict.pop("hvd_slim", None)
-        self._pending.clear()
-        self._synchronized = False
-        self._should_synchronize = True
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
+        if slim is not None:
+            self._exchange.validate_state_dict(slim)
+        # torch checks the groups before it changes anything; ours is validated already, so
+        # from here on nothing can fail half-way.
         super(self.__class__, self).load_state_dict(state_dict)
         if slim is not None:
             self._exchange.load_state_dict(slim)
+        self._pending.clear()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._skipped = False
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -201,7 +230,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     effect: the exchange is always one fused message per step; sparse gradients are densified).
     Slim-DP keywords: ``density``, ``exploration``, ``refresh_interval``, ``magnitude_weight``,
     ``momentum_correction``, ``pull``, ``pull_density``, ``min_compress_numel``, ``server_rank``,
-    ``seed``; each not given reads ``HVD_SLIM_<NAME>`` from the environment, then its default.
+    ``seed``, ``nonfinite`` ("raise" | "skip" | "propagate": what a NaN/Inf gradient does) and
+    ``timeout`` (seconds a rank waits in the exchange before failing; 0 waits forever); each
+    not given reads ``HVD_SLIM_<NAME>`` from the environment, then its default.
     ``transport`` takes a transport instance (tests) or ``"mpi"`` (default).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):

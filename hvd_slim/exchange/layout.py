@@ -58,6 +58,10 @@ class Bucket:
         return [s.param for s in self.segments]
 
 
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def slice_sizes(d: int, density: float, exploration: float) -> Tuple[int, int, int]:
     """(k, k_core, k_explore) for a vector of ``d`` coordinates."""
     k = min(d, max(1, int(math.ceil(density * d))))
@@ -74,7 +78,12 @@ class Layout:
     """Buckets for a fixed, name-ordered list of parameters."""
 
     def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]], config: SlimConfig,
-                 wire_dtype_of: Callable[[torch.dtype], torch.dtype]) -> None:
+                 wire_dtype_of: Callable[[torch.dtype], torch.dtype],
+                 frozen: Sequence[Tuple[str, torch.Tensor]] = ()) -> None:
+        # Frozen parameters (requires_grad=False) take no part in the exchange; they are kept
+        # only so that a mismatch error can say "frozen on rank 1" rather than "missing".
+        self.frozen = sorted(((n, tuple(p.shape), p.dtype) for n, p in frozen),
+                             key=lambda item: item[0])
         ordered = sorted(named_params, key=lambda item: item[0])
         groups: dict = {}
         for name, p in ordered:
@@ -119,6 +128,14 @@ class Layout:
         """One line per parameter: name, shape, dtype, bucket kind; used in mismatch errors."""
         return [f"{s.name} {tuple(s.param.shape)} {b.dtype} {b.kind}"
                 for b in self.buckets for s in b.segments]
+
+    def description(self) -> List[list]:
+        """JSON-ready ``[name, shape, dtype, wire dtype, "trainable" | "frozen"]`` per parameter,
+        by name: what ranks (and checkpoints) compare to name the first parameter that differs."""
+        rows = [[s.name, list(s.param.shape), _dt(b.dtype), _dt(b.wire_dtype), "trainable"]
+                for b in self.buckets for s in b.segments]
+        rows += [[n, list(shape), _dt(dtype), "", "frozen"] for n, shape, dtype in self.frozen]
+        return sorted(rows, key=lambda row: row[0])
 
     # --- flat views ------------------------------------------------------------------------
     @staticmethod

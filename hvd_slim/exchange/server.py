@@ -1,11 +1,17 @@
 """The server's half of a step: decode every push, aggregate, choose the pull slice.
 
-The server is rank ``server_rank`` (also a worker). Every push is decoded strictly before any
-state changes, so a bad message leaves the server's residual untouched.
+The server is rank ``server_rank`` (also a worker). Every push is decoded strictly before
+anything is summed, and the server's own state (its residual, cached cores) changes only once
+the whole pull is built, so a bad message or a skipped step leaves it untouched.
+
+It also decides how a step with a NaN/Inf gradient ends: any worker that found one sends a
+NONFINITE report instead of its push, and the server answers every rank with one verdict, SKIP
+(``nonfinite="skip"``) or an ERROR every rank raises (``"raise"``). The decision thus travels in
+the pull and costs nothing on a healthy step.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -13,9 +19,11 @@ import torch
 from ..config import SlimConfig
 from ..memory import ResidualMemory
 from ..selection import CoreSelector, explore
+from ..wire import control
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
 from .codec import from_bytes, is_refresh, pull_expect, pull_is_dense, push_expect, to_bytes
+from .finite import describe, nonfinite_sent
 from .layout import DENSE, Bucket, Layout
 
 ROLE_PUSH, ROLE_PULL = 0, 1
@@ -33,30 +41,66 @@ class Server:
         self.pull_core: dict = {}
 
     # --- aggregate -------------------------------------------------------------------------
-    def serve(self, payloads: List[np.ndarray], step: int, digest: int, flush: bool = False
-              ) -> tuple:
-        """Aggregate ``payloads`` (rank order) and return (pull buffer, byte breakdown)."""
+    def serve(self, payloads: List[np.ndarray], step: int, digest: int, flush: bool = False,
+              limit: Optional[int] = None) -> np.ndarray:
+        """Aggregate ``payloads`` (rank order) and return the pull (or SKIP/ERROR verdict) to
+        broadcast; ``limit`` is the pull's byte bound, which a verdict's text is cut to."""
         cfg, buckets = self.cfg, self.layout.buckets
-        q = cfg.refresh_interval
         kind = wm.FLUSH_PUSH if flush else wm.PUSH
-        expect = push_expect(buckets, step, q, flush)
-        decoded = [wm.decode(buf, kind=kind, sender=j, step=step, digest=digest, expect=expect,
-                             who=f"push from rank {j}") for j, buf in enumerate(payloads)]
+        expect = push_expect(buckets, step, cfg.refresh_interval, flush)
+        decoded: List[Optional[List[wm.Section]]] = []
+        reports: List[Tuple[int, str]] = []
+        for j, buf in enumerate(payloads):
+            who = f"push from rank {j}"
+            if wm.is_error(buf):
+                raise wm.WireError(f"{who}: an error message where a push belongs")
+            if not flush and wm.peek(buf, who) == wm.NONFINITE:
+                reports.append((j, control.decode_text(buf, kind=wm.NONFINITE, sender=j,
+                                                       step=step, digest=digest, who=who)))
+                decoded.append(None)
+                continue
+            decoded.append(wm.decode(buf, kind=kind, sender=j, step=step, digest=digest,
+                                     expect=expect, who=who))
+        if reports:
+            return self._verdict(reports, step, digest, limit)
         scale = 1.0 if cfg.op == "sum" else cfg.gradient_predivide_factor / self.size
+        selectors = {i: s.state_dict() for i, s in self.selector.items()}
+        plan = _Plan()
         sections = []
         for b in buckets:
             total = torch.zeros(b.numel, dtype=b.dtype)
             touched = torch.zeros(b.numel, dtype=torch.bool) if cfg.pull == "union" else None
             for j in range(self.size):
-                self._accumulate(b, j, decoded[j][b.index], step, total, touched)
+                self._accumulate(b, j, decoded[j][b.index], step, total, touched, plan)
             if scale != 1.0:
                 total.mul_(scale)
-            sections.append(self._pull_section(b, total, touched, step, flush))
+            sections.append(self._pull_section(b, total, touched, step, flush, plan))
+        if plan.overflow and cfg.nonfinite != "propagate" and not flush:
+            for i, st in selectors.items():
+                self.selector[i].load_state_dict(st)
+            text = f"the server's aggregate: {describe(plan.overflow, True, plan.wire_dtype)}"
+            return self._verdict([(self.rank, text)], step, digest, limit)
+        plan.commit(self)
         return wm.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest, sections,
-                         [b.value_bytes for b in buckets])
+                         [b.value_bytes for b in buckets])[0]
+
+    def _verdict(self, reports: List[Tuple[int, str]], step: int, digest: int,
+                 limit: Optional[int]) -> np.ndarray:
+        """SKIP or ERROR for a step with non-finite values; nothing of the server has changed."""
+        where = "; ".join(f"rank {j}: {text}" for j, text in reports)
+        if self.cfg.nonfinite == "skip":
+            return control.encode_text(wm.SKIP, self.rank, step, digest,
+                                       f"step {step} skipped on every rank (nonfinite='skip'): "
+                                       f"{where}", limit=limit)
+        return wm.encode_error(
+            self.rank, step, f"hvd_slim: non-finite gradient at step {step} (nonfinite='raise'): "
+            f"{where}. No rank's parameters, residuals or optimizer state changed. Find the "
+            "source (torch.autograd.set_detect_anomaly, a lower learning rate, gradient "
+            "clipping), or pass nonfinite='skip' (HVD_SLIM_NONFINITE=skip) to skip such steps",
+            code=wm.E_NONFINITE, limit=limit)
 
     def _accumulate(self, b: Bucket, j: int, sec: wm.Section, step: int, total: torch.Tensor,
-                    touched: Optional[torch.Tensor]) -> None:
+                    touched: Optional[torch.Tensor], plan: "_Plan") -> None:
         if sec.mode == wm.M_EMPTY:
             return
         vals = from_bytes(sec.values, b.wire_dtype).to(b.dtype)
@@ -67,7 +111,7 @@ class Server:
             return
         if sec.mode == wm.M_SLICE:
             core = torch.from_numpy(sec.indices)
-            self.worker_cores[j][b.index] = core
+            plan.worker_cores[(j, b.index)] = core
         else:
             core = self.worker_cores[j].get(b.index)
             if core is None:
@@ -81,37 +125,47 @@ class Server:
 
     # --- pull ------------------------------------------------------------------------------
     def _pull_section(self, b: Bucket, total: torch.Tensor, touched: Optional[torch.Tensor],
-                      step: int, flush: bool) -> wm.Section:
+                      step: int, flush: bool, plan: "_Plan") -> wm.Section:
         if b.kind == DENSE:
             if flush:
                 return wm.make_section(wm.M_EMPTY, np.empty(0, np.uint8), b.numel)
-            return wm.make_section(wm.M_DENSE, to_bytes(total.to(b.wire_dtype)), b.numel)
+            return self._sent(b, total.to(b.wire_dtype), None, plan, wm.M_DENSE)
         if self.cfg.pull == "union" and not flush:
             idx = touched.nonzero().reshape(-1)
             n = idx.numel()
             if n * b.value_bytes + index_bytes_bound(b.numel, n) < b.numel * b.value_bytes:
-                return wm.make_section(wm.M_EXPLICIT, to_bytes(total[idx].to(b.wire_dtype)),
-                                       b.numel, indices=idx.numpy())
-            return wm.make_section(wm.M_DENSE, to_bytes(total.to(b.wire_dtype)), b.numel)
+                return self._sent(b, total[idx].to(b.wire_dtype), idx, plan, wm.M_EXPLICIT, idx)
+            return self._sent(b, total.to(b.wire_dtype), None, plan, wm.M_DENSE)
         mem = self.memory[b.index]
-        v = mem.compensate(total)
+        v = total.add_(mem.residual)   # e + G, proposed: e itself changes only at commit
         if flush or pull_is_dense(b):
-            wire = v.to(b.wire_dtype, copy=True)  # a copy: update() zeroes v's buffer
-            mem.update(None, wire.to(b.dtype) if b.wire_dtype != b.dtype else None)
-            return wm.make_section(wm.M_DENSE, to_bytes(wire), b.numel)
+            wire = v.to(b.wire_dtype, copy=True)  # a copy: commit zeroes v's buffer
+            delivered = wire.to(b.dtype) if b.wire_dtype != b.dtype else None
+            plan.memory.append((mem, v, None, delivered))
+            return self._sent(b, wire, None, plan, wm.M_DENSE)
         refresh = is_refresh(step, self.cfg.refresh_interval)
         if refresh:
             core = self.selector[b.index].select(v.abs(), b.k_pull_core)
-            self.pull_core[b.index] = core
+            plan.pull_core[b.index] = core
         else:
             core = self.pull_core[b.index]
         sel = torch.cat([core, explore(b.numel, core, b.k_pull_explore,
                                        (self.cfg.seed, ROLE_PULL, self.rank, step, b.index))])
         wire = v[sel].to(b.wire_dtype)
-        mem.update(sel, wire.to(b.dtype) if b.wire_dtype != b.dtype else None)
-        if refresh:
-            return wm.make_section(wm.M_SLICE, to_bytes(wire), b.numel, indices=core.numpy())
-        return wm.make_section(wm.M_SLICE_CACHED, to_bytes(wire), b.numel)
+        plan.memory.append((mem, v, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype else None))
+        mode = wm.M_SLICE if refresh else wm.M_SLICE_CACHED
+        return self._sent(b, wire, sel, plan, mode, core if refresh else None)
+
+    def _sent(self, b: Bucket, wire: torch.Tensor, sel: Optional[torch.Tensor], plan: "_Plan",
+              mode: int, indices: Optional[torch.Tensor] = None) -> wm.Section:
+        """The section for ``wire``; a lossy wire dtype is checked for overflow (cheaply)."""
+        if wire.dtype != b.dtype and self.cfg.nonfinite != "propagate":
+            bad = nonfinite_sent(b, wire, sel)
+            if bad:
+                plan.overflow += bad
+                plan.wire_dtype = wire.dtype
+        return wm.make_section(mode, to_bytes(wire), b.numel,
+                               indices=None if indices is None else indices.numpy())
 
     # --- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -130,6 +184,24 @@ class Server:
         self.worker_cores = [{int(i): c.clone() for i, c in d.items()}
                              for d in state["worker_cores"]]
         self.pull_core = {int(i): c.clone() for i, c in state["pull_core"].items()}
+
+
+class _Plan:
+    """What a step will change in the server, applied only when the whole pull is built."""
+
+    def __init__(self) -> None:
+        self.memory: List[tuple] = []        # (memory, proposed residual, sent, delivered)
+        self.worker_cores: Dict[Tuple[int, int], torch.Tensor] = {}
+        self.pull_core: Dict[int, torch.Tensor] = {}
+        self.overflow: List[str] = []        # parameters whose pulled values overflow the wire
+        self.wire_dtype: Optional[torch.dtype] = None
+
+    def commit(self, server: Server) -> None:
+        for mem, v, sent, delivered in self.memory:
+            mem.commit(v, None, sent, delivered)
+        for (j, i), core in self.worker_cores.items():
+            server.worker_cores[j][i] = core
+        server.pull_core.update(self.pull_core)
 
 
 def decode_pull(layout: Layout, cfg: SlimConfig, buf: np.ndarray, step: int, digest: int,

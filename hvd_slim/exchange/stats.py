@@ -15,7 +15,7 @@ class ExchangeStats:
     breakdowns come from the encoded message layout and add up to the same totals (less the
     transport's length words)."""
 
-    FIELDS = ("steps", "flushes", "bytes_pushed", "bytes_pulled", "dense_bytes",
+    FIELDS = ("steps", "skipped_steps", "flushes", "bytes_pushed", "bytes_pulled", "dense_bytes",
               "ring_allreduce_bytes", "push_header_bytes", "push_dense_value_bytes",
               "push_sparse_value_bytes", "push_index_bytes", "pull_header_bytes",
               "pull_value_bytes", "pull_index_bytes", "select_seconds", "exchange_seconds")
@@ -32,6 +32,7 @@ class ExchangeStats:
         self.select_seconds = 0.0
         self.exchange_seconds = 0.0
         self.last: Dict[str, int] = {}
+        self.last_skip = ""   # why the last skipped step was skipped (every rank has the same)
 
     def record_push(self, sections: List[wm.Section], sizes: Dict[str, int]) -> None:
         dense = sum(len(s.values) for b, s in zip(self._layout.buckets, sections)
@@ -63,6 +64,7 @@ class ExchangeStats:
     def as_dict(self) -> Dict[str, float]:
         out = {f: getattr(self, f) for f in self.FIELDS}
         out["last_step"] = dict(self.last)
+        out["last_skip_reason"] = self.last_skip
         return out
 
     def state_dict(self) -> Dict[str, float]:

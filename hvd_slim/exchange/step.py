@@ -5,32 +5,39 @@
 :meth:`SlimExchange.step` is the only place that fixes this order. It reads each parameter's
 ``.grad`` and writes the pulled update back into it; the wrapped optimizer's ``step()`` runs
 afterwards. Nothing here knows about MPI: the transport is passed in.
+
+Compensation is speculative: this rank's residual, velocity and cores change only when the
+pull says the step went through. A step can also end in a verdict every rank shares: SKIP (a
+NaN/Inf gradient under ``nonfinite="skip"``: nothing changes anywhere) or an ERROR every rank
+raises (a NaN/Inf under ``"raise"``: nothing changes; any other failure: each worker keeps what
+it computed in its residual, so nothing is lost).
 """
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from ..config import SlimConfig
 from ..memory import ResidualMemory
-from ..selection import CoreSelector, explore, significance
-from ..transport.base import Transport
+from ..selection import CoreSelector, explore
+from ..transport.base import Transport, TransportTimeout
+from ..wire import control
 from ..wire import message as wm
-from .codec import (from_bytes, indices_on, is_refresh, message_bound, pull_expect,
-                    push_expect, to_bytes)
-from .layout import DENSE, Bucket, Layout
-from .server import ROLE_PULL, ROLE_PUSH, Server, decode_pull
+from . import checkpoint, handshake
+from .codec import from_bytes, indices_on, message_bound, pull_expect, push_expect, to_bytes
+from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
+from .layout import DENSE, Layout
+from .server import ROLE_PULL, Server, decode_pull
 from .stats import ExchangeStats
+from .worker import Proposal, WorkerSide
+
+__all__ = ["ExchangeError", "NonFiniteGradientError", "SlimExchange"]
 
 
-class ExchangeError(RuntimeError):
-    """A step failed on the server or in decoding; raised identically on every rank."""
-
-
-class SlimExchange:
+class SlimExchange(WorkerSide):
     """Per-rank Slim-DP state (residuals, cached cores, server state) and the step sequence."""
 
     def __init__(self, layout: Layout, config: SlimConfig, transport: Transport,
@@ -53,114 +60,135 @@ class SlimExchange:
                       for b in layout.buckets}
         self._score = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
                        for b in layout.sparse}
-        self._pending: List[tuple] = []
+        self._pending: List[Proposal] = []
+        self._agreed = False   # the handshake has not run yet
         self.stats = ExchangeStats(layout, self.size)
 
     # --- the step ----------------------------------------------------------------------------
-    def step(self) -> None:
-        """Exchange the current gradients; afterwards every ``p.grad`` holds the pulled update."""
+    def step(self) -> bool:
+        """Exchange the current gradients; afterwards every ``p.grad`` holds the pulled update.
+        Returns False when every rank skipped the step (a NaN/Inf gradient somewhere under
+        ``nonfinite="skip"``): then nothing changed and ``p.grad`` is as the caller left it."""
         t, t0 = self.step_count, time.perf_counter()
-        sections = [self._compensate_and_select(b, t) for b in self.layout.buckets]
-        pushed = self._push(sections, wm.PUSH, t)
-        pulled = self._aggregate_and_pull(pushed, t, flush=False)
-        self._apply(pulled, t, flush=False)
+        self._pending = []
+        selectors = {i: s.state_dict() for i, s in self.selector.items()}
+        try:
+            sections, report = self._compensate_and_select_all(t)
+            self._agree(t)
+            pushed = self._push(sections, report, t)
+            pulled = self._aggregate_and_pull(pushed, t, flush=False)
+        except NonFiniteGradientError:
+            self._rollback(selectors)
+            raise
+        except BaseException:
+            self._absorb()
+            raise
+        if pulled is None:
+            self._rollback(selectors)
+            self.stats.skipped_steps += 1
+            return False
+        self._apply(pulled, t)
         self.step_count += 1
         self.stats.finish_step(time.perf_counter() - t0)
+        return True
 
     def flush(self) -> None:
         """Send every residual (workers' and server's) densely; compressed ``p.grad`` then hold
         it and dense-bucket grads are untouched. Call the inner optimizer's step afterwards."""
         t = self.step_count
+        self._pending = []
         sections = []
         for b in self.layout.buckets:
             if b.kind == DENSE:
                 sections.append(wm.make_section(wm.M_EMPTY, np.empty(0, np.uint8), b.numel))
                 continue
-            a = self.memory[b.index].residual
-            wire = a.to(b.wire_dtype)
-            self._pending.append((b.index, None, wire.to(b.dtype) if b.wire_dtype != b.dtype
-                                  else None, False))
+            wire = self.memory[b.index].residual.to(b.wire_dtype, copy=True)
+            self._pending.append(Proposal(b.index, None, wire.to(b.dtype)
+                                           if b.wire_dtype != b.dtype else None, False))
             sections.append(wm.make_section(wm.M_DENSE, to_bytes(wire), b.numel))
-        pushed = self._push(sections, wm.FLUSH_PUSH, t)
-        pulled = self._aggregate_and_pull(pushed, t, flush=True)
-        self._apply(pulled, t, flush=True)
+        try:
+            self._agree(t)
+            pushed = self._push(sections, None, t, flush=True)
+            pulled = self._aggregate_and_pull(pushed, t, flush=True)
+        except BaseException:
+            self._pending = []   # nothing was forgotten: every residual is still in place
+            raise
+        self._apply(pulled, t)
         self.stats.flushes += 1
 
     # --- phases ------------------------------------------------------------------------------
-    def _compensate_and_select(self, b: Bucket, t: int) -> wm.Section:
-        cfg = self.cfg
-        g = self.layout.read_grads(b, self._flat[b.index])
-        if cfg.op == "average" and cfg.gradient_predivide_factor != 1.0:
-            g.div_(cfg.gradient_predivide_factor)
-        if b.kind == DENSE:
-            return wm.make_section(wm.M_DENSE, to_bytes(g.to(b.wire_dtype)), b.numel)
-        a = self.memory[b.index].compensate(g)
-        t_sel = time.perf_counter()
-        refresh = is_refresh(t, cfg.refresh_interval) or b.index not in self.core
-        if refresh:
-            w = None
-            if cfg.magnitude_weight > 0:
-                w = self.layout.read_params(b, torch.empty_like(a))
-            score = significance(a, w, cfg.magnitude_weight, out=self._score[b.index])
-            self.core[b.index] = self.selector[b.index].select(score, b.k_core)
-        core = self.core[b.index]
-        sel = torch.cat([core, explore(b.numel, core, b.k_explore,
-                                       (cfg.seed, ROLE_PUSH, self.rank, t, b.index)).to(b.device)])
-        self.stats.select_seconds += time.perf_counter() - t_sel
-        wire = a[sel].to(b.wire_dtype)
-        # Forget what was sent only once the step succeeds: until then it stays in the residual.
-        self._pending.append((b.index, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype else None,
-                              True))
-        if is_refresh(t, cfg.refresh_interval):
-            return wm.make_section(wm.M_SLICE, to_bytes(wire), b.numel, indices=core.cpu().numpy())
-        return wm.make_section(wm.M_SLICE_CACHED, to_bytes(wire), b.numel)
+    def _agree(self, t: int) -> None:
+        """The handshake, once per exchange (and again after loading a checkpoint)."""
+        if not self._agreed:
+            self._collective(lambda: handshake.agree(self, t), f"the handshake of step {t}")
+            self._agreed = True
 
-    def _push(self, sections: List[wm.Section], kind: int, t: int) -> Optional[List[np.ndarray]]:
-        buf, sizes = wm.encode(kind, self.rank, t, self.digest, sections,
-                               [b.value_bytes for b in self.layout.buckets])
-        self.stats.record_push(sections, sizes)
-        before = self.transport.stats.bytes_sent
+    def _push(self, sections: List[wm.Section], report: Optional[str], t: int,
+              flush: bool = False) -> Optional[List[np.ndarray]]:
+        kind = wm.FLUSH_PUSH if flush else wm.PUSH
         bound = message_bound(push_expect(self.layout.buckets, t, self.cfg.refresh_interval,
-                                          flush=kind == wm.FLUSH_PUSH))
-        gathered = self.transport.gather(buf, root=self.cfg.server_rank, bound=bound)
+                                          flush=flush))
+        if report is None:
+            buf, sizes = wm.encode(kind, self.rank, t, self.digest, sections,
+                                   [b.value_bytes for b in self.layout.buckets])
+            self.stats.record_push(sections, sizes)
+        else:   # a NaN/Inf: report it instead of pushing; the server decides for every rank
+            buf = control.encode_text(wm.NONFINITE, self.rank, t, self.digest, report,
+                                      limit=bound)
+        before = self.transport.stats.bytes_sent
+        gathered = self._collective(lambda: self.transport.gather(
+            buf, root=self.cfg.server_rank, bound=bound), f"the push of step {t}")
         sent = self.transport.stats.bytes_sent - before
         self.stats.bytes_pushed += sent
         self.stats.last["bytes_pushed"] = sent
         return gathered
 
+    def _collective(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run collectives under the exchange timeout; a timeout error says what to do."""
+        try:
+            with self.transport.watch(self.cfg.timeout, what):
+                return fn()
+        except TransportTimeout as exc:
+            raise TransportTimeout(f"{exc}. {TIMEOUT_ADVICE} (now {self.cfg.timeout:g} s)"
+                                   ) from None
+
     def _aggregate_and_pull(self, gathered: Optional[List[np.ndarray]], t: int,
-                            flush: bool) -> List[wm.Section]:
+                            flush: bool) -> Optional[List[wm.Section]]:
+        """The pulled sections, or None for a step every rank skips."""
+        bound = message_bound(pull_expect(self.layout.buckets, t, self.cfg.refresh_interval,
+                                          self.cfg.pull, flush))
         reply = None
         if self.server is not None:
             try:
-                reply, _ = self.server.serve(gathered, t, self.digest, flush)
+                reply = self.server.serve(gathered, t, self.digest, flush, limit=bound)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
                 reply = wm.encode_error(self.rank, t, f"server rank {self.rank} failed at step "
-                                        f"{t}: {type(exc).__name__}: {exc}")
+                                        f"{t}: {type(exc).__name__}: {exc}", limit=bound)
         before = self.transport.stats.bytes_received
-        bound = message_bound(pull_expect(self.layout.buckets, t, self.cfg.refresh_interval,
-                                          self.cfg.pull, flush))
-        if reply is not None and len(reply) > bound and wm.is_error(reply):
-            reply = reply[:bound]  # an error text never needs more room than a pull
-        buf = self.transport.broadcast(reply, root=self.cfg.server_rank, bound=bound)
+        buf = self._collective(lambda: self.transport.broadcast(
+            reply, root=self.cfg.server_rank, bound=bound), f"the pull of step {t}")
         received = self.transport.stats.bytes_received - before
         self.stats.bytes_pulled += received
         self.stats.last["bytes_pulled"] = received
+        who = "pull from the server"
         try:
+            if not flush and wm.peek(buf, who) == wm.SKIP:
+                self.stats.last_skip = control.decode_text(
+                    buf, kind=wm.SKIP, sender=self.cfg.server_rank, step=t, digest=self.digest,
+                    who=who)
+                return None
             sections = decode_pull(self.layout, self.cfg, buf, t, self.digest, flush)
         except wm.RemoteError as exc:
-            self._pending.clear()
+            if exc.code == wm.E_NONFINITE:
+                raise NonFiniteGradientError(str(exc)) from None
             raise ExchangeError(str(exc)) from None
         except wm.WireError as exc:
-            self._pending.clear()
             raise ExchangeError(f"rank {self.rank}: {exc}") from None
         self.stats.record_pull(buf, sections)
         return sections
 
-    def _apply(self, sections: List[wm.Section], t: int, flush: bool) -> None:
-        for i, sel, delivered, mask_velocity in self._pending:
-            self.memory[i].update(sel, delivered, mask_velocity)
-        self._pending.clear()
+    def _apply(self, sections: List[wm.Section], t: int) -> None:
+        self._commit()
         for b, sec in zip(self.layout.buckets, sections):
             if sec.mode == wm.M_EMPTY:
                 continue
@@ -195,35 +223,18 @@ class SlimExchange:
         return total
 
     def state_dict(self) -> dict:
-        return {"version": 1, "rank": self.rank, "size": self.size, "step": self.step_count,
-                "digest": self.digest, "config": self.cfg.to_dict(),
-                "memory": {i: m.state_dict() for i, m in self.memory.items()},
-                "selector": {i: s.state_dict() for i, s in self.selector.items()},
-                "core": {i: c.clone() for i, c in self.core.items()},
-                "pull_core": {i: c.clone() for i, c in self.pull_core.items()},
-                "server": None if self.server is None else self.server.state_dict(),
-                "stats": self.stats.state_dict()}
+        """This rank's residuals, velocities, cores, step and stats (and the server's state on
+        the server rank): tensors and plain values only."""
+        return checkpoint.state_of(self)
+
+    def validate_state_dict(self, state: dict) -> None:
+        """Raise ValueError, naming what differs, unless ``state`` loads here; changes nothing."""
+        checkpoint.validate(self, state)
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"unknown hvd_slim checkpoint version {state.get('version')!r}")
-        if state["digest"] != self.digest:
-            raise ValueError("hvd_slim checkpoint was made with a different model or Slim-DP "
-                             f"config: saved {state['config']}, now {self.cfg.to_dict()}")
-        if state["size"] != self.size or state["rank"] != self.rank:
-            raise ValueError(f"hvd_slim checkpoint holds the residuals of rank {state['rank']} "
-                             f"of {state['size']}; this is rank {self.rank} of {self.size}. "
-                             "Residuals are per rank: save and load every rank's "
-                             "optimizer.state_dict(), or call optimizer.flush() before saving")
-        self.step_count = int(state["step"])
-        for i, m in self.memory.items():
-            m.load_state_dict(state["memory"][i])
-            self.selector[i].load_state_dict(state["selector"][i])
-        self.core = {int(i): c.clone() for i, c in state["core"].items()}
-        self.pull_core = {int(i): c.clone() for i, c in state["pull_core"].items()}
-        if self.server is not None:
-            if state["server"] is None:
-                raise ValueError(f"rank {self.rank} is the server but its checkpoint has no "
-                                 "server state: was server_rank changed?")
-            self.server.load_state_dict(state["server"])
-        self.stats.load_state_dict(state.get("stats", {}))
+        """Validate ``state`` completely, then load it (a refused state changes nothing). The
+        next step repeats the handshake, so ranks resumed from different steps are caught."""
+        checkpoint.validate(self, state)
+        checkpoint.load(self, state)
+        self._pending = []
+        self._agreed = False

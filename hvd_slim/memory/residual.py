@@ -4,10 +4,16 @@ A worker's memory holds ``r``, everything it computed but has not sent, and, wit
 correction, ``u``, its local velocity. One step is ``compensate`` (fold the new gradient in and
 return what is available to send) followed by ``update`` (forget what was sent). The server uses
 the same class without momentum for its own residual ``e``.
+
+The exchange uses the speculative pair instead: ``propose`` computes the same ``a`` (and the new
+velocity) without touching the memory, and ``commit`` adopts them once every rank agreed on the
+step. A step that every rank skips (a NaN/Inf gradient somewhere) is simply never committed, so
+no residual ever absorbs a non-finite value and nothing changes. Bitwise, propose + commit equals
+compensate + update.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -33,6 +39,9 @@ class ResidualMemory:
         self.residual = torch.zeros(numel, dtype=dtype, device=device)
         self.velocity: Optional[torch.Tensor] = (
             torch.zeros(numel, dtype=dtype, device=device) if self.momentum > 0 else None)
+        # The proposed velocity of the step in flight (momentum only); swapped in by commit.
+        self._next_velocity: Optional[torch.Tensor] = (
+            torch.zeros(numel, dtype=dtype, device=device) if self.momentum > 0 else None)
 
     @property
     def numel(self) -> int:
@@ -56,6 +65,39 @@ class ResidualMemory:
         else:
             self.residual.add_(u)
         return self.residual
+
+    def propose(self, grad: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Return ``(a, u_new)`` for ``grad`` without changing the memory.
+
+        ``a`` is computed in place in ``grad``'s buffer (which the caller hands over); ``u_new``
+        (None without momentum) lives in a buffer the memory keeps for this purpose. Pass both
+        to :meth:`commit`, or drop them to leave the memory as it was.
+        """
+        if grad.shape != self.residual.shape:
+            raise ValueError(f"gradient of shape {tuple(grad.shape)} does not match the memory's "
+                             f"{tuple(self.residual.shape)}")
+        if self.velocity is None:
+            return grad.add_(self.residual), None   # g + r: the same bits as r + g
+        u_new = torch.mul(self.velocity, self.momentum, out=self._next_velocity)
+        u_new.add_(grad, alpha=1.0 - self.dampening)
+        if self.nesterov:
+            return grad.add_(self.residual).add_(u_new, alpha=self.momentum), u_new
+        return torch.add(self.residual, u_new, out=grad), u_new
+
+    def commit(self, a: torch.Tensor, u_new: Optional[torch.Tensor],
+               sent: Optional[torch.Tensor], delivered: Optional[torch.Tensor] = None,
+               mask_velocity: bool = True) -> torch.Tensor:
+        """Adopt a proposal: ``r = a`` and ``u = u_new``, then forget ``sent`` as :meth:`update`
+        does (an empty ``sent`` keeps everything: a failed step loses nothing). Returns the old
+        residual buffer, which the caller may reuse as scratch."""
+        if a.shape != self.residual.shape or (u_new is None) != (self.velocity is None):
+            raise ValueError("commit: the proposal does not belong to this memory")
+        old, self.residual = self.residual, a
+        if u_new is not None:
+            self._next_velocity, self.velocity = self.velocity, u_new
+        if sent is None or sent.numel():
+            self.update(sent, delivered, mask_velocity)
+        return old
 
     def update(self, sent: Optional[torch.Tensor], delivered: Optional[torch.Tensor] = None,
                mask_velocity: bool = True) -> None:

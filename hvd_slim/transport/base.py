@@ -18,12 +18,18 @@ pads payloads to ``bound`` (fixed-size collectives) counts the padded bytes it r
 ``bound``: the caller may pass an upper limit on every rank's payload length that every rank
 computes identically (the exchange knows it from the slice sizes). Transports whose collectives
 need equal sizes pad to it instead of exchanging lengths first; others may ignore it.
+
+Deadlines: the caller wraps collectives in ``with transport.watch(seconds, "the push of step
+12"):``. A transport that can time out raises :class:`TransportTimeout` when a collective inside
+has not completed within ``seconds``, naming the collective, that label and (where it can tell)
+the ranks that never arrived. Transports that cannot time out inherit the no-op default.
 """
 from __future__ import annotations
 
 import abc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -49,6 +55,10 @@ class TransportStats:
 
 class TransportError(RuntimeError):
     """A collective failed: a peer died, timed out or sent something unusable."""
+
+
+class TransportTimeout(TransportError):
+    """A collective did not complete within the deadline set by :meth:`Transport.watch`."""
 
 
 class Transport(abc.ABC):
@@ -78,6 +88,22 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Release resources; the default has none."""
+
+    @contextmanager
+    def watch(self, seconds: Optional[float], what: str) -> Iterator[None]:
+        """Deadline of ``seconds`` (None: none) for each collective inside the block; ``what``
+        names the step phase in timeout errors. Nests; restores the outer deadline on exit."""
+        outer = self.deadline
+        self._watch = (seconds, what)
+        try:
+            yield
+        finally:
+            self._watch = outer
+
+    @property
+    def deadline(self) -> Tuple[Optional[float], str]:
+        """``(seconds, label)`` of the innermost :meth:`watch` block, ``(None, "")`` outside."""
+        return getattr(self, "_watch", (None, ""))
 
 
 def check_bound(payload: np.ndarray, bound: Optional[int], rank: int, op: str) -> None:

@@ -3,7 +3,8 @@
 Each rank's exchange runs in its own thread against its own :class:`FakeTransport`; the
 collectives meet at a shared barrier. A rank that raises breaks the barrier, so the others get a
 :class:`TransportError` instead of waiting forever, and :func:`run_ranks` re-raises the first
-failure with its rank.
+failure with its rank. A deadline set with :meth:`Transport.watch` applies to each barrier: the
+rank that runs out of time raises :class:`TransportTimeout` naming the ranks that never arrived.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
-from .base import LENGTH_BYTES, Transport, TransportError, as_payload, check_bound
+from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, as_payload,
+                   check_bound)
 
 
 class FakeCluster:
@@ -25,18 +27,36 @@ class FakeCluster:
         self.timeout = timeout
         self._barrier = threading.Barrier(size, timeout=timeout)
         self._slots: List[Optional[np.ndarray]] = [None] * size
+        # Barriers each rank has entered: every rank enters the same sequence, so on a timeout
+        # the ranks behind this one are the ones that never arrived.
+        self._entered = [0] * size
+        self._aborted = False   # a rank failed (rather than a wait timing out)
 
     def transport(self, rank: int) -> "FakeTransport":
         return FakeTransport(self, rank)
 
-    def _wait(self, rank: int, what: str) -> None:
+    def _wait(self, rank: int, what: str, deadline: tuple = (None, "")) -> None:
+        seconds, label = deadline
+        self._entered[rank] += 1
+        mine = self._entered[rank]
+        # The cluster's own timeout caps every wait, so a broken test never hangs for long.
+        limit = self.timeout if seconds is None else min(seconds, self.timeout)
         try:
-            self._barrier.wait()
+            self._barrier.wait(limit)
         except threading.BrokenBarrierError as exc:
+            # Broken by whichever waiter timed out first: every waiter reports the timeout.
+            missing = [r for r in range(self.size) if self._entered[r] < mine]
+            if seconds is not None and seconds <= self.timeout and missing and not self._aborted:
+                where = f" in {label}" if label else ""
+                raise TransportTimeout(
+                    f"rank {rank}: {what}{where} timed out after {seconds:g} s: "
+                    f"rank(s) {', '.join(map(str, missing))} never arrived") from exc
             raise TransportError(f"rank {rank}: {what} aborted because a peer failed or timed out "
                                  f"after {self.timeout}s") from exc
 
     def abort(self) -> None:
+        """Break every wait now (a rank failed)."""
+        self._aborted = True
         self._barrier.abort()
 
 
@@ -55,13 +75,13 @@ class FakeTransport(Transport):
         check_bound(payload, bound, self.rank, "gather")
         c = self._c
         c._slots[self.rank] = payload.copy()
-        c._wait(self.rank, "gather")
+        c._wait(self.rank, f"gather to rank {root}", self.deadline)
         out = None
         received = 0
         if self.rank == root:
             out = [s.copy() for s in c._slots]
             received = sum(len(s) + LENGTH_BYTES for s in out)
-        c._wait(self.rank, "gather")
+        c._wait(self.rank, f"gather to rank {root}", self.deadline)
         self.stats.record("gather", len(payload) + LENGTH_BYTES, received)
         return out
 
@@ -71,9 +91,9 @@ class FakeTransport(Transport):
         if self.rank == root:
             c._slots[root] = as_payload(payload).copy()
             check_bound(c._slots[root], bound, self.rank, "broadcast")
-        c._wait(self.rank, "broadcast")
+        c._wait(self.rank, f"broadcast from rank {root}", self.deadline)
         out = c._slots[root].copy()
-        c._wait(self.rank, "broadcast")
+        c._wait(self.rank, f"broadcast from rank {root}", self.deadline)
         n = len(out) + LENGTH_BYTES
         self.stats.record("broadcast", n if self.rank == root else 0, n)
         return out

@@ -4,16 +4,24 @@ communicator and numpy-buffer collectives that the runtime and the public tensor
 Everything here works on numpy buffers (the API hands in views that alias tensor memory), so no
 torch import is needed. Variable-size collectives exchange int64 lengths first; receive buffers
 are allocated once and split into per-rank views, never filled element by element.
+
+The exchange's two collectives are nonblocking and polled against the deadline of
+:meth:`Transport.watch`, so a rank that died or hangs ends the step with a
+:class:`TransportTimeout` (naming the collective, the step and the missing ranks) instead of a
+silent hang. The gather is point-to-point (one matched receive per rank), which is what lets the
+root say exactly which ranks never sent.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
-from .base import LENGTH_BYTES, Transport, TransportError, as_payload, check_bound
+from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, as_payload,
+                   check_bound)
+from .deadline import poll_until
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,6 +66,10 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return displs
 
 
+# Tag of the exchange's point-to-point gather (the exchange communicator is private to it).
+_TAG_GATHER = 0x5D1
+
+
 class MpiTransport(Transport):
     """Payload collectives over one mpi4py intracommunicator (use a dedicated ``Dup`` so other
     traffic on the job communicator cannot interleave with the exchange)."""
@@ -69,35 +81,95 @@ class MpiTransport(Transport):
             raise TypeError(f"MpiTransport needs an mpi4py intracommunicator, got {type(comm).__name__}")
         super().__init__(comm.Get_rank(), comm.Get_size())
         self.comm = comm
+        self._broken: Optional[str] = None
 
+    # --- waiting ------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise TransportError(f"rank {self.rank}: the exchange transport is unusable after an "
+                                 f"earlier failure ({self._broken}); the job must be restarted")
+
+    def _poll(self, done: Callable[[], bool], op: str, root_side: bool,
+              stalled: Callable[[], str]) -> None:
+        seconds, label = self.deadline
+        try:
+            poll_until(done, rank=self.rank, seconds=seconds, label=label, op=op,
+                       root_side=root_side, stalled=stalled)
+        except TransportTimeout as exc:
+            # The abandoned request still references this communicator: never reuse it.
+            self._broken = str(exc)
+            raise
+
+    def _wait(self, req: Any, op: str, root_side: bool, stalled: str) -> None:
+        self._poll(req.Test, op, root_side, lambda: stalled)
+
+    # --- the exchange's collectives -----------------------------------------------------------
     @_mpi_errors("gather")
     def gather(self, payload: np.ndarray, root: int, bound: Optional[int] = None
                ) -> Optional[List[np.ndarray]]:
+        self._check_usable()
         payload = as_payload(payload)
-        check_bound(payload, bound, self.rank, "gather")  # Gatherv needs no padding
+        check_bound(payload, bound, self.rank, "gather")  # point-to-point needs no padding
         _check_root(root, self.size, "MpiTransport.gather")
-        is_root = self.rank == root
-        lengths = np.empty(self.size, dtype=np.int64) if is_root else None
-        self.comm.Gather(np.array([payload.size], dtype=np.int64), lengths, root=root)
-        if not is_root:
-            self.comm.Gatherv(payload, None, root=root)
+        op = f"gather to rank {root}"
+        if self.rank != root:
+            req = self.comm.Isend([payload, MPI.BYTE], dest=root, tag=_TAG_GATHER)
+            self._wait(req, op, False, f"rank {root} did not take this rank's "
+                       f"{payload.size}-byte payload (it died, hangs or is elsewhere)")
             self.stats.record("gather", payload.size + LENGTH_BYTES, 0)
             return None
-        displs = _offsets(lengths)
-        buf = np.empty(int(lengths.sum()), dtype=np.uint8)
-        self.comm.Gatherv(payload, [buf, (lengths, displs), MPI.BYTE], root=root)
-        self.stats.record("gather", payload.size + LENGTH_BYTES,
-                          int(lengths.sum()) + LENGTH_BYTES * self.size)
-        return np.split(buf, displs[1:])
+        out: List[Optional[np.ndarray]] = [None] * self.size
+        out[root] = payload.copy()
+        receiving: Dict[int, Tuple[Any, np.ndarray]] = {}
+        pending = set(range(self.size)) - {root}
+        status = MPI.Status()
+
+        def done() -> bool:
+            for j in sorted(pending):
+                if j not in receiving:
+                    msg = self.comm.Improbe(source=j, tag=_TAG_GATHER, status=status)
+                    if msg is None:
+                        continue
+                    buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+                    receiving[j] = (msg.Irecv([buf, MPI.BYTE]), buf)
+                req, buf = receiving[j]
+                if req.Test():
+                    out[j] = buf
+                    pending.discard(j)
+            return not pending
+
+        def stalled() -> str:
+            silent = sorted(pending - set(receiving))
+            partial = sorted(pending & set(receiving))
+            parts = []
+            if silent:
+                parts.append(f"rank(s) {', '.join(map(str, silent))} sent nothing")
+            if partial:
+                parts.append(f"rank(s) {', '.join(map(str, partial))} started but did not finish")
+            return "; ".join(parts) or "every rank has sent"
+
+        self._poll(done, op, True, stalled)
+        total = sum(b.size for b in out)  # type: ignore[union-attr]
+        self.stats.record("gather", payload.size + LENGTH_BYTES, total + LENGTH_BYTES * self.size)
+        return out  # type: ignore[return-value]
 
     @_mpi_errors("broadcast")
     def broadcast(self, payload: Optional[np.ndarray], root: int, bound: Optional[int] = None
                   ) -> np.ndarray:
+        self._check_usable()
         _check_root(root, self.size, "MpiTransport.broadcast")
         is_root = self.rank == root
         if is_root:
-            check_bound(as_payload(payload), bound, self.rank, "broadcast")
-        out = bcast_bytes(self.comm, as_payload(payload) if is_root else None, root)
+            payload = as_payload(payload)
+            check_bound(payload, bound, self.rank, "broadcast")
+        op = f"broadcast from rank {root}"
+        stalled = (f"rank {root} did not send" if not is_root
+                   else "a rank did not take part (it died, hangs or is elsewhere)")
+        length = np.array([payload.size if is_root else 0], dtype=np.int64)
+        self._wait(self.comm.Ibcast(length, root=root), op, is_root, stalled)
+        out = payload if is_root else np.empty(int(length[0]), dtype=np.uint8)
+        for lo in range(0, max(out.size, 1), _CHUNK):
+            self._wait(self.comm.Ibcast(out[lo:lo + _CHUNK], root=root), op, is_root, stalled)
         n = out.size + LENGTH_BYTES
         self.stats.record("broadcast", n if is_root else 0, n)
         return out

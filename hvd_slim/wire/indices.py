@@ -140,7 +140,13 @@ def _as_bytes(buf: BufferLike) -> np.ndarray:
         if buf.dtype != np.uint8 or buf.ndim != 1:
             raise WireError(f"index payload must be a 1-D uint8 array, got {buf.dtype} {buf.shape}")
         return buf
-    return np.frombuffer(buf, dtype=np.uint8)
+    if not isinstance(buf, (bytes, bytearray, memoryview)):
+        raise WireError(f"index payload must be bytes or a 1-D uint8 array, got "
+                        f"{type(buf).__name__}")
+    try:
+        return np.frombuffer(buf, dtype=np.uint8)
+    except (ValueError, TypeError, BufferError) as exc:   # e.g. a non-contiguous memoryview
+        raise WireError(f"index payload is not a readable byte buffer: {exc}") from None
 
 
 def _bits(section: np.ndarray, nbits: int, what: str) -> np.ndarray:

@@ -4,8 +4,10 @@ A message is one contiguous byte buffer::
 
     header (32 B) | table: 16 B per bucket | values of bucket 0, 1, ... | indices of bucket 0, 1, ...
 
-Header: magic ``HVSL``, version, kind, bucket count, sender rank, step, layout digest, reserved.
-Table entry per bucket: mode, index encoding, count of values, count of indices, index bytes.
+Header: magic ``HVSL``, version, kind, bucket count, sender rank, step, layout digest, and a
+last field that is zero, except in text messages (ERROR and the control kinds of control.py),
+where it is the length of the UTF-8 body that follows the header; an ERROR's bucket count holds
+its ``E_*`` code. Table entry per bucket: mode, index encoding, count of values, count of indices, index bytes.
 Values come first, in bucket order (widest dtype first), so each value section stays aligned for
 its dtype; explored indices never travel (the receiver regenerates them from the seed).
 
@@ -30,10 +32,17 @@ HEADER = struct.Struct("<4sBBHIQQI")
 ENTRY = struct.Struct("<BBHIII")
 assert HEADER.size == 32 and ENTRY.size == 16
 
-# Message kinds.
+# Message kinds. Data: PUSH, PULL and their flush variants (header, table, sections).
 PUSH, PULL, FLUSH_PUSH, FLUSH_PULL, ERROR = 1, 2, 3, 4, 5
+# Control (see control.py): the first-step handshake, and the decisions a step can end in.
+HELLO, AGREED, DESCRIBE, DESCRIPTION, NONFINITE, SKIP = 6, 7, 8, 9, 10, 11
 KIND_NAMES = {PUSH: "push", PULL: "pull", FLUSH_PUSH: "flush push", FLUSH_PULL: "flush pull",
-              ERROR: "error"}
+              ERROR: "error", HELLO: "hello", AGREED: "agreed", DESCRIBE: "describe request",
+              DESCRIPTION: "description", NONFINITE: "non-finite report", SKIP: "skip"}
+# Kinds whose body is UTF-8 text of ``extra`` bytes (the header's last field).
+TEXT_KINDS = (ERROR, DESCRIPTION, NONFINITE, SKIP)
+# ERROR codes (the header's bucket-count field), so every rank raises the same exception type.
+E_GENERIC, E_NONFINITE = 0, 1
 
 # Section modes.
 M_DENSE = 0         # all d values, no indices
@@ -46,7 +55,12 @@ MODE_NAMES = {M_DENSE: "dense", M_SLICE: "slice", M_SLICE_CACHED: "cached slice"
 
 
 class RemoteError(RuntimeError):
-    """The server reported a failure to every rank instead of a pull."""
+    """The server reported a failure to every rank instead of a pull. ``code`` is one of the
+    ``E_*`` codes."""
+
+    def __init__(self, message: str, code: int = E_GENERIC) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -102,18 +116,40 @@ def encode(kind: int, sender: int, step: int, digest: int, sections: Sequence[Se
 
 def is_error(buf: np.ndarray) -> bool:
     """True for a message made by :func:`encode_error`."""
-    return len(buf) >= HEADER.size and bytes(buf[:4]) == MAGIC and int(buf[5]) == ERROR
+    return isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1 \
+        and len(buf) >= HEADER.size and bytes(buf[:4]) == MAGIC and int(buf[5]) == ERROR
 
 
-def encode_error(sender: int, step: int, text: str) -> np.ndarray:
-    body = text.encode("utf-8", "replace")
-    head = HEADER.pack(MAGIC, VERSION, ERROR, 0, sender, step, 0, len(body))
+def encode_error(sender: int, step: int, text: str, code: int = E_GENERIC,
+                 limit: Optional[int] = None) -> np.ndarray:
+    """An ERROR message carrying ``text`` (cut to fit ``limit`` bytes in all) and ``code``."""
+    body = fit_text(text, None if limit is None else limit - HEADER.size)
+    head = HEADER.pack(MAGIC, VERSION, ERROR, code, sender, step, 0, len(body))
     return np.frombuffer(head + body, np.uint8).copy()
+
+
+def fit_text(text: str, room: Optional[int]) -> bytes:
+    """``text`` as UTF-8, cut at a character boundary to at most ``room`` bytes (marked "...")."""
+    body = text.encode("utf-8", "replace")
+    if room is None or len(body) <= room:
+        return body
+    mark = b"..." if room >= 3 else b""
+    return body[:max(0, room - len(mark))].decode("utf-8", "ignore").encode("utf-8") + mark
+
+
+def peek(buf: np.ndarray, who: str) -> int:
+    """The kind of a well-formed header (raises :class:`RemoteError` for an ERROR message and
+    :class:`WireError` for anything malformed), so a receiver can pick the right decoder."""
+    return _header(buf, who)[0]
 
 
 def _header(buf: np.ndarray, who: str) -> tuple:
     if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
-        raise WireError(f"{who}: payload must be a 1-D uint8 array")
+        what = type(buf).__name__ if not isinstance(buf, np.ndarray) else \
+            f"{buf.dtype} array of shape {buf.shape}"
+        raise WireError(f"{who}: payload must be a 1-D uint8 array, got a {what}")
+    if not buf.flags.c_contiguous:
+        raise WireError(f"{who}: payload must be contiguous")
     if len(buf) < HEADER.size:
         raise WireError(f"{who}: truncated message of {len(buf)} bytes, shorter than the "
                         f"{HEADER.size}-byte header")
@@ -126,16 +162,17 @@ def _header(buf: np.ndarray, who: str) -> tuple:
     if kind == ERROR:
         # The text may have been cut to fit the pull's bound: decode what arrived.
         text = bytes(buf[HEADER.size:HEADER.size + extra]).decode("utf-8", "replace")
-        raise RemoteError(text)
-    if extra != 0:
+        raise RemoteError(text, nb)
+    if kind not in KIND_NAMES:
+        raise WireError(f"{who}: unknown message kind {kind}")
+    if extra != 0 and kind not in TEXT_KINDS:
         raise WireError(f"{who}: reserved header field is {extra}, expected 0")
-    return kind, nb, sender, step, digest
+    return kind, nb, sender, step, digest, extra
 
 
-def decode(buf: np.ndarray, *, kind: int, sender: int, step: int, digest: int,
-           expect: Sequence[Expect], who: str) -> List[Section]:
-    """Strictly decode ``buf``; ``who`` names the message in errors (e.g. "push from rank 2")."""
-    got_kind, nb, got_sender, got_step, got_digest = _header(buf, who)
+def check_envelope(who: str, got: tuple, kind: int, sender: int, step: int, digest: int) -> None:
+    """Compare a header's (kind, sender, step, digest) with what the receiver expects."""
+    got_kind, got_sender, got_step, got_digest = got
     if got_kind != kind:
         raise WireError(f"{who}: expected a {KIND_NAMES.get(kind, kind)} message, got "
                         f"{KIND_NAMES.get(got_kind, got_kind)}")
@@ -148,6 +185,13 @@ def decode(buf: np.ndarray, *, kind: int, sender: int, step: int, digest: int,
     if got_step != step:
         raise WireError(f"{who}: message is for step {got_step}, expected step {step}: "
                         "ranks are out of step (a rank skipped or repeated optimizer.step())")
+
+
+def decode(buf: np.ndarray, *, kind: int, sender: int, step: int, digest: int,
+           expect: Sequence[Expect], who: str) -> List[Section]:
+    """Strictly decode ``buf``; ``who`` names the message in errors (e.g. "push from rank 2")."""
+    got_kind, nb, got_sender, got_step, got_digest, _ = _header(buf, who)
+    check_envelope(who, (got_kind, got_sender, got_step, got_digest), kind, sender, step, digest)
     if nb != len(expect):
         raise WireError(f"{who}: {nb} buckets, expected {len(expect)}")
     table_end = HEADER.size + ENTRY.size * nb

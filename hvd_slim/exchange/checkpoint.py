@@ -1,0 +1,161 @@
+"""Checkpointing one rank's exchange: what is saved, and a load that validates everything first.
+
+A checkpoint is refused, with a message naming what differs, when it comes from another rank or
+job size, another model (the first differing parameter is named) or other Slim-DP settings (the
+first differing field; ``timeout`` and ``nonfinite`` may change on resume). Everything is
+checked before anything is written, so a refused checkpoint leaves the optimizer untouched. The
+state holds only tensors and plain Python values: ``torch.load(..., weights_only=True)`` reads it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..config import RESUMABLE_FIELDS
+from .describe import config_difference, param_difference, params_of
+
+VERSION = 2
+FIX_RANK = ("Residuals are per rank: save every rank's optimizer.state_dict() (e.g. to "
+            "f'ckpt-{hvd.rank()}.pt') and load each rank's own; for one shared file, call "
+            "optimizer.flush() and drop the 'hvd_slim' entry before saving")
+
+
+def _where(keys: list) -> str:
+    return " and ".join(keys)
+
+
+def state_of(ex: Any) -> dict:
+    """This rank's exchange state (see :meth:`SlimExchange.state_dict`)."""
+    return {"version": VERSION, "rank": ex.rank, "size": ex.size, "step": ex.step_count,
+            "digest": ex.digest, "config": ex.cfg.to_dict(), "layout": ex.layout.description(),
+            "memory": {i: m.state_dict() for i, m in ex.memory.items()},
+            "selector": {i: s.state_dict() for i, s in ex.selector.items()},
+            "core": {i: c.clone() for i, c in ex.core.items()},
+            "pull_core": {i: c.clone() for i, c in ex.pull_core.items()},
+            "server": None if ex.server is None else ex.server.state_dict(),
+            "stats": ex.stats.state_dict()}
+
+
+def validate(ex: Any, state: Any) -> None:
+    """Raise ValueError (naming what differs and how to fix it) unless ``state`` can be loaded
+    into ``ex`` completely. Reads only."""
+    if not isinstance(state, dict) or state.get("version") not in (1, VERSION):
+        got = state.get("version") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"hvd_slim checkpoint: unknown format version {got!r}; expected the "
+                         "'hvd_slim' entry of an hvd_slim optimizer.state_dict()")
+    _check_same_exchange(ex, state)
+    if state.get("size") != ex.size or state.get("rank") != ex.rank:
+        raise ValueError(f"hvd_slim checkpoint holds the residuals of rank {state.get('rank')} "
+                         f"of {state.get('size')}; this is rank {ex.rank} of {ex.size}. {FIX_RANK}")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"hvd_slim checkpoint: step must be an integer >= 0, got {step!r}")
+    for b in ex.layout.sparse:
+        mem = _entry(state, "memory", b.index)
+        _tensor(mem, "residual", (b.numel,), b.dtype, b.index)
+        if ex.memory[b.index].velocity is not None:
+            _tensor(mem, "velocity", (b.numel,), b.dtype, b.index)
+        elif "velocity" in mem:
+            raise ValueError(f"hvd_slim checkpoint: bucket {b.index} has a momentum-correction "
+                             "velocity but this optimizer has none: load it with the same "
+                             "optimizer (SGD momentum) and momentum_correction setting")
+        _threshold(_entry(state, "selector", b.index), b.index)
+        _core(state.get("core"), b.index, b.k_core, b.numel, "core")
+        _core(state.get("pull_core"), b.index, b.k_pull_core, b.numel, "pull core")
+    if ex.server is not None:
+        _check_server(ex, state.get("server"))
+    if not isinstance(state.get("stats", {}), dict):
+        raise ValueError("hvd_slim checkpoint: 'stats' must be a dict")
+
+
+def load(ex: Any, state: dict) -> None:
+    """Copy a :func:`validate`-d state into ``ex``."""
+    ex.step_count = int(state["step"])
+    for i, m in ex.memory.items():
+        m.load_state_dict(state["memory"][i])
+        ex.selector[i].load_state_dict(state["selector"][i])
+    ex.core = {int(i): c.clone() for i, c in state["core"].items()}
+    ex.pull_core = {int(i): c.clone() for i, c in state["pull_core"].items()}
+    if ex.server is not None:
+        ex.server.load_state_dict(state["server"])
+    ex.stats.load_state_dict(state.get("stats", {}))
+
+
+# --- checks ------------------------------------------------------------------------------------
+def _check_same_exchange(ex: Any, state: dict) -> None:
+    """Same model (by layout description when saved, else by digest) and same settings."""
+    saved_cfg = state.get("config")
+    cfg_diff = config_difference({"in the checkpoint": saved_cfg, "now": ex.cfg.to_dict()},
+                                 _where, ignore=RESUMABLE_FIELDS)
+    if cfg_diff:
+        raise ValueError(f"hvd_slim checkpoint was made with other Slim-DP settings: {cfg_diff}. "
+                         "Resume with the same DistributedOptimizer keywords and HVD_SLIM_* "
+                         "variables (only timeout and nonfinite may change)")
+    if "layout" in state:
+        try:
+            saved = params_of({"params": state["layout"]})
+        except ValueError as exc:
+            raise ValueError(f"hvd_slim checkpoint: unreadable layout ({exc})") from None
+        now = params_of({"params": ex.layout.description()})
+        diff = param_difference({"in the checkpoint": saved, "now": now}, _where)
+        if diff:
+            raise ValueError(f"hvd_slim checkpoint was made with a different model: {diff}. "
+                             "Load it into the model it was saved from")
+    elif state.get("digest") != ex.digest:
+        raise ValueError("hvd_slim checkpoint was made with a different model or Slim-DP "
+                         f"config: saved {saved_cfg}, now {ex.cfg.to_dict()}")
+
+
+def _entry(state: dict, key: str, index: int) -> Dict[str, Any]:
+    table = state.get(key)
+    if not isinstance(table, dict) or not isinstance(table.get(index), dict):
+        raise ValueError(f"hvd_slim checkpoint lacks {key} of bucket {index}")
+    return table[index]
+
+
+def _tensor(d: dict, key: str, shape: tuple, dtype: torch.dtype, index: int) -> None:
+    t = d.get(key)
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+        got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(type(t))
+        raise ValueError(f"hvd_slim checkpoint: bucket {index} {key} is {got}, expected "
+                         f"{shape} {dtype}")
+
+
+def _threshold(d: dict, index: int) -> None:
+    thr = d.get("threshold")
+    if thr is not None and (not isinstance(thr, (int, float)) or not math.isfinite(thr)):
+        raise ValueError(f"hvd_slim checkpoint: bucket {index} selector threshold {thr!r} is "
+                         "not a finite number")
+
+
+def _core(table: Any, index: int, k: int, d: int, what: str) -> None:
+    """An optional cached core: k sorted, distinct int64 indices in [0, d)."""
+    if not isinstance(table, dict):
+        raise ValueError(f"hvd_slim checkpoint: the {what} table is missing")
+    c: Optional[torch.Tensor] = table.get(index)
+    if c is None:
+        return
+    ok = (isinstance(c, torch.Tensor) and c.dtype == torch.int64 and c.dim() == 1
+          and c.numel() == k and (k == 0 or (int(c[0]) >= 0 and int(c[-1]) < d
+                                             and bool((c[1:] > c[:-1]).all()))))
+    if not ok:
+        raise ValueError(f"hvd_slim checkpoint: bucket {index} {what} is not {k} sorted distinct "
+                         f"indices in [0, {d})")
+
+
+def _check_server(ex: Any, srv: Any) -> None:
+    if not isinstance(srv, dict):
+        raise ValueError(f"rank {ex.rank} is the server but its checkpoint has no server state: "
+                         "was server_rank changed?")
+    cores = srv.get("worker_cores")
+    if not isinstance(cores, list) or len(cores) != ex.size:
+        n = len(cores) if isinstance(cores, list) else "?"
+        raise ValueError(f"server checkpoint is from a job of {n} ranks, this job has {ex.size}")
+    for b in ex.layout.sparse:
+        _tensor(_entry(srv, "memory", b.index), "residual", (b.numel,), b.dtype, b.index)
+        _threshold(_entry(srv, "selector", b.index), b.index)
+        _core(srv.get("pull_core"), b.index, b.k_pull_core, b.numel, "server pull core")
+        for j, table in enumerate(cores):
+            _core(table, b.index, b.k_core, b.numel, f"server's copy of rank {j}'s core")

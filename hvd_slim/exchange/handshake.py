@@ -1,0 +1,110 @@
+"""The first-step handshake: every rank checks, once, that all ranks run the same exchange.
+
+Rank 0 gathers a 32-byte HELLO (step and digest of names, shapes, dtypes and config) from every
+rank. When all agree it answers AGREED and training goes on: one small round trip per run.
+Otherwise it answers DESCRIBE, every rank sends a JSON description (describe.py), and rank 0
+broadcasts one ERROR naming the first differing config field and parameter and the ranks on each
+side, which every rank raises as the same :class:`ExchangeError`. Rank 0 leads whatever
+``server_rank`` says, so ranks that disagree on the server cannot wait on different roots.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ..wire import control
+from ..wire import message as wm
+from .describe import config_difference, describe, grouped, param_difference, params_of, \
+    ranks_text
+from .errors import ExchangeError
+
+ROOT = 0
+REPLY_BOUND = 1 << 14  # every reply (AGREED, DESCRIBE, ERROR) fits; error texts are cut to fit
+FIX = ("Every rank must build the same model, freeze the same parameters, pass the same "
+       "DistributedOptimizer keywords and HVD_SLIM_* variables, and call optimizer.step() the "
+       "same number of times (a resumed job: every rank loads its own checkpoint of one save)")
+
+
+def agree(ex: Any, step: int) -> None:
+    """Collective over every rank of ``ex.transport``: return when all ranks agree with this
+    one, else raise the same :class:`ExchangeError` on every rank."""
+    tr, rank = ex.transport, ex.rank
+    hello = control.encode_control(wm.HELLO, rank, step, ex.digest)
+    got = tr.gather(hello, root=ROOT, bound=len(hello))
+    reply = _guard(lambda: _judge_hellos(got, step), step) if rank == ROOT else None
+    if _read_reply(tr.broadcast(reply, root=ROOT, bound=REPLY_BOUND), step) == wm.AGREED:
+        return
+    desc = control.encode_description(rank, step, ex.digest,
+                                      describe(ex.layout, ex.cfg, rank, step, ex.digest))
+    got = tr.gather(desc, root=ROOT, bound=None)
+    reply = _guard(lambda: _judge_descriptions(got, step), step) if rank == ROOT else None
+    _read_reply(tr.broadcast(reply, root=ROOT, bound=REPLY_BOUND), step)
+    raise ExchangeError(f"rank {rank}: the handshake of step {step} ended without a verdict")
+
+
+def _guard(judge: Any, step: int) -> np.ndarray:
+    """Rank 0's verdict, or an ERROR carrying whatever went wrong while judging."""
+    try:
+        return judge()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
+        return wm.encode_error(ROOT, step, f"rank {ROOT} could not check the ranks' agreement at "
+                               f"step {step}: {type(exc).__name__}: {exc}", limit=REPLY_BOUND)
+
+
+def _read_reply(buf: np.ndarray, step: int) -> int:
+    """AGREED or DESCRIBE; an ERROR raises its text as :class:`ExchangeError`."""
+    who = f"handshake reply from rank {ROOT}"
+    try:
+        kind = wm.peek(buf, who)
+        if kind not in (wm.AGREED, wm.DESCRIBE):
+            raise wm.WireError(f"{who}: unexpected {wm.KIND_NAMES[kind]} message")
+        control.decode_control(buf, kind=kind, sender=ROOT, step=step, digest=None, who=who)
+        return kind
+    except wm.RemoteError as exc:
+        raise ExchangeError(str(exc)) from None
+    except wm.WireError as exc:
+        raise ExchangeError(str(exc)) from None
+
+
+def _judge_hellos(got: List[np.ndarray], step: int) -> np.ndarray:
+    steps: Dict[int, str] = {}
+    digests: Dict[int, str] = {}
+    for j, buf in enumerate(got):
+        s, d = control.decode_control(buf, kind=wm.HELLO, sender=j, step=None, digest=None,
+                                      who=f"hello from rank {j}")
+        steps[j], digests[j] = f"step {s}", f"{d:016x}"
+    if len(set(digests.values())) > 1:
+        return control.encode_control(wm.DESCRIBE, ROOT, step, 0)
+    if len(set(steps.values())) > 1:
+        return wm.encode_error(ROOT, step, "hvd_slim: the ranks are out of step: "
+                               f"{grouped(steps, ranks_text)}. {FIX}", limit=REPLY_BOUND)
+    return control.encode_control(wm.AGREED, ROOT, step, 0)
+
+
+def _judge_descriptions(got: List[np.ndarray], step: int) -> np.ndarray:
+    descs: Dict[int, dict] = {}
+    for j, buf in enumerate(got):
+        # Strict, but without a digest check: the digests are what differs.
+        descs[j] = control.decode_description(buf, sender=j, step=step, digest=None,
+                                              who=f"description from rank {j}")
+    return wm.encode_error(ROOT, step, mismatch_text(descs, step), limit=REPLY_BOUND)
+
+
+def mismatch_text(descs: Dict[int, dict], step: Optional[int] = None) -> str:
+    """The error every rank raises when ``descs`` (rank -> description) disagree."""
+    params = {}
+    for j, d in descs.items():
+        try:
+            params[j] = params_of(d)
+        except ValueError as exc:
+            return f"hvd_slim: rank {j} sent an unreadable description ({exc})"
+    found = [t for t in (config_difference({j: d.get("config") for j, d in descs.items()},
+                                           ranks_text),
+                         param_difference(params, ranks_text)) if t]
+    digests = grouped({j: f"{d.get('digest')}" for j, d in descs.items()}, ranks_text)
+    at = "" if step is None else f" at step {step}"
+    detail = ". ".join(t[0].upper() + t[1:] for t in found) if found else \
+        "No parameter or config field differs (a different hvd_slim version on some rank?)"
+    return (f"hvd_slim: the ranks disagree on the model or the Slim-DP settings{at}. {detail}. "
+            f"(Layout/config digest {digests}.) {FIX}")

@@ -1,0 +1,119 @@
+"""The worker's side of a step: read the gradients, compensate and select (speculatively), and
+settle the outcome on this rank's memory once the pull says how the step ended.
+
+Mixed into :class:`~hvd_slim.exchange.step.SlimExchange`, which owns the state used here
+(``layout``, ``cfg``, ``memory``, ``selector``, ``core``, ``_flat``, ``_score``, ``_pending``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..selection import explore, significance
+from ..wire import message as wm
+from .codec import is_refresh, to_bytes
+from .finite import describe, nonfinite_params, nonfinite_sent
+from .layout import DENSE, Bucket
+from .server import ROLE_PUSH
+
+
+@dataclass
+class Proposal:
+    """One bucket's part of the step in flight, applied to the memory only on success."""
+
+    index: int
+    sel: Optional[torch.Tensor]            # coordinates sent (None: all of them)
+    delivered: Optional[torch.Tensor]      # what the receiver sees there, when lossy
+    mask_velocity: bool = True
+    a: Optional[torch.Tensor] = None       # proposed residual before forgetting ``sel``
+    u_new: Optional[torch.Tensor] = None   # proposed velocity (momentum correction)
+    core: Optional[torch.Tensor] = None    # a freshly selected core, cached once committed
+
+
+class WorkerSide:
+    """Compensate/select and commit/absorb/rollback, for one rank."""
+
+    def _compensate_and_select_all(self, t: int) -> Tuple[List[wm.Section], Optional[str]]:
+        """Every bucket's section, or (when a value is NaN/Inf and nonfinite is not
+        "propagate") a report naming the tensors instead; nothing is folded in then."""
+        check = self.cfg.nonfinite != "propagate"
+        grads, bad = [], []
+        for b in self.layout.buckets:
+            g = self.layout.read_grads(b, self._flat[b.index])
+            if self.cfg.op == "average" and self.cfg.gradient_predivide_factor != 1.0:
+                g.div_(self.cfg.gradient_predivide_factor)
+            if check:
+                bad += nonfinite_params(b, g)
+            grads.append(g)
+        if bad:
+            return [], describe(bad, overflow=False)
+        sections, overflow, wire_dtype = [], [], None
+        for b, g in zip(self.layout.buckets, grads):
+            sec, wire, sel = self._compensate_and_select(b, t, g)
+            if check and wire.dtype != b.dtype:
+                found = nonfinite_sent(b, wire, sel)
+                overflow, wire_dtype = overflow + found, (wire.dtype if found else wire_dtype)
+            sections.append(sec)
+        if overflow:
+            return [], describe(overflow, overflow=True, wire_dtype=wire_dtype)
+        return sections, None
+
+    def _compensate_and_select(self, b: Bucket, t: int, g: torch.Tensor
+                               ) -> Tuple[wm.Section, torch.Tensor, Optional[torch.Tensor]]:
+        cfg = self.cfg
+        if b.kind == DENSE:
+            wire = g.to(b.wire_dtype)
+            return wm.make_section(wm.M_DENSE, to_bytes(wire), b.numel), wire, None
+        a, u_new = self.memory[b.index].propose(g)
+        t_sel = time.perf_counter()
+        new_core = None
+        if is_refresh(t, cfg.refresh_interval) or b.index not in self.core:
+            w = None
+            if cfg.magnitude_weight > 0:
+                w = self.layout.read_params(b, torch.empty_like(a))
+            score = significance(a, w, cfg.magnitude_weight, out=self._score[b.index])
+            new_core = self.selector[b.index].select(score, b.k_core)
+        core = self.core[b.index] if new_core is None else new_core
+        sel = torch.cat([core, explore(b.numel, core, b.k_explore,
+                                       (cfg.seed, ROLE_PUSH, self.rank, t, b.index)).to(b.device)])
+        self.stats.select_seconds += time.perf_counter() - t_sel
+        wire = a[sel].to(b.wire_dtype)
+        self._pending.append(Proposal(b.index, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype
+                                       else None, True, a, u_new, new_core))
+        if is_refresh(t, cfg.refresh_interval):
+            sec = wm.make_section(wm.M_SLICE, to_bytes(wire), b.numel, indices=core.cpu().numpy())
+        else:
+            sec = wm.make_section(wm.M_SLICE_CACHED, to_bytes(wire), b.numel)
+        return sec, wire, sel
+
+    # --- the step's outcome on this rank's memory --------------------------------------------
+    def _commit(self) -> None:
+        """The step went through: forget what was sent, cache fresh cores."""
+        for p in self._pending:
+            mem = self.memory[p.index]
+            if p.a is None:
+                mem.update(p.sel, p.delivered, p.mask_velocity)
+                continue
+            self._flat[p.index] = mem.commit(p.a, p.u_new, p.sel, p.delivered, p.mask_velocity)
+            if p.core is not None:
+                self.core[p.index] = p.core
+        self._pending = []
+
+    def _absorb(self) -> None:
+        """The step failed: keep what was computed (nothing was delivered), so nothing is lost."""
+        empty = torch.empty(0, dtype=torch.int64)
+        for p in self._pending:
+            if p.a is not None:
+                mem = self.memory[p.index]
+                self._flat[p.index] = mem.commit(p.a, p.u_new, empty.to(p.a.device))
+        self._pending = []
+
+    def _rollback(self, selectors: Dict[int, dict]) -> None:
+        """Every rank drops the step (NaN/Inf): no residual, velocity or core changes."""
+        self._pending = []
+        for i, st in selectors.items():
+            self.selector[i].load_state_dict(st)
+

@@ -1,0 +1,175 @@
+"""Bad arguments are rejected when the optimizer is built, naming the argument (or the
+HVD_SLIM_* variable it came from) and what would be accepted (issue 6, "Bad arguments")."""
+import numpy as np
+import pytest
+import torch
+
+import hvd_slim
+from hvd_slim.config import ENV_KEYWORDS, ConfigError, SlimConfig, resolve_config
+from hvd_slim.transport import FakeCluster
+
+
+def _model_and_opt(opt_cls=torch.optim.SGD, **opt_kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Linear(60, 3))
+    return model, opt_cls(model.parameters(), **(opt_kw or {"lr": 0.1}))
+
+
+def build(size=1, opt_cls=torch.optim.SGD, opt_kw=None, **kw):
+    model, opt = _model_and_opt(opt_cls, **(opt_kw or {}))
+    kw.setdefault("transport", FakeCluster(size).transport(0))
+    kw.setdefault("named_parameters", model.named_parameters())
+    return hvd_slim.DistributedOptimizer(opt, **kw)
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in ENV_KEYWORDS:
+        monkeypatch.delenv("HVD_SLIM_" + name.upper(), raising=False)
+
+
+# --- keywords ---------------------------------------------------------------------------------
+BAD_FRACTIONS = [0.0, -0.1, 1.5, float("inf"), float("-inf"), "x", None, True, [0.1],
+                 float("nan")]
+# exploration=0 is valid (no exploration); pull_density=None means "the same as density".
+FRACTION_CASES = [(name, low_open, v) for name, low_open in (("density", True),
+                                                             ("pull_density", True),
+                                                             ("exploration", False))
+                  for v in BAD_FRACTIONS
+                  if not (v == 0.0 and name == "exploration") and not (v is None and
+                                                                       name == "pull_density")]
+
+
+@pytest.mark.parametrize("name, low_open, value", FRACTION_CASES)
+def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
+    rng = r"\(0, 1\]" if low_open else r"\[0, 1\]"
+    with pytest.raises(ValueError, match=rf"^{name} must be .*in {rng}, got"):
+        build(**{name: value})
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(refresh_interval=0), r"^refresh_interval must be >= 1, got 0"),
+    (dict(refresh_interval=-3), r"^refresh_interval must be >= 1"),
+    (dict(refresh_interval=1.5), r"^refresh_interval must be an integer >= 1"),
+    (dict(backward_passes_per_step=0), r"^backward_passes_per_step must be >= 1"),
+    (dict(backward_passes_per_step="2"), r"^backward_passes_per_step must be an integer >= 1"),
+    (dict(server_rank=2), r"^server_rank must be in \[0, 2\) for a job of 2 ranks, got 2"),
+    (dict(server_rank=-1), r"^server_rank must be >= 0"),
+    (dict(min_compress_numel=-1), r"^min_compress_numel must be >= 0"),
+    (dict(pull="both"), r"^pull must be one of \('slim', 'union'\), got 'both'"),
+    (dict(transport="carrier-pigeon"), r"transport='carrier-pigeon' is not a transport"),
+    (dict(op=hvd_slim.collectives.Sum, gradient_predivide_factor=2.0),
+     r"gradient_predivide_factor not supported with op != Average"),
+    (dict(gradient_predivide_factor=float("nan")), r"gradient_predivide_factor must be a finite"),
+    (dict(gradient_predivide_factor=0), r"gradient_predivide_factor must be a finite number > 0"),
+    (dict(magnitude_weight=-1.0), r"^magnitude_weight must be a finite number >= 0"),
+    (dict(seed=-1), r"^seed must be >= 0"),
+    (dict(momentum_correction="yes"), r"^momentum_correction must be True, False or None"),
+    (dict(nonfinite="ignore"), r"^nonfinite must be one of \('raise', 'skip', 'propagate'\)"),
+    (dict(timeout=-1), r"^timeout must be a number of seconds > 0, or 0/None"),
+    (dict(timeout=float("nan")), r"^timeout must be a number of seconds"),
+    (dict(timeout="soon"), r"^timeout must be a number of seconds"),
+])
+def test_out_of_range_keywords(kw, match):
+    with pytest.raises(ValueError, match=match):
+        build(size=2, **kw)
+
+
+def test_unknown_keyword_is_a_type_error_listing_the_known_ones():
+    with pytest.raises(TypeError, match=r"densty.*Slim-DP keywords are .*'density'.*'nonfinite'"):
+        build(densty=0.1)
+
+
+def test_named_parameters_duplicate_missing_and_malformed():
+    model, opt = _model_and_opt()
+    named = list(model.named_parameters())
+    tr = FakeCluster(1).transport(0)
+    with pytest.raises(ValueError, match=r"unique\. Found duplicates: 0\.weight"):
+        hvd_slim.DistributedOptimizer(opt, named_parameters=named + named[:1], transport=tr)
+    with pytest.raises(ValueError, match=r"not named \(1 of shapes \(60, 40\)\)"):
+        hvd_slim.DistributedOptimizer(opt, named_parameters=named[1:], transport=tr)
+    with pytest.raises(ValueError, match="tuples"):
+        hvd_slim.DistributedOptimizer(opt, named_parameters=[p for _, p in named], transport=tr)
+
+
+def test_numpy_scalars_are_accepted_and_normalised():
+    """A density computed with numpy must not make one rank's digest differ from another's."""
+    opt = build(density=np.float64(0.05), refresh_interval=np.int64(2), seed=np.int32(3))
+    cfg = opt.slim_config
+    assert type(cfg.density) is float and type(cfg.refresh_interval) is int
+    assert cfg.digest() == SlimConfig(density=0.05, refresh_interval=2, seed=3).digest()
+
+
+def test_new_keywords_have_defaults_and_take_values():
+    cfg = build().slim_config
+    assert cfg.nonfinite == "raise" and cfg.timeout == 600.0
+    cfg = build(nonfinite="skip", timeout=0).slim_config
+    assert cfg.nonfinite == "skip" and cfg.timeout is None   # 0 waits forever
+
+
+# --- the same checks from HVD_SLIM_* ----------------------------------------------------------
+BAD_ENV = [
+    ("density", "0"), ("density", "abc"), ("density", "nan"),
+    ("exploration", "2"), ("exploration", "nan"),
+    ("refresh_interval", "0"), ("refresh_interval", "1.5"),
+    ("magnitude_weight", "-1"), ("magnitude_weight", "inf"),
+    ("momentum_correction", "maybe"),
+    ("pull", "both"),
+    ("pull_density", "0"), ("pull_density", "x"),
+    ("min_compress_numel", "-5"), ("min_compress_numel", "many"),
+    ("server_rank", "-1"), ("server_rank", "7"),
+    ("seed", "-3"), ("seed", "x"),
+    ("nonfinite", "ignore"),
+    ("timeout", "-1"), ("timeout", "soon"),
+]
+
+
+def test_every_environment_keyword_is_covered():
+    assert {name for name, _ in BAD_ENV} == set(ENV_KEYWORDS)
+
+
+@pytest.mark.parametrize("name, text", BAD_ENV)
+def test_bad_environment_values_name_the_variable(monkeypatch, name, text):
+    var = "HVD_SLIM_" + name.upper()
+    monkeypatch.setenv(var, text)
+    with pytest.raises(ValueError) as info:
+        build(size=2)
+    msg = str(info.value)
+    assert var in msg and name in msg, msg
+    # The message says what is accepted (a range, a list or a form).
+    assert any(hint in msg for hint in ("[0, ", "(0, 1]", ">=", "one of", "true, false",
+                                        "integer", "number", "seconds")), msg
+
+
+@pytest.mark.parametrize("name, text", BAD_ENV)
+def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
+    monkeypatch.setenv("HVD_SLIM_" + name.upper(), text)
+    good = {"density": 0.05, "exploration": 0.2, "refresh_interval": 1, "magnitude_weight": 0.0,
+            "momentum_correction": None, "pull": "union", "pull_density": 0.05,
+            "min_compress_numel": 100, "server_rank": 1, "seed": 4, "nonfinite": "skip",
+            "timeout": 30}[name]
+    assert getattr(build(size=2, **{name: good}).slim_config, name) == good
+
+
+def test_momentum_correction_from_the_environment_is_named_when_it_cannot_apply(monkeypatch):
+    monkeypatch.setenv("HVD_SLIM_MOMENTUM_CORRECTION", "true")
+    with pytest.raises(ValueError, match=r"needs torch.optim.SGD with momentum.*"
+                                         r"HVD_SLIM_MOMENTUM_CORRECTION"):
+        build(opt_cls=torch.optim.Adam, opt_kw={"lr": 0.1}, min_compress_numel=100)
+
+
+def test_good_environment_values_are_used(monkeypatch):
+    monkeypatch.setenv("HVD_SLIM_NONFINITE", "Skip")
+    monkeypatch.setenv("HVD_SLIM_TIMEOUT", "none")
+    monkeypatch.setenv("HVD_SLIM_MIN_COMPRESS_NUMEL", "1e3")
+    cfg = build().slim_config
+    assert cfg.nonfinite == "skip" and cfg.timeout is None and cfg.min_compress_numel == 1000
+
+
+def test_resolve_config_reports_the_field_of_every_error():
+    for name, text in BAD_ENV:
+        if name == "server_rank" and text == "7":
+            continue  # needs the world size: checked by check_world (above)
+        with pytest.raises(ConfigError) as info:
+            resolve_config({}, {"HVD_SLIM_" + name.upper(): text})
+        assert info.value.field == name, (name, text, info.value.field)

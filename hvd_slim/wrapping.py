@@ -116,19 +116,35 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
     config = resolve_config(dict(kwargs, op=op_name,
                                  gradient_predivide_factor=gradient_predivide_factor,
                                  backward_passes_per_step=backward_passes_per_step))
-    transport = _resolve_transport(transport)
+    transport = _resolve_transport(transport, named)
     config.check_world(transport.size)
     return SlimSettings(config, named, compression, transport)
 
 
-def _resolve_transport(transport: Any) -> Transport:
+def _resolve_transport(transport: Any, named: List[Tuple[str, torch.Tensor]]) -> Transport:
+    """A Transport instance is used as given; a name (or ``HVD_SLIM_TRANSPORT``) is resolved by
+    :func:`hvd_slim.runtime.transports.resolve` for the device the parameters live on."""
+    device = parameter_device(named)
     if isinstance(transport, Transport):
         return transport
-    if transport in (None, "mpi", "auto"):
-        from .runtime import world_transport
-        return world_transport()
-    raise ValueError(f"transport must be 'mpi' or a Transport instance, got {transport!r}; "
-                     "available: ['mpi']")
+    from .runtime.transports import resolve
+    return resolve(transport, device)
+
+
+def parameter_device(named: List[Tuple[str, torch.Tensor]]) -> torch.device:
+    """The one device every parameter lives on (CPU when there are none). One optimizer's
+    exchange runs over one transport, so parameters on several devices are refused, naming one
+    parameter on each."""
+    first: Dict[torch.device, str] = {}
+    for name, p in named:
+        first.setdefault(p.device, name)
+    if len(first) > 1:
+        shown = "; ".join(f"{name!r} is on {dev}" for dev, name in list(first.items())[:3])
+        raise ValueError(f"DistributedOptimizer: the parameters are on {len(first)} devices ({shown}). "
+                         "hvd_slim exchanges one optimizer's gradients over one transport: move the "
+                         "model to one device first (model.to(device)), or wrap one optimizer per "
+                         "device")
+    return next(iter(first), torch.device("cpu"))
 
 
 def momentum_plan(optimizer: torch.optim.Optimizer, layout: Layout, config: SlimConfig

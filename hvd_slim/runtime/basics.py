@@ -3,15 +3,20 @@ flags, and the job communicator that the tensor API and the optimizer's transpor
 
 mpi4py is imported (and MPI initialised) only inside :func:`init`, so ``import hvd_slim`` stays
 cheap and works on a machine without MPI.
+
+Inside an initialised Horovod (``horovod.torch``'s ``hvd.init()``) no ``hvd_slim.init()`` is
+needed: rank queries answer from Horovod, and the first collective (building a
+``DistributedOptimizer``, a broadcast) starts hvd_slim on the same MPI world.
 """
 from __future__ import annotations
 
 import importlib.util
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from . import abort, env
+from . import abort, env, horovod
 
 NOT_INITIALIZED = "hvd_slim has not been initialized; use hvd.init()."
 
@@ -77,12 +82,18 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
     with _lock:
         if _state is not None:
             return
+        # Before MPI starts: under horovodrun --gloo it would come up as a singleton per rank.
+        horovod.check_not_gloo_only()
         mpi = _mpi()
         # Installed first so a failure from here on still ends every rank of the job.
         abort.install()
         env.check_against_mpi(*mpi.world_rank_size())
+        if comm is None:
+            horovod.check_against(*mpi.world_rank_size())
         job = _job_comm(mpi, comm)
         rank, size = job.Get_rank(), job.Get_size()
+        if comm is not None:
+            horovod.check_against(rank, size, "the communicator given to hvd_slim.init(comm=...)")
         local = mpi.split_shared(job)
         local_rank, local_size = local.Get_rank(), local.Get_size()
         # Ranks with the same local rank form one cross communicator (one rank per node).
@@ -90,6 +101,8 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
         _state = _State(comm=job, exchange_comm=mpi.dup(job), local_comm=local, cross_comm=cross,
                         rank=rank, size=size, local_rank=local_rank, local_size=local_size,
                         cross_rank=cross.Get_rank(), cross_size=cross.Get_size())
+        if horovod.initialized_horovod() is not None:
+            horovod.register_exit_barrier()
 
 
 def shutdown() -> None:
@@ -97,6 +110,10 @@ def shutdown() -> None:
     global _state
     with _lock:
         state, _state = _state, None
+    # torch.distributed transports (transport="gloo"/"nccl") are torn down with the runtime.
+    torch_dist = sys.modules.get("hvd_slim.transport.torch_dist")
+    if torch_dist is not None:
+        torch_dist.close_all()
     if state is None:
         return
     if state.transport is not None:
@@ -118,45 +135,65 @@ def _require() -> _State:
     return state
 
 
+def _require_started() -> _State:
+    """The state, first starting hvd_slim from an initialised Horovod. Collective in that case:
+    call it only where every rank calls it (collectives, building an optimizer)."""
+    if _state is None and horovod.initialized_horovod() is not None:
+        init()
+    return _require()
+
+
+def _query(attr: str) -> int:
+    """A rank/size query; before hvd_slim starts inside Horovod, Horovod answers it (a query
+    must never trigger the collective start-up, which would hang if one rank asked alone)."""
+    state = _state
+    if state is None:
+        hvd = horovod.initialized_horovod()
+        if hvd is not None:
+            return int(getattr(hvd, attr)())
+    return getattr(_require(), attr)
+
+
 def job_comm() -> Any:
     """The job communicator the public tensor API runs its collectives on."""
-    return _require().comm
+    return _require_started().comm
 
 
 def rank() -> int:
     """This process's rank in the job, in [0, size())."""
-    return _require().rank
+    return _query("rank")
 
 
 def size() -> int:
     """Number of processes in the job."""
-    return _require().size
+    return _query("size")
 
 
 def local_rank() -> int:
     """Rank among the processes on this node (use it to pick a GPU)."""
-    return _require().local_rank
+    return _query("local_rank")
 
 
 def local_size() -> int:
     """Number of the job's processes on this node."""
-    return _require().local_size
+    return _query("local_size")
 
 
 def cross_rank() -> int:
     """Rank among the job's processes that have this process's local rank (the node index)."""
-    return _require().cross_rank
+    return _query("cross_rank")
 
 
 def cross_size() -> int:
     """Number of processes that share this process's local rank (normally the node count)."""
-    return _require().cross_size
+    return _query("cross_size")
 
 
 def world_transport() -> Any:
     """The :class:`~hvd_slim.transport.mpi.MpiTransport` for the optimizer's exchange, on a
-    communicator of its own so API collectives never interleave with it. Cached; not collective."""
-    state = _require()
+    communicator of its own so API collectives never interleave with it. Cached; collective only
+    when it starts hvd_slim from an initialised Horovod."""
+    state = _require_started()
     if state.transport is None:
         state.transport = _mpi().MpiTransport(state.exchange_comm)
     return state.transport

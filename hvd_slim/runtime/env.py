@@ -1,4 +1,4 @@
-"""Rank discovery from the launcher's environment (mpirun, PMI launchers, horovodrun).
+"""Rank discovery from the launcher's environment (mpirun, PMI launchers, horovodrun, torchrun).
 
 The values are only used to cross-check MPI at ``init()``: a process started by a launcher whose
 MPI differs from the one mpi4py loaded comes up as a lone singleton, and without this check every
@@ -14,6 +14,7 @@ ENV_PAIRS = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
     ("PMI_RANK", "PMI_SIZE"),
     ("HOROVOD_RANK", "HOROVOD_SIZE"),
+    ("RANK", "WORLD_SIZE"),  # torchrun
 )
 
 
@@ -56,6 +57,13 @@ def check_against_mpi(mpi_rank: int, mpi_size: int, env: Optional[Mapping[str, s
     if announced is None:
         return
     rank, size, source = announced
+    if (rank, size) != (mpi_rank, mpi_size) and source == "RANK/WORLD_SIZE":
+        raise RuntimeError(
+            f"hvd_slim.init(): this process was started by torchrun as rank {rank} of {size} "
+            f"(RANK/WORLD_SIZE), not by an MPI launcher, so MPI reports rank {mpi_rank} of "
+            f"{mpi_size}. hvd_slim.init() and its Horovod-style collectives need mpirun or "
+            f"horovodrun. Under torchrun, skip hvd_slim.init(), pass transport='gloo' (or 'nccl' "
+            f"for CUDA parameters) to DistributedOptimizer and broadcast with torch.distributed.")
     if (rank, size) != (mpi_rank, mpi_size):
         raise RuntimeError(
             f"hvd_slim.init(): the launcher says this is rank {rank} of {size} ({source}) but MPI "

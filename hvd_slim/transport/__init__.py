@@ -1,6 +1,19 @@
-"""Transports: the only code that talks to a network (mpi4py, torch.distributed) or simulates one."""
+"""Transports: the only code that talks to a network (mpi4py, torch.distributed) or simulates one.
+
+``MpiTransport`` (``transport.mpi``) and ``TorchDistTransport`` (``transport.torch_dist``, Gloo or
+NCCL) are imported on first use, so ``import hvd_slim`` starts neither MPI nor torch.distributed.
+"""
+from typing import Any
+
 from .base import LENGTH_BYTES, Transport, TransportError, TransportStats
 from .fake import FakeCluster, FakeTransport, run_ranks
 
 __all__ = ["LENGTH_BYTES", "Transport", "TransportError", "TransportStats", "FakeCluster",
-           "FakeTransport", "run_ranks"]
+           "FakeTransport", "run_ranks", "TorchDistTransport"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TorchDistTransport":
+        from .torch_dist import TorchDistTransport
+        return TorchDistTransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,83 @@
+"""Which transport an optimizer's exchange runs on: ``transport="mpi" | "gloo" | "nccl" | "auto"``.
+
+The keyword wins; without it ``HVD_SLIM_TRANSPORT`` decides, then ``"auto"``:
+
+* ``"auto"``: NCCL for CUDA parameters when torch.distributed has NCCL and a GPU is visible;
+  otherwise MPI, except under torchrun with hvd_slim not started on MPI, where it is Gloo.
+* ``"mpi"``: mpi4py on hvd_slim's own communicator (CUDA tensors staged through host memory).
+* ``"gloo"``: torch.distributed's Gloo backend, on the host (CUDA tensors are staged too).
+* ``"nccl"``: torch.distributed's NCCL backend on the parameters' GPU (CUDA parameters only).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, List, Mapping, Optional
+
+import torch
+
+from . import basics, horovod
+from .rendezvous import torch_transport, torchrun_env
+
+TRANSPORT_ENV = "HVD_SLIM_TRANSPORT"
+NAMES = ("auto", "mpi", "gloo", "nccl")
+
+
+def available(device: torch.device) -> List[str]:
+    """The transport names usable for parameters on ``device`` on this machine."""
+    out = ["auto"]
+    if importlib.util.find_spec("mpi4py") is not None:
+        out.append("mpi")
+    try:
+        import torch.distributed as dist
+        from ..transport.torch_dist import available_backends
+        out += available_backends(cuda=device.type == "cuda") if dist.is_available() else []
+    except ImportError:  # a torch build without torch.distributed
+        pass
+    return out
+
+
+def _why_unavailable(name: str, device: torch.device) -> str:
+    if name == "nccl":
+        if device.type != "cuda":
+            return f"NCCL needs CUDA parameters and these are on {device}"
+        return ("this torch has no NCCL or sees no GPU (torch.distributed.is_nccl_available() / "
+                "torch.cuda.is_available() is False)")
+    if name == "mpi":
+        return "mpi4py is not installed (pip install mpi4py)"
+    return "this torch build has no torch.distributed Gloo backend"
+
+
+def choose_auto(device: torch.device) -> str:
+    """What ``"auto"`` means for parameters on ``device`` here and now."""
+    if "nccl" in available(device):
+        return "nccl"
+    started = basics.is_initialized() or horovod.initialized_horovod() is not None
+    if not started and torchrun_env() is not None and "gloo" in available(device):
+        return "gloo"
+    return "mpi"
+
+
+def resolve(transport: Any, device: torch.device,
+            environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The Transport for the name ``transport`` (None: ``HVD_SLIM_TRANSPORT``, then ``"auto"``)
+    and parameters on ``device``. Collective the first time a transport is started."""
+    environ = os.environ if environ is None else environ
+    source = "transport"
+    if transport is None:
+        raw = environ.get(TRANSPORT_ENV)
+        transport = "auto" if raw is None else raw.strip().lower()
+        if raw is not None:
+            source = f"environment variable {TRANSPORT_ENV}"
+    here = available(device)
+    if not isinstance(transport, str) or transport not in NAMES:
+        raise ValueError(f"{source}={transport!r} is not a transport: pass one of {here} "
+                         f"(available here) or a hvd_slim.transport.Transport instance")
+    if transport not in here:
+        raise ValueError(f"{source}={transport!r} is not available: "
+                         f"{_why_unavailable(transport, device)}; available here: {here}")
+    if transport == "auto":
+        transport = choose_auto(device)
+    if transport == "mpi":
+        return basics.world_transport()
+    return torch_transport(transport, device)

@@ -1,0 +1,240 @@
+"""torch.distributed transport: the exchange's gather and broadcast over Gloo (CPU) or NCCL (CUDA).
+
+torch's collectives need the same tensor size on every rank, so each payload travels in a
+fixed-size *frame*: an int64 little-endian length word, the payload, then zeros up to the bound
+the caller announces (every rank computes the same bound, so no sizes are exchanged). Without a
+bound the ranks first agree on a frame size: an 8-byte MAX all-reduce for ``gather``, a
+broadcast of the length word for ``broadcast``.
+
+Byte accounting follows base.py, counting the padded frames that really move:
+
+* ``gather`` with bound B: every rank sends ``B + 8``; the root receives ``size * (B + 8)``.
+  Without a bound, B is the largest payload and each rank also counts the 8-byte all-reduce
+  (sent and received).
+* ``broadcast`` with bound B: the root sends ``B + 8``, every rank receives ``B + 8``. Without a
+  bound: ``len + 8`` (the length word, then the payload), exactly as the MPI transport.
+
+Deadlines: inside ``with transport.watch(seconds, label)`` each collective runs asynchronously
+and is waited on for at most ``seconds``; otherwise the process group's own timeout applies
+(``HVD_SLIM_TRANSPORT_TIMEOUT``). After any failed or timed-out collective the group is in an
+unknown state, so the transport refuses further use.
+
+Process groups come from :mod:`hvd_slim.runtime.rendezvous`; this module only moves frames.
+Payloads are numpy (the exchange's wire bytes are staged on the host): on NCCL each frame is
+copied to the device for the collective and back.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import base
+from .base import LENGTH_BYTES, Transport, TransportError, as_payload, check_bound
+
+# Raised when a watch() deadline expires; plain TransportError where base has no deadlines.
+TransportTimeout = getattr(base, "TransportTimeout", TransportError)
+
+BACKENDS = ("gloo", "nccl")
+
+
+def _frame(payload: np.ndarray, size: int) -> torch.Tensor:
+    """``payload`` framed to ``size`` payload bytes (plus the length word), as a CPU tensor."""
+    buf = torch.zeros(size + LENGTH_BYTES, dtype=torch.uint8)
+    view = buf.numpy()
+    view[:LENGTH_BYTES] = np.frombuffer(np.int64(len(payload)).astype("<i8").tobytes(), np.uint8)
+    view[LENGTH_BYTES:LENGTH_BYTES + len(payload)] = payload
+    return buf
+
+
+def _unframe(frame: np.ndarray, size: int, rank: int, op: str) -> np.ndarray:
+    """The payload inside a received frame; a length word outside [0, size] is a peer's bug."""
+    n = int(frame[:LENGTH_BYTES].view("<i8")[0])
+    if not 0 <= n <= size:
+        raise TransportError(f"{op}: the frame from rank {rank} announces {n} bytes, outside "
+                             f"[0, {size}]: the ranks disagree on the payload bound")
+    return frame[LENGTH_BYTES:LENGTH_BYTES + n]
+
+
+class TorchDistTransport(Transport):
+    """Payload collectives over one torch.distributed process group.
+
+    ``device`` is where frames live during a collective: CPU for Gloo, this rank's CUDA device
+    for NCCL. ``on_close`` (from the bootstrap) releases the process group."""
+
+    def __init__(self, group: Any, backend: str, device: torch.device, rank: int, size: int,
+                 timeout: datetime.timedelta, on_close: Optional[Any] = None) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        super().__init__(rank, size)
+        self.name = backend
+        self.group, self.device, self.timeout = group, torch.device(device), timeout
+        self._on_close = on_close
+        self._closed = False
+        self._broken: Optional[str] = None
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _run(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Run one collective to completion, within the watch() deadline when one is set; a
+        backend failure or timeout becomes a TransportError and retires the transport."""
+        if self._closed:
+            raise TransportError(f"rank {self.rank}: the {self.name} transport was closed "
+                                 f"(hvd_slim.shutdown()); build a new DistributedOptimizer")
+        if self._broken is not None:
+            raise TransportError(f"rank {self.rank}: the {self.name} transport is unusable after "
+                                 f"an earlier failure ({self._broken}); the job must be restarted")
+        seconds, label = getattr(self, "deadline", (None, ""))
+        if seconds is not None and seconds <= 0:  # torch reads a zero timeout as "none" too
+            seconds = None
+        start = time.monotonic()
+        try:
+            if seconds is None:
+                fn(*args, group=self.group, **kwargs)
+            else:
+                work = fn(*args, group=self.group, async_op=True, **kwargs)
+                work.wait(timeout=datetime.timedelta(seconds=seconds))
+        except RuntimeError as exc:  # DistBackendError and Gloo timeouts are RuntimeErrors
+            where = f" in {label}" if label else ""
+            first = summary(exc)
+            if seconds is not None and time.monotonic() - start >= seconds:
+                self._broken = f"{what}{where} timed out after {seconds:g} s"
+                raise TransportTimeout(
+                    f"rank {self.rank}: {self.name} {what}{where} timed out after {seconds:g} s: "
+                    f"a peer never arrived (it died, hangs or is elsewhere)") from exc
+            self._broken = f"{what}{where} failed: {first}"
+            raise TransportError(
+                f"rank {self.rank}: {self.name} {what}{where} failed: {first}; a peer probably died, "
+                f"timed out (process-group timeout {self.timeout.total_seconds():.0f} s, "
+                f"HVD_SLIM_TRANSPORT_TIMEOUT) or called collectives in a different order") from exc
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device.type == "cpu" else t.to(self.device)
+
+    def _agree_max(self, n: int) -> int:
+        t = self._to_device(torch.tensor([n], dtype=torch.int64))
+        self._run("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    # --- Transport ---------------------------------------------------------------------------
+    def gather(self, payload: np.ndarray, root: int, bound: Optional[int] = None
+               ) -> Optional[List[np.ndarray]]:
+        payload = as_payload(payload)
+        check_bound(payload, bound, self.rank, "gather")
+        _check_root(root, self.size)
+        extra = 0
+        if bound is None:  # no bound known: agree on the largest payload first
+            bound, extra = self._agree_max(len(payload)), LENGTH_BYTES
+        step = bound + LENGTH_BYTES
+        frame = self._to_device(_frame(payload, bound))
+        is_root = self.rank == root
+        out = torch.empty(self.size * step, dtype=torch.uint8, device=self.device) if is_root else None
+        parts = list(out.split(step)) if is_root else None
+        self._run("gather", dist.gather, frame, gather_list=parts, dst=root)
+        self.stats.record("gather", step + extra, (self.size * step if is_root else 0) + extra)
+        if not is_root:
+            return None
+        host = out.cpu().numpy()
+        return [_unframe(host[r * step:(r + 1) * step], bound, r, "gather")
+                for r in range(self.size)]
+
+    def broadcast(self, payload: Optional[np.ndarray], root: int, bound: Optional[int] = None
+                  ) -> np.ndarray:
+        _check_root(root, self.size)
+        is_root = self.rank == root
+        if is_root:
+            payload = as_payload(payload)
+            check_bound(payload, bound, self.rank, "broadcast")
+        if bound is None:  # the length word first, then exactly the payload
+            n = torch.tensor([len(payload) if is_root else 0], dtype=torch.int64)
+            n = self._to_device(n)
+            self._run("broadcast", dist.broadcast, n, src=root)
+            length = int(n.item())
+            buf = torch.from_numpy(payload.copy()) if is_root else torch.empty(length, dtype=torch.uint8)
+            buf = self._to_device(buf)
+            if length:
+                self._run("broadcast", dist.broadcast, buf, src=root)
+            moved = length + LENGTH_BYTES
+            self.stats.record("broadcast", moved if is_root else 0, moved)
+            return buf.cpu().numpy()
+        frame = _frame(payload, bound) if is_root else torch.empty(bound + LENGTH_BYTES,
+                                                                   dtype=torch.uint8)
+        frame = self._to_device(frame)
+        self._run("broadcast", dist.broadcast, frame, src=root)
+        moved = bound + LENGTH_BYTES
+        self.stats.record("broadcast", moved if is_root else 0, moved)
+        return _unframe(frame.cpu().numpy(), bound, root, "broadcast").copy()
+
+    def close(self) -> None:
+        """Release the process group (once); later collectives raise TransportError."""
+        if not self._closed:
+            self._closed = True
+            if self._on_close is not None:
+                self._on_close()
+
+
+def summary(exc: BaseException, limit: int = 600) -> str:
+    """The message of a torch.distributed error without its C++ stack (NCCL's "Last error" line,
+    e.g. "Duplicate GPU detected", is kept)."""
+    lines = []
+    for line in str(exc).splitlines():
+        if line.startswith(("Exception raised from", "frame #")):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    text = " / ".join(lines) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_root(root: Any, size: int) -> None:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(f"TorchDistTransport: root {root!r} is not a rank in [0, {size})")
+
+
+def available_backends(cuda: bool) -> List[str]:
+    """The torch.distributed backends usable here for parameters on CUDA (``cuda``) or CPU."""
+    if not dist.is_available():
+        return []
+    out = []
+    if dist.is_gloo_available():
+        out.append("gloo")
+    if cuda and dist.is_nccl_available() and torch.cuda.is_available():
+        out.append("nccl")
+    return out
+
+
+# --- one transport per (backend, device), shared by every optimizer of the process ----------
+_cache: Dict[Tuple[str, str], TorchDistTransport] = {}
+_exit_hook = False
+
+
+def cached(backend: str, device: torch.device) -> Optional[TorchDistTransport]:
+    """The open transport for ``(backend, device)``, if one was made."""
+    return _cache.get((backend, str(device)))
+
+
+def remember(transport: TorchDistTransport) -> TorchDistTransport:
+    """Cache ``transport``; the first one also schedules :func:`close_all` at exit, so process
+    groups are torn down before interpreter teardown and before mpi4py finalises MPI (its exit
+    handler was registered earlier, so it runs later)."""
+    global _exit_hook
+    if not _exit_hook:
+        _exit_hook = True
+        atexit.register(close_all)
+    _cache[(transport.name, str(transport.device))] = transport
+    return transport
+
+
+def close_all() -> None:
+    """Close every cached transport; groups made with ``new_group`` go before the default one."""
+    items = sorted(_cache.values(), key=lambda t: t.group is None)
+    _cache.clear()
+    for t in items:
+        try:
+            t.close()
+        except Exception:  # noqa: BLE001 - teardown must reach every group even if one fails
+            pass

@@ -1,0 +1,210 @@
+"""The peers run over MPI: the floor, dense ``Allreduce``, top-k + error feedback, and hvd_slim.
+
+Every peer has the same shape (:class:`Peer`): ``module`` is what the workload backpropagates
+through, ``step()`` exchanges and applies one step, and ``counters()`` returns cumulative bytes and
+seconds. Byte figures say how they were obtained: "counted" means the sizes of the buffers this
+rank handed a collective (or hvd_slim's transport counters); "derived" means a formula applied to
+counted sizes, such as the per-rank volume of a ring allreduce.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from .models import Workload
+
+SMALL_NUMEL = 4096   # below this a tensor is averaged dense (as hvd_slim's min_compress_numel)
+LR, MOMENTUM = 0.01, 0.9
+
+
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """What each rank sends (and receives) in a bandwidth-optimal ring allreduce."""
+    return 2.0 * (n - 1) / n * nbytes
+
+
+class Peer:
+    """One way of doing a data-parallel step. Subclasses fill in the exchange."""
+
+    name = "peer"
+    family = "mpi"
+
+    def __init__(self, work: Workload, comm: Any) -> None:
+        self.work, self.comm = work, comm
+        self.size = comm.Get_size()
+        self.module: nn.Module = work.model
+        self.opt = torch.optim.SGD([p for _, p in work.named], lr=LR, momentum=MOMENTUM)
+        # Cumulative figures; bytes per rank.
+        self.c: Dict[str, float] = {"handed_sent": 0, "handed_recv": 0, "wire_sent": 0,
+                                    "wire_recv": 0, "select_s": 0.0}
+        self.basis = {"handed": "counted", "wire": "counted", "note": ""}
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def counters(self) -> Dict[str, float]:
+        return dict(self.c)
+
+    def close(self) -> None:
+        """Release what the peer holds (process groups, hooks)."""
+
+
+class Floor(Peer):
+    """The same step with no communication at all: the limit."""
+
+    name = "floor"
+
+    def __init__(self, work: Workload, comm: Any) -> None:
+        super().__init__(work, comm)
+        self.basis = {"handed": "counted", "wire": "counted", "note": "no communication"}
+
+
+def _grad_or_zero(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+class DenseAllreduce(Peer):
+    """Dense averaging: all gradients fused into one buffer, one MPI ``Allreduce``."""
+
+    name = "mpi-allreduce"
+
+    def __init__(self, work: Workload, comm: Any) -> None:
+        super().__init__(work, comm)
+        self.params = [p for _, p in work.named]
+        self.buf = torch.zeros(sum(p.numel() for p in self.params))
+        self.basis["wire"] = "derived"
+        self.basis["note"] = ("handed: bytes of the buffer given to MPI_Allreduce; wire: ring "
+                              "allreduce 2(N-1)/N x handed")
+
+    def step(self) -> None:
+        torch.cat([_grad_or_zero(p).reshape(-1) for p in self.params], out=self.buf)
+        arr = self.buf.numpy()
+        self.comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
+        self.buf.div_(self.size)
+        off = 0
+        for p in self.params:
+            p.grad = self.buf[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        n = arr.nbytes
+        self.c["handed_sent"] += n
+        self.c["handed_recv"] += n
+        self.c["wire_sent"] += ring_allreduce_bytes(n, self.size)
+        self.c["wire_recv"] += ring_allreduce_bytes(n, self.size)
+        self.opt.step()
+
+
+class TopKAllgather(Peer):
+    """DGC/GRACE-style baseline: exact ``torch.topk`` of |residual + gradient| over the large
+    tensors, error feedback, and an allgather of (int32 index, fp32 value) pairs; small tensors
+    are fused and allreduced dense."""
+
+    name = "topk-ef"
+
+    def __init__(self, work: Workload, comm: Any, density: float) -> None:
+        super().__init__(work, comm)
+        self.name = f"topk-ef@{density:g}"
+        self.density = density
+        self.big = [p for _, p in work.named if p.numel() >= SMALL_NUMEL]
+        self.small = [p for _, p in work.named if p.numel() < SMALL_NUMEL]
+        self.d = sum(p.numel() for p in self.big)
+        self.k = max(1, int(np.ceil(density * self.d)))
+        self.acc = torch.zeros(self.d)
+        self.residual = torch.zeros(self.d)
+        self.small_buf = torch.zeros(sum(p.numel() for p in self.small))
+        self.send = np.empty(8 * self.k, dtype=np.uint8)
+        self.recv = np.empty(8 * self.k * self.size, dtype=np.uint8)
+        self.basis = {"handed": "counted", "wire": "derived",
+                      "note": "handed: the buffers given to MPI_Allgather (k int32 indices + k "
+                              "fp32 values) and MPI_Allreduce (small tensors); wire: ring "
+                              "allgather sends (N-1) x payload, ring allreduce 2(N-1)/N x bytes"}
+
+    def step(self) -> None:
+        n = self.size
+        torch.cat([_grad_or_zero(p).reshape(-1) for p in self.big], out=self.acc)
+        a = self.acc.add_(self.residual)                      # error feedback
+        t0 = time.perf_counter()
+        idx = torch.topk(a.abs(), self.k, sorted=False).indices
+        self.c["select_s"] += time.perf_counter() - t0
+        vals = a[idx]
+        self.residual.copy_(a)
+        self.residual[idx] = 0.0
+        self.send[:4 * self.k] = idx.to(torch.int32).numpy().view(np.uint8)
+        self.send[4 * self.k:] = vals.numpy().view(np.uint8)
+        self.comm.Allgather(self.send, self.recv)
+        total = self.acc.zero_()
+        for j in range(n):
+            chunk = self.recv[8 * self.k * j:8 * self.k * (j + 1)]
+            jidx = torch.from_numpy(chunk[:4 * self.k].view(np.int32).astype(np.int64))
+            jval = torch.from_numpy(chunk[4 * self.k:].view(np.float32))
+            total.index_add_(0, jidx, jval)
+        total.div_(n)
+        off = 0
+        for p in self.big:
+            p.grad = total[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        sb = 0
+        if self.small:
+            torch.cat([_grad_or_zero(p).reshape(-1) for p in self.small], out=self.small_buf)
+            self.comm.Allreduce(MPI.IN_PLACE, self.small_buf.numpy(), op=MPI.SUM)
+            self.small_buf.div_(n)
+            off = 0
+            for p in self.small:
+                p.grad = self.small_buf[off:off + p.numel()].view_as(p)
+                off += p.numel()
+            sb = self.small_buf.numel() * 4
+        payload = self.send.nbytes
+        self.c["handed_sent"] += payload + sb
+        self.c["handed_recv"] += (n - 1) * payload + sb
+        self.c["wire_sent"] += (n - 1) * payload + ring_allreduce_bytes(sb, n)
+        self.c["wire_recv"] += (n - 1) * payload + ring_allreduce_bytes(sb, n)
+        self.opt.step()
+
+
+class Slim(Peer):
+    """hvd_slim's ``DistributedOptimizer`` at one density and pull mode."""
+
+    name = "hvd_slim"
+    family = "hvd_slim"
+
+    def __init__(self, work: Workload, comm: Any, density: float, pull: str) -> None:
+        super().__init__(work, comm)
+        import hvd_slim
+        hvd_slim.init()
+        self.name = f"hvd_slim-{pull}@{density:g}"
+        self.density, self.pull = density, pull
+        self.opt = hvd_slim.DistributedOptimizer(self.opt, named_parameters=work.named,
+                                                 density=density, pull=pull)
+        self.basis = {"handed": "counted", "wire": "counted",
+                      "note": "opt.comm_stats(): bytes_pushed (payload + 8-byte length word "
+                              "handed to Gatherv) and bytes_pulled (received from Bcast), counted "
+                              "by hvd_slim's transport; select_s is the worker's push selection"}
+
+    def counters(self) -> Dict[str, float]:
+        st = self.opt.comm_stats()
+        return {"handed_sent": st["bytes_pushed"], "handed_recv": st["bytes_pulled"],
+                "wire_sent": st["bytes_pushed"], "wire_recv": st["bytes_pulled"],
+                "select_s": st["select_seconds"], "exchange_s": st["exchange_seconds"],
+                "ring_allreduce_bytes": st["ring_allreduce_bytes"],
+                "dense_bytes": st["dense_bytes"], "steps": st["steps"]}
+
+    def extra(self) -> Dict[str, Any]:
+        """The closed-form inputs and the last step's byte breakdown, for checking."""
+        st = self.opt.comm_stats()
+        return {"last_step": st["last_step"], "compressed_numel": st["compressed_numel"],
+                "dense_numel": st["dense_numel"], "world_size": st["world_size"]}
+
+
+def peer_names(densities: List[float], pulls: List[str]) -> List[str]:
+    """Every peer, in run order: cheap ones first so a failure shows up early."""
+    names = ["floor", "mpi-allreduce", "horovod", "horovod-fp16", "ddp-allreduce", "ddp-fp16",
+             "ddp-powersgd-r1", "ddp-powersgd-r4"]
+    names += [f"topk-ef@{d:g}" for d in densities]
+    names += [f"hvd_slim-{p}@{d:g}" for d in densities for p in pulls]
+    return names

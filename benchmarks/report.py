@@ -1,0 +1,227 @@
+"""Turn the workers' raw records into figures, targets, a JSON file and a markdown table."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from typing import Any, Dict, List, Optional
+
+from . import plots
+
+# The issue's reference figures (ResNet-18 shapes, 4 ranks, 1 Gbit/s), median s per step.
+REFERENCE = {"floor": 0.026, "mpi-allreduce": 2.28, "horovod": 2.29, "horovod-fp16": 1.17,
+             "topk-ef@0.01": 0.71, "ddp-powersgd-r1": 0.217, "ddp-powersgd-r4": 0.304}
+EXPLORATION = 0.1   # hvd_slim's default, used by the closed form
+FIELDS = ("handed_sent", "handed_recv", "wire_sent", "wire_recv", "select_s")
+
+
+def _pct(xs: List[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100])."""
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def index_bytes_bound(d: int, n: int) -> int:
+    """DESIGN §2's index codec: the smaller of Elias-Fano and a bitmap for n indices in [0, d)."""
+    if n == 0:
+        return 0
+    low = 0 if d < 2 * n else (d // n).bit_length() - 1
+    ef = (n * low + 7) // 8 + (n + ((d - 1) >> low) + 1 + 7) // 8
+    return min(ef, (d + 7) // 8)
+
+
+def closed_form(d: int, dense_numel: int, density: float) -> Dict[str, int]:
+    """Bytes of one hvd_slim push (and of a pull="slim" pull) from its density: the 8-byte length
+    word, a 32-byte header and a 16-byte table entry per bucket, the dense small tensors, k fp32
+    values and the core's indices (at most :func:`index_bytes_bound`)."""
+    k = min(d, max(1, math.ceil(density * d)))
+    k_core = k - int(round(EXPLORATION * k))
+    buckets = int(d > 0) + int(dense_numel > 0)
+    fixed = 8 + 32 + 16 * buckets + 4 * dense_numel + 4 * k
+    bound = index_bytes_bound(d, k_core)
+    return {"d": d, "dense_numel": dense_numel, "k": k, "k_core": k_core, "buckets": buckets,
+            "value_bytes": 4 * k, "index_bytes_bound": bound, "bytes_min": fixed,
+            "bytes_max": fixed + bound}
+
+
+def _peer(name: str, recs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    ok = [r for r in recs if r.get("status") == "ok"]
+    if not ok:
+        r = recs[0] if recs else {"status": "failed", "error": "no record"}
+        return {"status": r["status"], "error": r.get("error", ""),
+                "detail": r.get("traceback") or r.get("output_tail", "")}
+    times = [t for r in ok for t in r["step_times_s"]]
+    ranks = [rank for r in ok for rank in r["per_rank_per_step"]]
+    mean = {f: statistics.fmean(x.get(f, 0.0) for x in ranks) for f in FIELDS}
+    out: Dict[str, Any] = {
+        "status": "ok", "steps_measured": len(times), "repeats": len(ok),
+        "median_s": statistics.median(times), "p10_s": _pct(times, 10), "p90_s": _pct(times, 90),
+        "iqr_s": _pct(times, 75) - _pct(times, 25), "min_s": min(times), "max_s": max(times),
+        "repeat_medians_s": [statistics.median(r["step_times_s"]) for r in ok],
+        "bytes_sent_per_step": mean["wire_sent"], "bytes_recv_per_step": mean["wire_recv"],
+        "handed_sent_per_step": mean["handed_sent"], "handed_recv_per_step": mean["handed_recv"],
+        "select_ms_per_step": 1e3 * mean["select_s"],
+        "basis": ok[0].get("basis", {}), "per_rank_per_step": ok[0]["per_rank_per_step"],
+        "step_times_s": times,
+        "loadavg": [r.get("loadavg_before") for r in ok] + [ok[-1].get("loadavg_after")]}
+    if name.startswith("hvd_slim-"):
+        pull, density = name[len("hvd_slim-"):].split("@")
+        ex = ok[0]["extra"][0]
+        cf = closed_form(ex["compressed_numel"], ex["dense_numel"], float(density))
+        pushes = [r["handed_sent"] for r in ranks]
+        pulls = [r["handed_recv"] for r in ranks]
+        out["ring_allreduce_bytes_per_step"] = statistics.fmean(r["ring_allreduce_bytes"]
+                                                                for r in ranks)
+        out["server_recv_per_step"] = sum(x["handed_sent"] for x in ok[0]["per_rank_per_step"])
+        out["exchange_ms_per_step"] = 1e3 * statistics.fmean(r["exchange_s"] for r in ranks)
+        out["closed_form"] = cf
+        out["closed_form_push_ok"] = all(cf["bytes_min"] <= b <= cf["bytes_max"] for b in pushes)
+        if pull == "slim":
+            out["closed_form_pull_ok"] = all(cf["bytes_min"] <= b <= cf["bytes_max"] for b in pulls)
+        out["last_step"] = [e["last_step"] for e in ok[0]["extra"]]
+    return out
+
+
+def _ratios(peers: Dict[str, Dict[str, Any]]) -> None:
+    dense, floor = peers.get("mpi-allreduce", {}), peers.get("floor", {})
+    for p in peers.values():
+        if p["status"] != "ok":
+            continue
+        if floor.get("status") == "ok":
+            p["comm_s"] = max(p["median_s"] - floor["median_s"], 0.0)
+        if dense.get("status") == "ok":
+            p["time_vs_dense"] = p["median_s"] / dense["median_s"]
+            p["bytes_fewer_than_dense"] = (dense["bytes_sent_per_step"] / p["bytes_sent_per_step"]
+                                           if p["bytes_sent_per_step"] else None)
+            if "comm_s" in p and "comm_s" in dense:
+                p["comm_fewer_than_dense"] = dense["comm_s"] / p["comm_s"] if p["comm_s"] else None
+
+
+def _target(name: str, value: Optional[float], goal: float, better: str, what: str) -> Dict:
+    met = None if value is None else (value >= goal if better == "higher" else value <= goal)
+    return {"target": name, "value": value, "goal": goal, "better": better, "met": met,
+            "what": what}
+
+
+def targets(peers: Dict[str, Dict[str, Any]], density: float = 0.01) -> List[Dict[str, Any]]:
+    """The issue's four targets for hvd_slim at ``density``, per pull mode that ran."""
+    out = []
+    ok = {n: p for n, p in peers.items() if p["status"] == "ok"}
+    others = {n: p for n, p in ok.items() if not n.startswith("hvd_slim") and n != "floor"}
+    topk = ok.get(f"topk-ef@{density:g}")
+    for pull in ("slim", "union"):
+        s = ok.get(f"hvd_slim-{pull}@{density:g}")
+        if s is None:
+            continue
+        tag = f"hvd_slim pull={pull} @{density:g}"
+        out.append(_target(f"{tag}: communication time vs dense allreduce",
+                           s.get("comm_fewer_than_dense"), 50, "higher",
+                           "(dense median - floor median) / (hvd_slim median - floor median)"))
+        out.append(_target(f"{tag}: bytes sent vs a ring allreduce",
+                           s["ring_allreduce_bytes_per_step"] / s["bytes_sent_per_step"], 70,
+                           "higher", "ring_allreduce_bytes / bytes_pushed, per rank per step"))
+        best = min(others.items(), key=lambda kv: kv[1]["median_s"]) if others else None
+        if best:
+            out.append(_target(f"{tag}: step time vs the fastest other peer ({best[0]})",
+                               s["median_s"] / best[1]["median_s"], 1.0, "lower",
+                               "hvd_slim median / fastest non-hvd_slim peer median (< 1 beats it)"))
+        if "floor" in ok:
+            out.append(_target(f"{tag}: step time vs the floor", s["median_s"] /
+                               ok["floor"]["median_s"], 1.5, "lower", "hvd_slim median / floor"))
+        if topk and s["select_ms_per_step"]:
+            out.append(_target(f"{tag}: selection compute vs exact torch.topk",
+                               topk["select_ms_per_step"] / s["select_ms_per_step"], 10, "higher",
+                               "topk-ef's torch.topk ms / hvd_slim's select ms, per step, "
+                               "same d and k, measured under the same load"))
+    return out
+
+
+def build(meta: Dict[str, Any], records: List[Dict[str, Any]], names: List[str],
+          args: Any) -> Dict[str, Any]:
+    peers = {n: _peer(n, [r for r in records if r.get("peer") == n]) for n in names}
+    for n, p in peers.items():   # how busy the machine was (others) just before each run
+        p["others_cpu_busy_before"] = [j.get("cpu_busy_before") for j in meta.get("jobs", [])
+                                       if n in j["peers"]]
+    _ratios(peers)
+    return {**meta, "peers": peers, "targets": targets(peers), "reference_s": REFERENCE,
+            "byte_fields": {
+                "bytes_sent_per_step": "per rank per step, mean over ranks: what leaves the rank "
+                                       "on the network (basis.wire says counted or derived)",
+                "handed_sent_per_step": "per rank per step: bytes of the buffers handed to the "
+                                        "collective (basis.handed)",
+                "counted": "measured from the buffers actually handed to MPI / Gloo, or hvd_slim's "
+                           "transport counters",
+                "derived": "a formula applied to counted sizes (named in basis.note)"}}
+
+
+def _fmt_b(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= div:
+            return f"{x / div:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def _f(x: Optional[float], fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _busiest(res: Dict[str, Any]) -> float:
+    vals = [j.get("cpu_busy_before", 0) or 0 for j in res.get("jobs", [])]
+    return max(vals) if vals else 0.0
+
+
+def markdown(res: Dict[str, Any]) -> str:
+    s = res["settings"]
+    pp = res.get("network", {}).get("pingpong")
+    link = f"; measured link {pp['gbit_per_s']:.2f} Gbit/s" if pp else ""
+    lines = [f"**{s['model']}**, {s['ranks']} ranks, network `{s['net']}`{link}; "
+             f"{s['steps']} measured steps x {s['repeats']} repeat(s) after {s['warmup']} warm-up; "
+             f"load average {res['loadavg_start'][0]:.2f} at start, {res['loadavg_end'][0]:.2f} at "
+             f"end; before each job other processes kept at most {_busiest(res):.0%} of the "
+             f"CPUs busy; {res['started']}", "",
+             "| peer | median s/step | p10-p90 s | x dense time | comm s/step | sent/rank/step "
+             "| recv/rank/step | x fewer bytes than dense | select ms/step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, p in res["peers"].items():
+        if p["status"] != "ok":
+            lines.append(f"| {name} | {p['status']}: {p['error'][:80]} | | | | | | | |")
+            continue
+        mark = "" if p["basis"].get("wire") == "counted" else " *"
+        lines.append(
+            f"| {name} | {p['median_s']:.4f} | {p['p10_s']:.3f}-{p['p90_s']:.3f} | "
+            f"{_f(p.get('time_vs_dense'), '.3f')} | {_f(p.get('comm_s'), '.4f')} | "
+            f"{_fmt_b(p['bytes_sent_per_step'])}{mark} | {_fmt_b(p['bytes_recv_per_step'])}{mark} | "
+            f"{_f(p.get('bytes_fewer_than_dense'), '.1f')} | {p['select_ms_per_step']:.1f} |")
+    lines += ["", "`*` derived (ring allreduce 2(N-1)/N x the counted buffer bytes; ring allgather "
+              "(N-1) x payload); others counted. comm = median - floor median.", ""]
+    if res["targets"]:
+        lines += ["| target | measured | goal | met |", "|---|---:|---:|---|"]
+        for t in res["targets"]:
+            cmp_ = ">=" if t["better"] == "higher" else "<="
+            met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+            lines.append(f"| {t['target']} | {_f(t['value'], '.2f')} | {cmp_} {t['goal']:g} | {met} |")
+        lines.append("")
+    ref = [(n, v) for n, v in res["reference_s"].items() if n in res["peers"]]
+    if ref:
+        lines += ["| peer | issue's reference s/step | this run |", "|---|---:|---:|"]
+        for n, v in ref:
+            p = res["peers"][n]
+            got = _f(p.get("median_s"), ".3f") if p["status"] == "ok" else p["status"]
+            lines.append(f"| {n} | {v:g} | {got} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(res: Dict[str, Any], out_dir: str, tag: str) -> List[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, f"{tag}.json"), os.path.join(out_dir, f"{tag}.md")]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=1)
+    with open(paths[1], "w", encoding="utf-8") as f:
+        f.write(markdown(res))
+    paths += plots.draw(res, out_dir, tag)
+    return paths

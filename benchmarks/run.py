@@ -1,0 +1,236 @@
+"""Side-by-side benchmark: hvd_slim against dense allreduce, Horovod, DDP hooks and top-k.
+
+    python -m benchmarks.run                      # ResNet-18 shapes, 4 ranks, 1 Gbit/s (root)
+    python -m benchmarks.run --net loopback --ranks 2 --model tiny --steps 3   # quick, no root
+
+Each peer runs as its own ``mpirun`` job (``--no-isolate``: all in one job) inside a network
+namespace whose loopback is rate-limited (``--net tbf1g``/``tbf10g``; ``loopback`` skips it).
+The namespace is removed afterwards, also on failure or SIGTERM. Results go to
+``--out`` (default benchmarks/results/): ``<tag>.json`` (every raw figure, the command line, the
+machine), ``<tag>.md`` (the table) and ``<tag>_*.png`` (plots).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from . import netem, report
+from .machine import describe, horovod_status, wait_for_quiet
+from .models import MODELS
+from .peers import peer_names
+
+RATE_GBIT = {"tbf1g": 1.0, "tbf10g": 10.0, "loopback": 20.0}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--model", choices=MODELS, default="resnet18",
+                    help="parameter shapes with synthetic gradients, or smallcnn "
+                         "(real forward and backward passes)")
+    ap.add_argument("--densities", default="0.1,0.01,0.001",
+                    help="densities for hvd_slim and the top-k baseline")
+    ap.add_argument("--pulls", default="slim,union", help="hvd_slim pull modes")
+    ap.add_argument("--net", choices=sorted(netem.NETS), default="tbf1g")
+    ap.add_argument("--steps", type=int, default=20, help="measured steps per peer and repeat")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=1, help="run every peer this many times, "
+                    "interleaved, and pool the measured steps")
+    ap.add_argument("--peers", default="", help="comma-separated subset (names or prefixes)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pingpong-mib", type=int, default=16, help="calibrate the link (0: skip)")
+    ap.add_argument("--no-isolate", dest="isolate", action="store_false",
+                    help="run every peer in one mpirun job (faster; a crash takes all down)")
+    ap.add_argument("--quiet-cpu", type=float, default=0.0, metavar="FRACTION",
+                    help="before each job wait until other processes keep less than this "
+                         "fraction of the CPUs busy (0: do not wait); for shared machines")
+    ap.add_argument("--max-wait", type=float, default=300, help="seconds to wait for quiet")
+    ap.add_argument("--timeout", type=float, default=0, help="seconds per job (0: estimate)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--tag", default="", help="output file prefix (default model_ranks_net)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment variable for every rank (e.g. HVD_SLIM_EXPLORATION=0); "
+                         "repeatable, recorded in the JSON")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="record every rank with py-spy (raw collapsed stacks) into DIR; "
+                         "summarise with python -m benchmarks.profile_summary DIR")
+    args = ap.parse_args(argv)
+    args.density_list = [float(x) for x in args.densities.split(",") if x]
+    args.pull_list = [x for x in args.pulls.split(",") if x]
+    bad = [kv for kv in args.env if "=" not in kv or not kv.split("=", 1)[0]]
+    if bad:
+        ap.error(f"--env takes KEY=VALUE, got {bad}")
+    args.tag = args.tag or f"{args.model}_{args.ranks}r_{args.net}"
+    return args
+
+
+def selected(args: argparse.Namespace) -> List[str]:
+    names = peer_names(args.density_list, args.pull_list)
+    if not args.peers:
+        return names
+    want = [w for w in args.peers.split(",") if w]
+    return [n for n in names if any(n == w or n.startswith(w) for w in want)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpirun_argv(args: argparse.Namespace, peers: List[str], out: str, port: int,
+                pingpong: int) -> List[str]:
+    """Open MPI's TCP transport over ``lo`` only: shared memory would bypass the shaping."""
+    return ["mpirun", "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
+            "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
+            "--mca", "oob_tcp_if_include", "lo",
+            # Ranks waiting in MPI yield the core to ranks still computing (4 ranks, 2 cores).
+            "--mca", "mpi_yield_when_idle", "1",
+            "-x", f"HVDSLIM_BENCH_PORT={port}", "-x", "OMP_NUM_THREADS", "-x", "GLOO_SOCKET_IFNAME",
+            *[a for kv in args.env for a in ("-x", kv)], *_profiler(args, peers),
+            sys.executable, "-m", "benchmarks.worker", "--model", args.model,
+            "--peers", ",".join(peers), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--threads", str(args.threads), "--seed", str(args.seed),
+            "--pingpong-mib", str(pingpong), "--out", out]
+
+
+def _profiler(args: argparse.Namespace, peers: List[str]) -> List[str]:
+    """A py-spy prefix that names each rank's output after the peer and the MPI rank."""
+    if not args.profile:
+        return []
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        spy = shutil.which("py-spy") or "py-spy"
+    os.makedirs(args.profile, exist_ok=True)
+    prefix = os.path.join(os.path.abspath(args.profile), "+".join(peers))
+    # --idle keeps samples of ranks blocked in MPI, so shares are of wall time.
+    script = (f'p=$1; shift; exec {shlex.quote(spy)} record --nonblocking --idle -r 100 -f raw '
+              f'-o "$p.rank$OMPI_COMM_WORLD_RANK.txt" -- "$@"')
+    return ["sh", "-c", script, "sh", prefix]
+
+
+def job_timeout(args: argparse.Namespace, n_peers: int, numel: int) -> float:
+    """Generous: four times a dense ring allreduce's link time per step, plus start-up."""
+    if args.timeout:
+        return args.timeout
+    link_bytes = 2 * (args.ranks - 1) * numel * 4
+    dense_s = link_bytes * 8 / (RATE_GBIT[args.net] * 1e9) + 0.05 * args.ranks
+    return n_peers * (90 + 4 * (args.warmup + args.steps + 2) * dense_s)
+
+
+def run_job(argv: List[str], ns: Optional[str], timeout: float, out: str
+            ) -> Dict[str, Any]:
+    """Run one mpirun job in its own process group; on timeout kill that group only."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(netem.wrap(ns, argv), cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+        status = f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        status = f"timed out after {timeout:.0f} s"
+        text = _kill_group(proc)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    records = []
+    if os.path.exists(out):
+        with open(out, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    return {"status": status, "returncode": proc.returncode, "records": records,
+            "output_tail": (text or "")[-4000:]}
+
+
+def _kill_group(proc: subprocess.Popen) -> str:
+    """SIGTERM, then SIGKILL, to the process group of the mpirun we started (and nothing else)."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            text, _ = proc.communicate(timeout=wait)
+            return text or ""
+        except subprocess.TimeoutExpired:
+            continue
+    return ""
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    from .models import Workload
+    numel = Workload.numel_of(args.model)
+    peers = selected(args)
+    hvd_missing = horovod_status()
+    runnable = [p for p in peers if not (p.startswith("horovod") and hvd_missing)]
+    meta: Dict[str, Any] = {"command": shlex.join([sys.executable, "-m", "benchmarks.run",
+                                                   *(sys.argv[1:] if argv is None else argv)]),
+                            "settings": {k: v for k, v in vars(args).items()},
+                            "machine": describe(), "horovod": hvd_missing or "installed",
+                            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                            "loadavg_start": os.getloadavg(), "jobs": []}
+    jobs = [[p] for p in runnable] if args.isolate else [runnable]
+    records: List[Dict[str, Any]] = []
+    tmp = tempfile.mkdtemp(prefix="hvdslim-bench-")
+    try:
+        with netem.namespace(args.net) as ns:
+            meta["network"] = {"net": args.net, "namespace": ns, "qdisc": netem.qdisc(ns)}
+            for rep in range(args.repeats):
+                for j, job in enumerate(jobs):
+                    out = os.path.join(tmp, f"r{rep}_j{j}.jsonl")
+                    pp = args.pingpong_mib if rep == 0 and j == 0 else 0
+                    argv_ = mpirun_argv(args, job, out, free_port(), pp)
+                    quiet = wait_for_quiet(args.quiet_cpu, args.max_wait)
+                    print(f"[bench] repeat {rep + 1}/{args.repeats}: {', '.join(job)} (others "
+                          f"busy {quiet['cpu_busy_before']:.0%} of the CPUs, load "
+                          f"{quiet['loadavg_1m']:.2f})", file=sys.stderr, flush=True)
+                    res = run_job(argv_, ns, job_timeout(args, len(job), numel), out)
+                    meta["jobs"].append({"peers": job, "repeat": rep, "status": res["status"],
+                                         "argv": netem.wrap(ns, argv_), **quiet})
+                    got = {r.get("peer") for r in res["records"]}
+                    for r in res["records"]:
+                        if "pingpong" in r:
+                            meta["network"]["pingpong"] = r["pingpong"]
+                        else:
+                            records.append(dict(r, repeat=rep))
+                    for p in job:
+                        if p not in got:
+                            records.append({"peer": p, "repeat": rep, "status": "failed",
+                                            "error": f"job {res['status']} before reporting",
+                                            "output_tail": res["output_tail"]})
+    except netem.NetemError as exc:
+        print(f"benchmarks.run: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        for f in os.listdir(tmp):
+            os.remove(os.path.join(tmp, f))
+        os.rmdir(tmp)
+    meta["loadavg_end"] = os.getloadavg()
+    for p in peers:
+        if p not in runnable:
+            records.append({"peer": p, "status": "not installed",
+                            "error": f"import horovod.torch failed: {hvd_missing}"})
+    results = report.build(meta, records, peers, args)
+    paths = report.write(results, args.out, args.tag)
+    print(report.markdown(results))
+    print("\n".join(f"[bench] wrote {p}" for p in paths), file=sys.stderr)
+    failed = [n for n, r in results["peers"].items() if r["status"] == "failed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

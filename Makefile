@@ -17,7 +17,8 @@ $(STAMP): setup.py scripts/install.sh
 	VENV=$(VENV) bash scripts/install.sh
 	touch $(STAMP)
 
-## make test: the whole suite (unit tier in one process, then the MPI tier at 2 and 3 ranks)
+## make test: the whole suite (unit tier in one process, then the MPI tier at 2 and 3 ranks over
+## MPI and Gloo, the Horovod tier when Horovod is importable, the GPU tier when a GPU is visible)
 test: install
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
@@ -27,9 +28,43 @@ test-unit: install
 test-mpi: install
 	$(PY) -m pytest tests/test_distributed_tier.py -q -p no:cacheprovider
 
+## make install-horovod: build Horovod 0.28.1 against the venv's torch (system CMake 3.x, a C++17
+## compiler wrapper; README "Running inside Horovod"). Skips when `import horovod.torch` works.
+.PHONY: install-horovod test-horovod test-gpu
+install-horovod: install
+	VENV=$(VENV) bash scripts/install_horovod.sh
+
+## make test-horovod: only the Horovod tier (horovodrun -np 2, mpirun -np 3); make test runs it too
+test-horovod: install
+	$(PY) -m pytest tests/test_horovod_tier.py -q -p no:cacheprovider
+
+## make test-gpu: CUDA parameters at 2 ranks over NCCL, MPI and Gloo (skipped without a GPU)
+test-gpu: install
+	bash tests/gpu/run.sh
+
 ## make demo: dense vs Slim-DP (density 0.01) on real MNIST, 4 ranks
 demo: install
 	timeout 600 mpirun -np $(NP) --oversubscribe --bind-to none $(PY) examples/demo.py
+
+## make convergence: dense vs Slim-DP (density 0.01/0.001, pull slim/union, exploration 0/0.1)
+## on MNIST and MNIST-1D, 4 ranks, 3 seeds; PRESET=quick: 1 seed, MNIST-1D only. Each mpirun
+## has a hard timeout inside; finished runs are kept, so a rerun resumes. CONVERGENCE_ARGS adds
+## flags, e.g. --groups ablation
+.PHONY: convergence
+PRESET ?= full
+CONVERGENCE_ARGS ?=
+convergence: install
+	$(PY) benchmarks/convergence.py --preset $(PRESET) --np $(NP) $(CONVERGENCE_ARGS)
+
+## make bench: hvd_slim beside dense allreduce, Horovod, DDP hooks and top-k (ResNet-18 shapes,
+## 4 ranks, a 1 Gbit/s network namespace; needs root); BENCH_ARGS adds flags, e.g. --net loopback
+.PHONY: bench
+BENCH_ARGS ?=
+bench: install
+	@command -v tc >/dev/null 2>&1 || { [ "$$(id -u)" -eq 0 ] \
+	  && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2; } \
+	  || echo "make bench: iproute2 (ip, tc) is missing; the emulated network needs it"
+	trap '$(PY) -m benchmarks.netem --cleanup-stale' EXIT; $(PY) -m benchmarks.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

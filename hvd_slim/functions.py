@@ -64,7 +64,10 @@ def _check_same(what: str, values: List[int], meaning: str) -> None:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: Any = None) -> Any:
-    """``root_rank``'s ``obj`` on every rank (the root gets its own object back), via pickle."""
+    """``root_rank``'s ``obj`` on every rank (the root gets its own object back), via pickle.
+
+    Unpickling runs code chosen by the sender: use it between trusted ranks only, as Horovod's.
+    The optimizer's data path never unpickles."""
     what = "broadcast_object" + (f" ({name!r})" if name else "")
     if process_set is not None:
         raise ValueError(f"{what}: process_set is not supported by hvd_slim; omit it")
@@ -79,7 +82,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 
 def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
-    """Every rank's ``obj``, as a list in rank order, via pickle."""
+    """Every rank's ``obj``, as a list in rank order, via pickle.
+
+    Unpickling runs code chosen by the sender: use it between trusted ranks only, as Horovod's."""
     what = "allgather_object" + (f" ({name!r})" if name else "")
     parts = _mpi().allgather_bytes(basics.job_comm(), _dumps(obj)[0])
     return [_loads(p, what) for p in parts]

@@ -24,34 +24,14 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for `data` when run by path
 import hvd_slim as hvd  # noqa: E402
+from common import Net, evaluate, progress  # noqa: E402
 from data import load_mnist  # noqa: E402
-
-
-class Net(nn.Module):
-    """Two 5x5 convolutions and two fully connected layers (about 215k weights).
-
-    fc1 alone has 200k weights and conv2 12.8k, so density 0.01 has something to compress;
-    the small layers (conv1, biases, fc2) are below hvd_slim's compression threshold.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 5, padding=2)
-        self.conv2 = nn.Conv2d(16, 32, 5, padding=2)
-        self.fc1 = nn.Linear(32 * 7 * 7, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,20 +46,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to OUT")
     return p.parse_args()
-
-
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Test accuracy in percent; each rank scores a disjoint slice, summed with allreduce."""
-    model.eval()
-    # A strided slice without padding, so every test image is counted exactly once.
-    xs, ys = x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()]
-    correct = 0
-    with torch.no_grad():
-        for i in range(0, len(ys), 1000):
-            correct += int((model(xs[i:i + 1000]).argmax(1) == ys[i:i + 1000]).sum())
-    counts = hvd.allreduce(torch.tensor([float(correct), float(len(ys))]), op=hvd.Sum)
-    model.train()
-    return 100.0 * float(counts[0]) / float(counts[1])
 
 
 def train_once(name: str, density: float, args: argparse.Namespace,
@@ -102,7 +68,7 @@ def train_once(name: str, density: float, args: argparse.Namespace,
     loss_sum, batches = 0.0, 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        bar = _progress(loader, f"{name} epoch {epoch + 1}/{args.epochs}")
+        bar = progress(loader, f"{name} epoch {epoch + 1}/{args.epochs}", hvd.rank() == 0)
         loss_sum, batches = 0.0, 0
         for step, (xb, yb) in enumerate(bar):
             loss = F.cross_entropy(model(xb), yb)
@@ -115,7 +81,7 @@ def train_once(name: str, density: float, args: argparse.Namespace,
     stats = opt.comm_stats()  # training steps only: read before flush()
     opt.flush()  # apply every pending residual so we evaluate the exact model
     seconds = time.perf_counter() - start
-    accuracy = evaluate(model, *test)
+    accuracy = evaluate(hvd, model, *test)
     # Mean training loss of the last epoch, averaged over ranks (hvd.allreduce's default).
     train_loss = float(hvd.allreduce(torch.tensor([loss_sum / max(batches, 1)])))
     steps = max(int(stats["steps"]), 1)
@@ -131,16 +97,6 @@ def train_once(name: str, density: float, args: argparse.Namespace,
         "train_seconds": seconds,
         "last_epoch_train_loss": train_loss,
     }
-
-
-def _progress(loader: DataLoader, desc: str):
-    """A tqdm bar on rank 0 (plain iteration elsewhere, or when tqdm is missing)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return loader
-    return tqdm(loader, desc=desc, disable=hvd.rank() != 0, mininterval=2.0,
-                dynamic_ncols=True, file=sys.stderr)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -1,0 +1,153 @@
+"""Summaries, a markdown table and plots of sweep results (examples/sweep.py's JSON lines).
+
+``write_report(runs, out, target_gap)`` groups runs by (dataset, config), averages over seeds,
+writes ``table.md`` and, with matplotlib, ``<dataset>_accuracy_vs_epoch.png`` and
+``<dataset>_accuracy_vs_bytes.png`` into ``out``, and returns the table.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional
+
+Runs = List[Dict[str, Any]]
+REFERENCE_TAGS = ("adam", "constant-LR")  # rows whose dense reference differs in that way
+
+
+def _mean_std(xs: List[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarise(runs: Runs) -> List[Dict[str, Any]]:
+    """One row per (dataset, config), in first-seen order, with seed means and stds."""
+    groups: "OrderedDict[tuple, Runs]" = OrderedDict()
+    for r in runs:
+        groups.setdefault((r["dataset"], r["config"]), []).append(r)
+    rows = []
+    for (ds, config), rs in groups.items():
+        last = [r["records"][-1] for r in rs]
+        acc, acc_sd = _mean_std([x["test_accuracy"] for x in last])
+        flushed, flushed_sd = _mean_std([x["flushed_accuracy"] for x in last])
+        steps = [max(x["steps"], 1) for x in last]
+        rows.append({
+            "dataset": ds, "config": config, "group": rs[0].get("group", ""),
+            "method": rs[0]["method"], "density": rs[0].get("density", 1.0), "seeds": len(rs),
+            "acc": acc, "acc_sd": acc_sd, "flushed": flushed, "flushed_sd": flushed_sd,
+            "pushed": statistics.fmean(x["bytes_pushed"] / s for x, s in zip(last, steps)),
+            "pulled": statistics.fmean(x["bytes_pulled"] / s for x, s in zip(last, steps)),
+            "dense": statistics.fmean(x["dense_bytes"] / s for x, s in zip(last, steps)),
+            "seconds": statistics.fmean(r["seconds"] for r in rs),
+            "epochs": rs[0]["epochs"]})
+    for row in rows:  # the gap to dense on the same dataset; "<config> <tag>" to "dense <tag>"
+        ref_name = next((f"dense {t}" for t in REFERENCE_TAGS if row["config"].endswith(t)),
+                        "dense")
+        ref = next((x for x in rows if x["dataset"] == row["dataset"]
+                    and x["config"] == ref_name), None)
+        row["gap"] = None if ref is None else row["acc"] - ref["acc"]
+        row["flushed_gap"] = None if ref is None else row["flushed"] - ref["flushed"]
+    return rows
+
+
+def _verdict(row: Dict[str, Any], target_gap: Dict[float, float]) -> str:
+    target = target_gap.get(row["density"]) if row["method"] == "slim" else None
+    if target is None or row["gap"] is None:
+        return ""
+    short = -row["gap"] - target
+    return "met" if short <= 0 else f"missed by {short:.2f}"
+
+
+def table(rows: List[Dict[str, Any]], target_gap: Dict[float, float]) -> str:
+    """The markdown table: one block per dataset."""
+    out = []
+    for ds in OrderedDict.fromkeys(r["dataset"] for r in rows):
+        sub = [r for r in rows if r["dataset"] == ds]
+        out.append(f"\n**{ds}**: {sub[0]['epochs']} epochs, 4 ranks; accuracy = final test "
+                   f"accuracy (%), mean ± std over seeds; Δ = vs dense; bytes per optimizer "
+                   f"step, rank 0\n")
+        out.append("| config | seeds | accuracy | Δ | after flush | Δ after flush | target "
+                   "| pushed B/step | pulled B/step | dense/pushed | s/run |")
+        out.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+        for r in sub:
+            gap = "" if r["gap"] is None else f"{r['gap']:+.2f}"
+            fgap = "" if r["flushed_gap"] is None else f"{r['flushed_gap']:+.2f}"
+            ratio = r["dense"] / r["pushed"] if r["pushed"] else float("inf")
+            out.append(f"| {r['config']} | {r['seeds']} | {r['acc']:.2f} ± {r['acc_sd']:.2f} "
+                       f"| {gap} | {r['flushed']:.2f} ± {r['flushed_sd']:.2f} | {fgap} "
+                       f"| {_verdict(r, target_gap)} | {r['pushed']:,.0f} | {r['pulled']:,.0f} "
+                       f"| {ratio:.1f}x | {r['seconds']:.0f} |")
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _points(run: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """A run's evaluation points in order: intermediate ones (``curve``), then each epoch's."""
+    return [p for rec in run["records"] for p in rec.get("curve", []) + [rec]]
+
+
+def _curves(runs: Runs, x_key: Optional[str]) -> tuple[List[float], List[float], List[float]]:
+    """Mean x, mean and std of accuracy per evaluation point over the seeds of one config."""
+    points = [_points(r) for r in runs]
+    xs, ms, sds = [], [], []
+    for e in range(min(len(p) for p in points)):
+        m, sd = _mean_std([p[e]["test_accuracy"] for p in points])
+        x = statistics.fmean(p[e]["epoch"] if x_key is None else
+                             (p[e]["bytes_pushed"] + p[e]["bytes_pulled"]) / 1e6 for p in points)
+        xs.append(x), ms.append(m), sds.append(sd)
+    return xs, ms, sds
+
+
+def plot(runs: Runs, out: str) -> List[str]:
+    """Accuracy vs epoch and vs bytes, per dataset: one panel per density, dense in each."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # no display on a server
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullFormatter
+    except ImportError:
+        return []
+    written = []
+    for ds in OrderedDict.fromkeys(r["dataset"] for r in runs):
+        mine = [r for r in runs if r["dataset"] == ds and r.get("group") != "ablation"]
+        by_config: "OrderedDict[str, Runs]" = OrderedDict()
+        for r in mine:
+            by_config.setdefault(r["config"], []).append(r)
+        densities = sorted({r["density"] for r in mine if r["density"] < 1}, reverse=True)
+        for x_key, suffix, xlabel in ((None, "epoch", "epoch"),
+                                      ("bytes", "bytes", "MB pushed + pulled by rank 0")):
+            panels = max(len(densities), 1)
+            fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+            for ax, d in zip(axes[0], densities or [1.0]):
+                for config, rs in by_config.items():
+                    if rs[0]["density"] not in (1.0, d):
+                        continue
+                    xs, ms, sds = _curves(rs, x_key)
+                    style = {"color": "black", "linewidth": 2} if rs[0]["method"] == "dense" \
+                        else {"linestyle": "--"} if rs[0]["method"] == "topk" else {}
+                    line, = ax.plot(xs, ms, marker="o", markersize=3, label=config, **style)
+                    ax.fill_between(xs, [m - s for m, s in zip(ms, sds)],
+                                    [m + s for m, s in zip(ms, sds)], alpha=0.12,
+                                    color=line.get_color())
+                if x_key is not None:  # dense sits decades to the right of the sparse runs
+                    ax.set_xscale("log")
+                    ax.xaxis.set_minor_formatter(NullFormatter())
+                ax.set_title(f"{ds}, density {d:g} (mean ± std over seeds)")
+                ax.set_xlabel(xlabel)
+                ax.set_ylabel("test accuracy (%)")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7)
+            path = os.path.join(out, f"{ds}_accuracy_vs_{suffix}.png")
+            fig.tight_layout()
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def write_report(runs: Runs, out: str, target_gap: Dict[float, float]) -> str:
+    """Write table.md and the plots into ``out``; return the table."""
+    text = table(summarise(runs), target_gap)
+    with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    for path in plot(runs, out):
+        text += f"\nwrote {path}"
+    return text

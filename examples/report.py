@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional
 
 Runs = List[Dict[str, Any]]
-REFERENCE_TAGS = ("adam", "constant-LR")  # rows whose dense reference differs in that way
+REFERENCE_TAGS = ("adam", "constant-LR", "cosine-in-loss", "4-epochs")  # rows whose dense reference differs in that way
 
 
 def _mean_std(xs: List[float]) -> tuple[float, float]:
@@ -25,7 +25,13 @@ def summarise(runs: Runs) -> List[Dict[str, Any]]:
     for r in runs:
         groups.setdefault((r["dataset"], r["config"]), []).append(r)
     rows = []
-    for (ds, config), rs in groups.items():
+    for (ds, config), all_rs in groups.items():
+        rs = [r for r in all_rs if not r.get("diverged")]  # diverged runs are counted apart
+        if not rs:
+            rows.append({"dataset": ds, "config": config, "method": all_rs[0]["method"],
+                         "density": all_rs[0].get("density", 1.0), "seeds": 0,
+                         "diverged": len(all_rs), "epochs": all_rs[0]["epochs"], "acc": None})
+            continue
         last = [r["records"][-1] for r in rs]
         acc, acc_sd = _mean_std([x["test_accuracy"] for x in last])
         flushed, flushed_sd = _mean_std([x["flushed_accuracy"] for x in last])
@@ -33,6 +39,7 @@ def summarise(runs: Runs) -> List[Dict[str, Any]]:
         rows.append({
             "dataset": ds, "config": config, "group": rs[0].get("group", ""),
             "method": rs[0]["method"], "density": rs[0].get("density", 1.0), "seeds": len(rs),
+            "diverged": len(all_rs) - len(rs),
             "acc": acc, "acc_sd": acc_sd, "flushed": flushed, "flushed_sd": flushed_sd,
             "pushed": statistics.fmean(x["bytes_pushed"] / s for x, s in zip(last, steps)),
             "pulled": statistics.fmean(x["bytes_pulled"] / s for x, s in zip(last, steps)),
@@ -40,10 +47,14 @@ def summarise(runs: Runs) -> List[Dict[str, Any]]:
             "seconds": statistics.fmean(r["seconds"] for r in rs),
             "epochs": rs[0]["epochs"]})
     for row in rows:  # the gap to dense on the same dataset; "<config> <tag>" to "dense <tag>"
+        if row["acc"] is None:
+            row["gap"] = row["flushed_gap"] = None
+            continue
         ref_name = next((f"dense {t}" for t in REFERENCE_TAGS if row["config"].endswith(t)),
                         "dense")
         ref = next((x for x in rows if x["dataset"] == row["dataset"]
                     and x["config"] == ref_name), None)
+        ref = ref if ref is not None and ref["acc"] is not None else None
         row["gap"] = None if ref is None else row["acc"] - ref["acc"]
         row["flushed_gap"] = None if ref is None else row["flushed"] - ref["flushed"]
     return rows
@@ -69,10 +80,15 @@ def table(rows: List[Dict[str, Any]], target_gap: Dict[float, float]) -> str:
                    "| pushed B/step | pulled B/step | dense/pushed | s/run |")
         out.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
         for r in sub:
+            if r["acc"] is None:
+                out.append(f"| {r['config']} | 0 (+{r['diverged']} diverged) | diverged | | | | "
+                           f"| | | | |")
+                continue
             gap = "" if r["gap"] is None else f"{r['gap']:+.2f}"
             fgap = "" if r["flushed_gap"] is None else f"{r['flushed_gap']:+.2f}"
             ratio = r["dense"] / r["pushed"] if r["pushed"] else float("inf")
-            out.append(f"| {r['config']} | {r['seeds']} | {r['acc']:.2f} ± {r['acc_sd']:.2f} "
+            seeds = f"{r['seeds']}" + (f" (+{r['diverged']} diverged)" if r["diverged"] else "")
+            out.append(f"| {r['config']} | {seeds} | {r['acc']:.2f} ± {r['acc_sd']:.2f} "
                        f"| {gap} | {r['flushed']:.2f} ± {r['flushed_sd']:.2f} | {fgap} "
                        f"| {_verdict(r, target_gap)} | {r['pushed']:,.0f} | {r['pulled']:,.0f} "
                        f"| {ratio:.1f}x | {r['seconds']:.0f} |")
@@ -107,7 +123,8 @@ def plot(runs: Runs, out: str) -> List[str]:
         return []
     written = []
     for ds in OrderedDict.fromkeys(r["dataset"] for r in runs):
-        mine = [r for r in runs if r["dataset"] == ds and r.get("group") != "ablation"]
+        mine = [r for r in runs if r["dataset"] == ds and r.get("group") in ("grid", "baselines")
+                and not r.get("diverged")]
         by_config: "OrderedDict[str, Runs]" = OrderedDict()
         for r in mine:
             by_config.setdefault(r["config"], []).append(r)

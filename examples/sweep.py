@@ -13,7 +13,7 @@ see training.py),
 ``density``, ``slim`` (Slim-DP keywords), ``seed``, ``epochs``, ``batch_size``, ``lr``,
 ``schedule`` ("constant"/"cosine"/"step"), and optionally ``optimizer`` ("sgd"/"adam"),
 ``momentum`` (0.9), ``train_subset``, ``dense_warmup_steps`` (see ``training.DenseWarmup``),
-``evals_per_epoch`` (1).
+``evals_per_epoch`` (1), ``lr_via`` ("optimizer" or "loss": see ``training.Schedule``).
 """
 from __future__ import annotations
 
@@ -46,12 +46,25 @@ def run_one(hvd: Any, spec: Dict[str, Any], data: Tuple[Any, Any]) -> Dict[str, 
     warm = int(spec.get("dense_warmup_steps", 0))
     opt = DenseWarmup(inner, model, hvd, warm, build) if warm > 0 else build()
     start = time.perf_counter()
-    records = fit(hvd, spec["method"], model, opt, data[0], data[1], epochs=spec["epochs"],
-                  batch_size=spec["batch_size"], schedule=Schedule(spec["lr"], spec["schedule"]),
-                  seed=spec["seed"], name=spec["key"], show_progress=False,
-                  evals_per_epoch=int(spec.get("evals_per_epoch", 1)))
+    try:
+        records = _fit(hvd, spec, model, opt, data)
+    except FloatingPointError as exc:
+        # hvd_slim raises the same NonFiniteGradientError on every rank with nothing changed,
+        # so the job can go on to the next run; a diverged run is a result too.
+        return dict(spec, world_size=hvd.size(), seconds=time.perf_counter() - start,
+                    records=[], diverged=str(exc)[:500])
     return dict(spec, world_size=hvd.size(), seconds=time.perf_counter() - start,
                 records=records)
+
+
+def _fit(hvd: Any, spec: Dict[str, Any], model: Any, opt: Any, data: Tuple[Any, Any]
+         ) -> List[Dict[str, Any]]:
+    """``training.fit`` with the spec's settings."""
+    schedule = Schedule(spec["lr"], spec["schedule"], via=spec.get("lr_via", "optimizer"))
+    return fit(hvd, spec["method"], model, opt, data[0], data[1], epochs=spec["epochs"],
+               batch_size=spec["batch_size"], schedule=schedule, seed=spec["seed"],
+               name=spec["key"], show_progress=False,
+               evals_per_epoch=int(spec.get("evals_per_epoch", 1)))
 
 
 def source_digest() -> str:
@@ -95,10 +108,14 @@ def main(plan_path: str, results_path: str) -> None:
             datasets[ds_key] = load_dataset(*ds_key)
         result = dict(run_one(hvd, spec, datasets[ds_key]), hvd_slim_digest=digest)
         if hvd.rank() == 0:
-            last = result["records"][-1]
-            print(f"sweep [{i + 1}/{len(todo)}] {spec['key']}: {last['test_accuracy']:.2f}% "
-                  f"(flushed {last['flushed_accuracy']:.2f}%), {result['seconds']:.1f}s",
-                  flush=True)
+            if result.get("diverged"):
+                outcome = f"DIVERGED: {result['diverged'][:120]}"
+            else:
+                last = result["records"][-1]
+                outcome = (f"{last['test_accuracy']:.2f}% (flushed "
+                           f"{last['flushed_accuracy']:.2f}%)")
+            print(f"sweep [{i + 1}/{len(todo)}] {spec['key']}: {outcome}, "
+                  f"{result['seconds']:.1f}s", flush=True)
             with open(results_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(result) + "\n")
 

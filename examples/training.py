@@ -137,11 +137,17 @@ class Schedule:
 
     ``constant``; ``cosine``: half a cosine from 1 down to ``floor``; ``step``: x0.1 after 50%
     and again after 75% of the steps. ``warmup_steps`` ramps linearly from ``lr/10`` first.
+
+    ``via="loss"`` keeps the optimizer's LR at ``lr`` and scales the loss by the schedule's
+    factor instead (momentum then integrates LR-scaled gradients). For plain SGD the two are the
+    same schedule; for error feedback they differ: a residual held back at a high LR and sent at a
+    low one keeps its size when the schedule is in the loss, but shrinks when it is in the LR.
     """
     lr: float
     shape: str = "constant"
     floor: float = 0.01
     warmup_steps: int = 0
+    via: str = "optimizer"
 
     def at(self, step: int, total: int) -> float:
         if step < self.warmup_steps:
@@ -186,10 +192,13 @@ def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dat
         loss_sum, batches, start, curve, paused = 0.0, 0, time.perf_counter(), [], 0.0
         for xb, yb in bar:
             lr = schedule.at(step, total)
+            scale = 1.0
+            if schedule.via == "loss":
+                lr, scale = schedule.lr, lr / schedule.lr
             for group in opt.param_groups:
                 group["lr"] = lr
             loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
+            (loss * scale if scale != 1.0 else loss).backward()
             opt.step()
             opt.zero_grad()
             loss_sum, batches, step = loss_sum + loss.item(), batches + 1, step + 1

@@ -142,7 +142,8 @@ def _run(config, method, density, accs, seed):
     recs = [{"epoch": i + 1, "steps": 10 * (i + 1), "test_accuracy": a, "bytes_pushed": 100.0,
              "bytes_pulled": 100.0, "dense_bytes": 1000.0 * (i + 1)} for i, a in enumerate(accs)]
     recs[-1]["flushed_accuracy"] = accs[-1]
-    return {"key": f"d/{config}/{seed}", "dataset": "d", "config": config, "method": method,
+    return {"key": f"d/{config}/{seed}", "dataset": "d", "group": "grid", "config": config,
+            "method": method,
             "density": density, "seed": seed, "epochs": len(accs), "seconds": 1.0,
             "records": recs}
 
@@ -150,11 +151,34 @@ def _run(config, method, density, accs, seed):
 def test_report_table_gaps_and_verdicts(tmp_path):
     runs = [_run("dense", "dense", 1.0, [90, 98.0], 0), _run("dense", "dense", 1.0, [90, 98.2], 1),
             _run("a", "slim", 0.01, [80, 97.9], 0), _run("a", "slim", 0.01, [80, 98.1], 1),
-            _run("b", "slim", 0.001, [80, 97.0], 0)]
+            _run("b", "slim", 0.001, [80, 97.0], 0),
+            dict(_run("b", "slim", 0.001, [80], 1), records=[], diverged="NaN at step 7")]
     rows = report.summarise(runs)
     a = next(r for r in rows if r["config"] == "a")
     assert a["gap"] == pytest.approx(-0.1) and a["seeds"] == 2
     text = report.write_report(runs, str(tmp_path), {0.01: 0.3, 0.001: 0.5})
     assert "| a | 2 | 98.00 ± 0.14 | -0.10 |" in text and "| met |" in text
-    assert "missed by 0.60" in text
+    assert "missed by 0.60" in text and "| b | 1 (+1 diverged) |" in text
     assert (tmp_path / "table.md").exists()
+
+
+@pytest.mark.parametrize("via", ["optimizer", "loss"])
+def test_fit_applies_the_schedule_through_the_lr_or_the_loss(via):
+    """Plain SGD takes the same steps whether the cosine sits in the LR or scales the loss."""
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 100), torch.randint(0, 2, (64,))
+    final = {}
+    for how in ("optimizer", via):
+        model = _model()
+        opt = TopKOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                            1.0, SOLO, min_compress_numel=2 ** 62)  # a plain dense "exchange"
+        records = training.fit(SOLO, "topk", model, opt, TensorDataset(x, y), (x, y), epochs=2,
+                               batch_size=16, schedule=training.Schedule(0.1, "cosine", via=how),
+                               seed=0, show_progress=False)
+        final[how] = [p.detach().clone() for p in model.parameters()]
+        assert len(records) == 2 and records[-1]["steps"] == 8
+        assert (records[-1]["lr"] == 0.1) == (how == "loss")
+    for a, b in zip(final["optimizer"], final[via]):
+        assert torch.allclose(a, b, atol=1e-6)

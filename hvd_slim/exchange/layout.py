@@ -153,10 +153,35 @@ class Layout:
         return out
 
     @staticmethod
+    def grad_parts(bucket: Bucket) -> List[Tuple[int, int, Optional[torch.Tensor]]]:
+        """``(offset, numel, grad or None)`` per parameter: the gradients where they lie, for
+        folding into a flat buffer without copying them there first."""
+        parts = []
+        for s in bucket.segments:
+            g = s.param.grad
+            if g is not None and g.is_sparse:
+                g = g.to_dense()
+            parts.append((s.offset, s.numel, g))
+        return parts
+
+    @staticmethod
     def read_params(bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
         for s in bucket.segments:
             out[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         return out
+
+    @staticmethod
+    def point_grads(bucket: Bucket, flat: torch.Tensor) -> None:
+        """Make each parameter's ``.grad`` a view of ``flat`` (kept while it already is one).
+        ``flat`` must outlive the step: the inner optimizer and the next backward use it."""
+        for s in bucket.segments:
+            p = s.param
+            view = flat[s.offset:s.offset + s.numel].view(p.shape)
+            g = p.grad
+            if g is not None and g.is_sparse:
+                p.grad = view.to_sparse()   # hand back sparse, as write_grads does
+            elif g is None or g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
+                p.grad = view
 
     @staticmethod
     def write_grads(bucket: Bucket, flat: torch.Tensor,

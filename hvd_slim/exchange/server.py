@@ -43,7 +43,6 @@ class Server:
         # (profiled: ~23% of the server's exchange time on ResNet-18 shapes).
         self._total: Dict[int, torch.Tensor] = {}
         self._touched: Dict[int, torch.Tensor] = {}
-        self._abs: Dict[int, torch.Tensor] = {}
 
     def _zeroed(self, cache: Dict[int, torch.Tensor], b: Bucket, dtype: torch.dtype
                 ) -> torch.Tensor:
@@ -79,17 +78,25 @@ class Server:
         selectors = {i: s.state_dict() for i, s in self.selector.items()}
         plan = _Plan()
         sections, totals = [], {}
-        for b in buckets:
-            total = totals[b.index] = self._zeroed(self._total, b, b.dtype)
-            touched = None
-            if cfg.pull == "union":
-                touched = self._touched[b.index] = self._zeroed(self._touched, b, torch.bool)
-            for j in range(self.size):
-                self._accumulate(b, j, decoded[j][b.index], step, total, touched, plan)
-            if scale != 1.0:
-                total.mul_(scale)
-            sections.append(self._pull_section(b, total, touched, step, flush, plan))
+        try:
+            for b in buckets:
+                if b.kind != DENSE and cfg.pull == "slim" and not flush and not pull_is_dense(b):
+                    sections.append(self._slim_section(b, decoded, step, scale, plan))
+                    continue
+                total = totals[b.index] = self._zeroed(self._total, b, b.dtype)
+                touched = None
+                if cfg.pull == "union":
+                    touched = self._touched[b.index] = self._zeroed(self._touched, b, torch.bool)
+                for j in range(self.size):
+                    self._accumulate(b, j, decoded[j][b.index], step, total, touched, plan)
+                if scale != 1.0:
+                    total.mul_(scale)
+                sections.append(self._pull_section(b, total, touched, step, flush, plan))
+        except BaseException:
+            plan.undo()
+            raise
         if plan.overflow and cfg.nonfinite != "propagate" and not flush:
+            plan.undo()
             for i, st in selectors.items():
                 self.selector[i].load_state_dict(st)
             text = f"the server's aggregate: {describe(plan.overflow, True, plan.wire_dtype)}"
@@ -100,8 +107,9 @@ class Server:
         # encode() copied every section: the aggregate buffers are free again. A residual that
         # adopted a bucket's aggregate handed back its old buffer instead.
         for b in buckets:
-            mem = self.memory.get(b.index)
-            self._total[b.index] = adopted.get(id(mem), totals[b.index])
+            if b.index in totals:
+                mem = self.memory.get(b.index)
+                self._total[b.index] = adopted.get(id(mem), totals[b.index])
         return out
 
     def _verdict(self, reports: List[Tuple[int, str]], step: int, digest: int,
@@ -119,16 +127,25 @@ class Server:
             "clipping), or pass nonfinite='skip' (HVD_SLIM_NONFINITE=skip) to skip such steps",
             code=wm.E_NONFINITE, limit=limit)
 
-    def _accumulate(self, b: Bucket, j: int, sec: wm.Section, step: int, total: torch.Tensor,
-                    touched: Optional[torch.Tensor], plan: "_Plan") -> None:
-        if sec.mode == wm.M_EMPTY:
-            return
+    def _slim_section(self, b: Bucket, decoded: List[List[wm.Section]], step: int,
+                      scale: float, plan: "_Plan") -> wm.Section:
+        """pull="slim" on a compressed bucket, aggregated straight into the server's residual:
+        ``e += scale * push_j`` at each push's coordinates only, instead of summing into a
+        zeroed dense buffer and adding ``e`` (three full passes fewer). ``e``'s old values
+        there are kept in the plan, so a step that does not go through restores them exactly."""
+        e = self.memory[b.index].residual
+        pushes = [self._push_slice(b, j, decoded[j][b.index], step, plan)
+                  for j in range(self.size)]
+        touched = torch.cat([idx for idx, _ in pushes])
+        plan.saved.append((e, touched, e[touched]))
+        for idx, vals in pushes:
+            e.index_add_(0, idx, vals, alpha=scale)
+        return self._slice_pull(b, e, step, plan)
+
+    def _push_slice(self, b: Bucket, j: int, sec: wm.Section, step: int, plan: "_Plan"
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The coordinates (core, then exploration) and values of rank ``j``'s sliced push."""
         vals = from_bytes(sec.values, b.wire_dtype).to(b.dtype)
-        if sec.mode == wm.M_DENSE:
-            total.add_(vals)
-            if touched is not None:
-                touched.fill_(True)
-            return
         if sec.mode == wm.M_SLICE:
             core = torch.from_numpy(sec.indices)
             plan.worker_cores[(j, b.index)] = core
@@ -139,6 +156,18 @@ class Server:
                                    "but the server has none (restored from another checkpoint?)")
         idx = torch.cat([core, explore(b.numel, core, b.k_explore,
                                        (self.cfg.seed, ROLE_PUSH, j, step, b.index))])
+        return idx, vals
+
+    def _accumulate(self, b: Bucket, j: int, sec: wm.Section, step: int, total: torch.Tensor,
+                    touched: Optional[torch.Tensor], plan: "_Plan") -> None:
+        if sec.mode == wm.M_EMPTY:
+            return
+        if sec.mode == wm.M_DENSE:
+            total.add_(from_bytes(sec.values, b.wire_dtype).to(b.dtype))
+            if touched is not None:
+                touched.fill_(True)
+            return
+        idx, vals = self._push_slice(b, j, sec, step, plan)
         total.index_add_(0, idx, vals)
         if touched is not None:
             touched[idx] = True
@@ -156,26 +185,28 @@ class Server:
             if n * b.value_bytes + index_bytes_bound(b.numel, n) < b.numel * b.value_bytes:
                 return self._sent(b, total[idx].to(b.wire_dtype), idx, plan, wm.M_EXPLICIT, idx)
             return self._sent(b, total.to(b.wire_dtype), None, plan, wm.M_DENSE)
+        # A flush, or a pull slice no smaller than dense (a sliced pull goes _slim_section).
         mem = self.memory[b.index]
         v = total.add_(mem.residual)   # e + G, proposed: e itself changes only at commit
-        if flush or pull_is_dense(b):
-            wire = v.to(b.wire_dtype, copy=True)  # a copy: commit zeroes v's buffer
-            delivered = wire.to(b.dtype) if b.wire_dtype != b.dtype else None
-            plan.memory.append((mem, v, None, delivered))
-            return self._sent(b, wire, None, plan, wm.M_DENSE)
+        wire = v.to(b.wire_dtype, copy=True)  # a copy: commit zeroes v's buffer
+        delivered = wire.to(b.dtype) if b.wire_dtype != b.dtype else None
+        plan.memory.append((mem, v, None, delivered))
+        return self._sent(b, wire, None, plan, wm.M_DENSE)
+
+    def _slice_pull(self, b: Bucket, v: torch.Tensor, step: int, plan: "_Plan") -> wm.Section:
+        """The pull slice of ``v`` (= e + G, the residual itself): its core by |v| plus
+        exploration; the sent coordinates are forgotten at commit."""
+        mem = self.memory[b.index]
         refresh = is_refresh(step, self.cfg.refresh_interval)
         if refresh:
-            score = self._abs.get(b.index)
-            if score is None:
-                score = self._abs[b.index] = torch.empty_like(v)
-            core = self.selector[b.index].select(torch.abs(v, out=score), b.k_pull_core)
+            core = self.selector[b.index].select_magnitude(v, b.k_pull_core)
             plan.pull_core[b.index] = core
         else:
             core = self.pull_core[b.index]
         sel = torch.cat([core, explore(b.numel, core, b.k_pull_explore,
                                        (self.cfg.seed, ROLE_PULL, self.rank, step, b.index))])
         wire = v[sel].to(b.wire_dtype)
-        plan.memory.append((mem, v, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype else None))
+        plan.forget.append((mem, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype else None))
         mode = wm.M_SLICE if refresh else wm.M_SLICE_CACHED
         return self._sent(b, wire, sel, plan, mode, core if refresh else None)
 
@@ -214,6 +245,8 @@ class _Plan:
 
     def __init__(self) -> None:
         self.memory: List[tuple] = []        # (memory, proposed residual, sent, delivered)
+        self.forget: List[tuple] = []        # (memory, sent, delivered): aggregated in place
+        self.saved: List[tuple] = []         # (residual, coordinates, their values before)
         self.worker_cores: Dict[Tuple[int, int], torch.Tensor] = {}
         self.pull_core: Dict[int, torch.Tensor] = {}
         self.overflow: List[str] = []        # parameters whose pulled values overflow the wire
@@ -224,10 +257,21 @@ class _Plan:
         old = {}
         for mem, v, sent, delivered in self.memory:
             old[id(mem)] = mem.commit(v, None, sent, delivered)
+        for mem, sent, delivered in self.forget:
+            mem.update(sent, delivered)
+        self.saved = []
         for (j, i), core in self.worker_cores.items():
             server.worker_cores[j][i] = core
         server.pull_core.update(self.pull_core)
         return old
+
+
+    def undo(self) -> None:
+        """The step does not go through: give residuals aggregated in place their old values
+        back (exactly; a coordinate two pushes touched was saved twice, with the same value)."""
+        for e, idx, before in reversed(self.saved):
+            e.index_put_((idx,), before)
+        self.saved = []
 
 
 def decode_pull(layout: Layout, cfg: SlimConfig, buf: np.ndarray, step: int, digest: int,

@@ -29,7 +29,7 @@ from ..wire import message as wm
 from . import checkpoint, handshake
 from .codec import from_bytes, indices_on, message_bound, pull_expect, push_expect, to_bytes
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
-from .layout import DENSE, Layout
+from .layout import DENSE, Bucket, Layout
 from .server import ROLE_PULL, Server, decode_pull
 from .stats import ExchangeStats
 from .worker import Proposal, WorkerSide
@@ -58,8 +58,8 @@ class SlimExchange(WorkerSide):
             if self.rank == config.server_rank else None
         self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
                       for b in layout.buckets}
-        self._score = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
-                       for b in layout.sparse}
+        self._score: Dict[int, torch.Tensor] = {}   # only with magnitude_weight > 0
+        self._pulled: Dict[int, torch.Tensor] = {}  # sliced pulls; each p.grad views it
         self._pending: List[Proposal] = []
         self._agreed = False   # the handshake has not run yet
         self.stats = ExchangeStats(layout, self.size)
@@ -194,24 +194,33 @@ class SlimExchange(WorkerSide):
                 continue
             vals = from_bytes(sec.values, b.wire_dtype, like=b)
             if sec.mode == wm.M_DENSE:
-                flat = vals
+                self.layout.write_grads(b, vals)
+                continue
+            idx = self._pull_indices(b, sec, t)
+            # The pull is scattered into a buffer this rank keeps, and each p.grad becomes a view
+            # of it (as DDP's gradient_as_bucket_view): no copy into separate .grad tensors.
+            flat = self._pulled.get(b.index)
+            if flat is None:
+                flat = self._pulled[b.index] = torch.zeros(b.numel, dtype=b.dtype,
+                                                           device=b.device)
             else:
-                flat = self._flat[b.index].zero_()
-                if sec.mode == wm.M_EXPLICIT:
-                    idx = indices_on(sec.indices, b)
-                else:
-                    if sec.mode == wm.M_SLICE:
-                        self.pull_core[b.index] = indices_on(sec.indices, b)
-                    core = self.pull_core.get(b.index)
-                    if core is None:
-                        raise ExchangeError(f"rank {self.rank}: the server reused a cached pull "
-                                            "core this rank does not have")
-                    idx = torch.cat([core, explore(b.numel, core, b.k_pull_explore,
-                                                   (self.cfg.seed, ROLE_PULL,
-                                                    self.cfg.server_rank, t, b.index)
-                                                   ).to(b.device)])
-                flat[idx] = vals
-            self.layout.write_grads(b, flat)
+                flat.zero_()
+            flat[idx] = vals
+            self.layout.point_grads(b, flat)
+
+    def _pull_indices(self, b: Bucket, sec: wm.Section, t: int) -> torch.Tensor:
+        """The coordinates of a pulled slice: explicit, or the server's core plus exploration."""
+        if sec.mode == wm.M_EXPLICIT:
+            return indices_on(sec.indices, b)
+        if sec.mode == wm.M_SLICE:
+            self.pull_core[b.index] = indices_on(sec.indices, b)
+        core = self.pull_core.get(b.index)
+        if core is None:
+            raise ExchangeError(f"rank {self.rank}: the server reused a cached pull core this "
+                                "rank does not have")
+        return torch.cat([core, explore(b.numel, core, b.k_pull_explore,
+                                        (self.cfg.seed, ROLE_PULL, self.cfg.server_rank, t,
+                                         b.index)).to(b.device)])
 
     # --- checkpoint --------------------------------------------------------------------------
     def residual_norm(self) -> float:

@@ -40,19 +40,19 @@ class WorkerSide:
         """Every bucket's section, or (when a value is NaN/Inf and nonfinite is not
         "propagate") a report naming the tensors instead; nothing is folded in then."""
         check = self.cfg.nonfinite != "propagate"
-        grads, bad = [], []
+        folded, bad = [], []
         for b in self.layout.buckets:
-            g = self.layout.read_grads(b, self._flat[b.index])
-            if self.cfg.op == "average" and self.cfg.gradient_predivide_factor != 1.0:
-                g.div_(self.cfg.gradient_predivide_factor)
+            x, u_new = self._fold(b)
+            # Compressed buckets are checked after folding: residual and velocity are always
+            # finite, so a NaN/Inf in ``a`` is one in this step's gradient.
             if check:
-                bad += nonfinite_params(b, g)
-            grads.append(g)
+                bad += nonfinite_params(b, x)
+            folded.append((x, u_new))
         if bad:
             return [], describe(bad, overflow=False)
         sections, overflow, wire_dtype = [], [], None
-        for b, g in zip(self.layout.buckets, grads):
-            sec, wire, sel = self._compensate_and_select(b, t, g)
+        for b, (x, u_new) in zip(self.layout.buckets, folded):
+            sec, wire, sel = self._compensate_and_select(b, t, x, u_new)
             if check and wire.dtype != b.dtype:
                 found = nonfinite_sent(b, wire, sel)
                 overflow, wire_dtype = overflow + found, (wire.dtype if found else wire_dtype)
@@ -61,21 +61,29 @@ class WorkerSide:
             return [], describe(overflow, overflow=True, wire_dtype=wire_dtype)
         return sections, None
 
-    def _compensate_and_select(self, b: Bucket, t: int, g: torch.Tensor
+    def _fold(self, b: Bucket) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A dense bucket's flat gradient, or a compressed bucket's proposed ``(a, u_new)``
+        computed straight from each parameter's ``.grad`` (speculative: nothing changes yet)."""
+        flat, f = self._flat[b.index], self.cfg.gradient_predivide_factor
+        scaled = self.cfg.op == "average" and f != 1.0
+        if b.kind == DENSE or scaled:
+            g = self.layout.read_grads(b, flat)
+            if scaled:
+                g.div_(f)
+            return (g, None) if b.kind == DENSE else self.memory[b.index].propose(g)
+        return self.memory[b.index].propose_parts(self.layout.grad_parts(b), flat)
+
+    def _compensate_and_select(self, b: Bucket, t: int, a: torch.Tensor,
+                               u_new: Optional[torch.Tensor]
                                ) -> Tuple[wm.Section, torch.Tensor, Optional[torch.Tensor]]:
         cfg = self.cfg
         if b.kind == DENSE:
-            wire = g.to(b.wire_dtype)
+            wire = a.to(b.wire_dtype)
             return wm.make_section(wm.M_DENSE, to_bytes(wire), b.numel), wire, None
-        a, u_new = self.memory[b.index].propose(g)
         t_sel = time.perf_counter()
         new_core = None
         if is_refresh(t, cfg.refresh_interval) or b.index not in self.core:
-            w = None
-            if cfg.magnitude_weight > 0:
-                w = self.layout.read_params(b, torch.empty_like(a))
-            score = significance(a, w, cfg.magnitude_weight, out=self._score[b.index])
-            new_core = self.selector[b.index].select(score, b.k_core)
+            new_core = self._select_core(b, a)
         core = self.core[b.index] if new_core is None else new_core
         sel = torch.cat([core, explore(b.numel, core, b.k_explore,
                                        (cfg.seed, ROLE_PUSH, self.rank, t, b.index)).to(b.device)])
@@ -88,6 +96,17 @@ class WorkerSide:
         else:
             sec = wm.make_section(wm.M_SLICE_CACHED, to_bytes(wire), b.numel)
         return sec, wire, sel
+
+    def _select_core(self, b: Bucket, a: torch.Tensor) -> torch.Tensor:
+        """The ``k_core`` most significant coordinates of ``a`` (DESIGN §2)."""
+        lam, selector = self.cfg.magnitude_weight, self.selector[b.index]
+        if lam == 0:   # |a| alone: selected without writing a score buffer
+            return selector.select_magnitude(a, b.k_core)
+        score = self._score.get(b.index)
+        if score is None:
+            score = self._score[b.index] = torch.empty_like(a)
+        w = self.layout.read_params(b, torch.empty_like(a))
+        return selector.select(significance(a, w, lam, out=score), b.k_core)
 
     # --- the step's outcome on this rank's memory --------------------------------------------
     def _commit(self) -> None:

@@ -13,7 +13,7 @@ compensate + update.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -51,19 +51,13 @@ class ResidualMemory:
         """Fold ``grad`` into the memory and return ``a``, the values available to send.
 
         The returned tensor is the memory's own buffer: ``update`` must follow before the next
-        ``compensate``.
+        ``compensate``. Bitwise the same ``a`` as :meth:`propose`.
         """
-        if grad.shape != self.residual.shape:
-            raise ValueError(f"gradient of shape {tuple(grad.shape)} does not match the memory's "
-                             f"{tuple(self.residual.shape)}")
-        if self.velocity is None:
-            return self.residual.add_(grad)
-        u = self.velocity
-        u.mul_(self.momentum).add_(grad, alpha=1.0 - self.dampening)
-        if self.nesterov:
-            self.residual.add_(grad).add_(u, alpha=self.momentum)
-        else:
-            self.residual.add_(u)
+        self._check(grad)
+        a, u_new = self.propose_parts([(0, grad.numel(), grad)], torch.empty_like(self.residual))
+        if u_new is not None:
+            self._next_velocity, self.velocity = self.velocity, u_new
+        self.residual.copy_(a)
         return self.residual
 
     def propose(self, grad: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -73,16 +67,46 @@ class ResidualMemory:
         (None without momentum) lives in a buffer the memory keeps for this purpose. Pass both
         to :meth:`commit`, or drop them to leave the memory as it was.
         """
+        self._check(grad)
+        return self.propose_parts([(0, grad.numel(), grad)], grad)
+
+    def propose_parts(self, parts: Sequence[Tuple[int, int, Optional[torch.Tensor]]],
+                      out: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """:meth:`propose` for a gradient given in pieces ``(offset, numel, grad or None)``
+        (None: zero), with ``a`` written into ``out``: the gradients are read where they lie
+        (each parameter's ``.grad``), never gathered into a flat copy first. ``parts`` cover
+        the buffer; a part's grad may alias ``out`` at the same place."""
+        r, u, m = self.residual, self.velocity, self.momentum
+        if u is None:
+            for off, n, g in parts:
+                if g is None:
+                    out[off:off + n].copy_(r[off:off + n])
+                else:   # r + g: the same bits as g + r
+                    torch.add(r[off:off + n], g.reshape(-1), out=out[off:off + n])
+            return out, None
+        u_new, keep = self._next_velocity, 1.0 - self.dampening
+        for off, n, g in parts:
+            un, uo = u_new[off:off + n], u[off:off + n]
+            if g is None:
+                torch.mul(uo, m, out=un)
+            elif keep == 1.0:   # u' = g + m*u in one fused pass
+                torch.add(g.reshape(-1), uo, alpha=m, out=un)
+            else:
+                torch.mul(g.reshape(-1), keep, out=un).add_(uo, alpha=m)
+            if self.nesterov:   # a = r + g + m*u'
+                a = out[off:off + n]
+                if g is None:
+                    torch.add(r[off:off + n], un, alpha=m, out=a)
+                else:
+                    torch.add(r[off:off + n], g.reshape(-1), out=a).add_(un, alpha=m)
+        if not self.nesterov:
+            torch.add(r, u_new, out=out)   # a = r + u'
+        return out, u_new
+
+    def _check(self, grad: torch.Tensor) -> None:
         if grad.shape != self.residual.shape:
             raise ValueError(f"gradient of shape {tuple(grad.shape)} does not match the memory's "
                              f"{tuple(self.residual.shape)}")
-        if self.velocity is None:
-            return grad.add_(self.residual), None   # g + r: the same bits as r + g
-        u_new = torch.mul(self.velocity, self.momentum, out=self._next_velocity)
-        u_new.add_(grad, alpha=1.0 - self.dampening)
-        if self.nesterov:
-            return grad.add_(self.residual).add_(u_new, alpha=self.momentum), u_new
-        return torch.add(self.residual, u_new, out=grad), u_new
 
     def commit(self, a: torch.Tensor, u_new: Optional[torch.Tensor],
                sent: Optional[torch.Tensor], delivered: Optional[torch.Tensor] = None,

@@ -114,11 +114,21 @@ class CoreSelector:
 
         ``score`` is 1-D, non-negative and NaN-free. Ties at the k-th value go to lower indices.
         """
+        return self._run(score, k, magnitude=False)
+
+    def select_magnitude(self, a: torch.Tensor, k: int) -> torch.Tensor:
+        """As :meth:`select` on ``|a|``, without materialising ``|a|``: the candidate pass takes
+        absolute values block by block in cache (one read of ``a`` instead of a full-size
+        write and re-read). ``a`` is 1-D and NaN-free; the result is bitwise that of
+        ``select(a.abs(), k)``."""
+        return self._run(a, k, magnitude=True)
+
+    def _run(self, score: torch.Tensor, k: int, magnitude: bool) -> torch.Tensor:
         k = int(k)
         if k < 0:
             raise ValueError(f"select: k must be >= 0, got {k}")
-        s = _as_numpy(score)
-        n = s.size
+        s = _Scores(_as_numpy(score), magnitude)
+        n = s.n
         if k == 0:
             res = np.empty(0, dtype=np.int64)
         elif k >= n:
@@ -127,11 +137,11 @@ class CoreSelector:
             res = self._select(s, k)
         return torch.from_numpy(res).to(score.device)
 
-    def _select(self, s: np.ndarray, k: int) -> np.ndarray:
-        n = s.size
+    def _select(self, s: "_Scores", k: int) -> np.ndarray:
+        n = s.n
         want = k + max(16, math.ceil(self.margin * k))   # aimed-for candidate count
         stride = max(1, n // self.sample_size)
-        sample = s[stride // 2::stride]   # a view: strided, deterministic, no copy
+        sample = s.sample(stride)   # strided, deterministic
 
         thr = self._thr
         if thr is not None:
@@ -148,7 +158,7 @@ class CoreSelector:
         for mult in (4.0, 16.0, 0.0):
             if thr <= 0:
                 break
-            cand = np.flatnonzero(s >= thr)
+            cand = s.at_least(thr)
             passes += 1
             if cand.size >= k:
                 break
@@ -179,11 +189,11 @@ class CoreSelector:
             return 0.0
         return float(np.partition(sample, m - r)[m - r])
 
-    def _exact(self, s: np.ndarray, cand: np.ndarray, k: int, want: int,
+    def _exact(self, s: "_Scores", cand: np.ndarray, k: int, want: int,
                sample: np.ndarray, n: int) -> np.ndarray:
         """Exactly ``k`` of ``cand`` (ascending indices), and the threshold for the next call."""
         c = cand.size
-        vals = s[cand]
+        vals = s.at(cand)
         if c == k:
             self._thr = self._estimate(sample, n, want)   # c < want: start lower next time
             return cand
@@ -204,18 +214,56 @@ class CoreSelector:
         keep[ties[:need]] = True       # lowest indices first among equal scores
         return cand[keep]
 
-    def _select_from_zero(self, s: np.ndarray, k: int, want: int, sample: np.ndarray,
+    def _select_from_zero(self, s: "_Scores", k: int, want: int, sample: np.ndarray,
                           n: int) -> np.ndarray:
         """Threshold zero: every positive entry is a candidate; zeros fill up by lowest index."""
-        pos = s > 0
+        pos = s.positive()
         cand = np.flatnonzero(pos)
         if cand.size >= k:
             self.last_candidates = cand.size
             return self._exact(s, cand, k, want, sample, n)
-        if np.any(s < 0):
+        if s.any_negative():
             raise ValueError("select: score must be non-negative")
         self._thr = 0.0
         self.last_candidates = n
         zeros = np.flatnonzero(~pos)[: k - cand.size]
         pos[zeros] = True
         return np.flatnonzero(pos)
+
+
+class _Scores:
+    """The scores as :class:`CoreSelector` reads them: ``s`` itself, or ``|s|`` computed only
+    where it is looked at (``magnitude``), so no full-size score buffer is written."""
+
+    def __init__(self, s: np.ndarray, magnitude: bool) -> None:
+        self.s, self.magnitude, self.n = s, magnitude, s.size
+
+    def sample(self, stride: int) -> np.ndarray:
+        x = self.s[stride // 2::stride]
+        return np.abs(x) if self.magnitude else x
+
+    def at(self, idx: np.ndarray) -> np.ndarray:
+        v = self.s[idx]
+        return np.abs(v) if self.magnitude else v
+
+    def at_least(self, thr: float) -> np.ndarray:
+        """Ascending indices with score >= ``thr``, block by block: the block's scores and mask
+        stay in cache instead of full-size temporaries going through memory."""
+        s, n, out = self.s, self.n, []
+        scratch = np.empty(min(n, _BLOCK), dtype=s.dtype) if self.magnitude else None
+        for lo in range(0, n, _BLOCK):
+            blk = s[lo:lo + _BLOCK]
+            if scratch is not None:
+                blk = np.abs(blk, out=scratch[:blk.size])
+            hits = np.flatnonzero(blk >= thr)
+            if hits.size:
+                out.append(hits + lo)
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+    def positive(self) -> np.ndarray:
+        if self.magnitude:   # not ``!= 0``: NaN must stay out, as it does from ``|s| > 0``
+            return (self.s > 0) | (self.s < 0)
+        return self.s > 0
+
+    def any_negative(self) -> bool:
+        return False if self.magnitude else bool(np.any(self.s < 0))

@@ -219,3 +219,32 @@ def test_the_servers_aggregate_overflowing_fp16_is_caught():
 
     res = run_ranks(2, body, timeout=60)
     assert res[0] == res[1] and "the server's aggregate" in res[0] and "float16" in res[0]
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_the_servers_sliced_aggregate_overflowing_fp16_restores_its_residual(mode):
+    """pull="slim" aggregates into the server's residual in place; when the pulled slice then
+    overflows float16 the step is refused and that residual must come back bit for bit."""
+    def body(rank, tr):
+        m = model()
+        opt = wrap(m, tr, op=hvd_slim.Sum, nonfinite=mode,
+                   compression=hvd_slim.Compression.fp16)
+        for t in range(3):   # ordinary steps first: non-zero residuals everywhere
+            opt.zero_grad()
+            backward(m, rank, t)
+            opt.step()
+        opt.zero_grad()
+        backward(m, rank, 3, ("1.weight", 40000.0))   # fits float16; the sum of two does not
+        before = snapshot(m, opt)
+        try:
+            out = opt.step()
+        except NonFiniteGradientError as exc:
+            out = str(exc)
+        assert_same(before, snapshot(m, opt))
+        return out
+
+    res = run_ranks(2, body, timeout=60)
+    if mode == "skip":
+        assert res == [None, None]
+    else:
+        assert res[0] == res[1] and "the server's aggregate" in res[0], res

@@ -70,6 +70,21 @@ def test_core_is_exact_topk(n):
         assert torch.equal(idx, topk_set(score, k)), (n, k)
 
 
+def test_select_magnitude_equals_select_of_abs_bitwise():
+    """The in-cache |a| pass picks the same set, ties and carried threshold as select(|a|)."""
+    plain, fused = CoreSelector(), CoreSelector()
+    for step, (n, k) in enumerate([(300_000, 3_000), (300_000, 3_000), (600_001, 17),
+                                   (1_000, 999), (70_000, 69_000), (5, 2)]):
+        a = torch.randn(n, generator=torch.Generator().manual_seed(step)) * (10.0 ** step)
+        a[::5] = 0.0                           # zeros, so the zero-threshold path is reached
+        a[1::11] = -a[2::11][: a[1::11].numel()]   # equal magnitudes of opposite sign: ties
+        expect = plain.select(a.abs(), k)
+        got = fused.select_magnitude(a, k)
+        assert torch.equal(got, expect), (n, k)
+        assert got.numel() == min(k, n)
+        assert plain.state_dict() == fused.state_dict()
+
+
 def test_core_small_k_on_large_vector():
     sel = CoreSelector()
     for seed, k in enumerate([1, 2, 5, 33, 500]):

@@ -31,6 +31,19 @@ RESUMABLE_FIELDS = ("timeout", "nonfinite")
 DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's NCCL default, long enough for an evaluation
 
 
+# The default pull slice: never below the push, and at least PULL_FLOOR of the coordinates while
+# that is at most 4x the push. Measured (README "Accuracy", MNIST, 4 ranks, 3 seeds): at density
+# 0.001 a pull of 0.001 trails dense by 0.68 points and a pull of 0.004 by 0.32, for 37% more
+# pulled bytes; at 0.01 a 4x pull changes nothing (98.44 vs 98.47) for 2.6x the pulled bytes.
+PULL_FLOOR, PULL_MAX_RATIO = 0.004, 4.0
+
+
+def default_pull_density(density: float) -> float:
+    """The pull density used when ``pull_density`` is not given: ``max(density,
+    min(4 * density, 0.004))``, i.e. the push density from 0.004 up, 4x the push below 0.001."""
+    return max(density, min(PULL_MAX_RATIO * density, PULL_FLOOR))
+
+
 class ConfigError(ValueError):
     """A Slim-DP keyword is out of range or conflicts with another one. ``field`` names it."""
 
@@ -68,7 +81,7 @@ class SlimConfig:
 
     # --- slice sizes -------------------------------------------------------------------------
     density: float = 0.01              # k/d: fraction of compressed coordinates a worker pushes
-    pull_density: Optional[float] = None  # k_pull/d for pull="slim"; None means "= density"
+    pull_density: Optional[float] = None  # k_pull/d for pull="slim"; None: see default_pull_density
     min_compress_numel: int = 4096     # tensors smaller than this are fused and sent dense
     # --- selection ---------------------------------------------------------------------------
     exploration: float = 0.1           # epsilon: share of each slice given to random exploration
@@ -127,7 +140,8 @@ class SlimConfig:
     # --- derived -------------------------------------------------------------------------------
     @property
     def effective_pull_density(self) -> float:
-        return self.density if self.pull_density is None else self.pull_density
+        return default_pull_density(self.density) if self.pull_density is None \
+            else self.pull_density
 
     def check_world(self, size: int) -> None:
         """Checks that need the world size: the server must be one of the ranks."""

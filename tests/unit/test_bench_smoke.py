@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from benchmarks.models import tiny_shapes
+from hvd_slim.config import default_pull_density
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DENSITIES = (0.1, 0.01, 0.001)
@@ -88,7 +89,8 @@ def test_hvd_slim_counted_bytes_match_closed_form(result, density, pull):
         assert last["push_sparse_value_bytes"] == 4 * k
         assert last["push_dense_value_bytes"] == 4 * dense
         assert counts["handed_sent"] == fixed + idx, (rank, counts, fixed, idx)
-        if pull == "slim":   # the server's pull is a slice of the same size
-            assert counts["handed_recv"] == fixed + last["pull_index_bytes"]
+        if pull == "slim":   # the server's pull: a slice of the default pull density
+            k_pull = math.ceil(default_pull_density(density) * d)
+            assert counts["handed_recv"] == fixed - 4 * k + 4 * k_pull + last["pull_index_bytes"]
     ring = 2 * (2 - 1) / 2 * (d + dense) * 4
     assert p["ring_allreduce_bytes_per_step"] == pytest.approx(ring)

@@ -5,8 +5,9 @@ Collectives run eagerly over MPI on the job communicator; ``*_async`` calls comp
 return and hand back a handle for ``synchronize``. ``join``, ``barrier`` and the object and
 parameter helpers live in :mod:`hvd_slim.functions`. Every call first allgathers a small signature
 (dtype, shape, root or op) so that ranks passing mismatched tensors all raise the same clear error
-instead of hanging or corrupting memory. CUDA tensors are staged through host memory; float16 and
-bfloat16 are reduced in float32, because MPI has no half-precision sum.
+instead of hanging or corrupting memory, and waits at most ``HVD_SLIM_TIMEOUT`` seconds for the
+other ranks (:mod:`hvd_slim.runtime.api_timeout`). CUDA tensors are staged through host memory;
+float16 and bfloat16 are reduced in float32, because MPI has no half-precision sum.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from .runtime import basics
+from .runtime.api_timeout import operation
 from .runtime.checks import agree, check_root_rank, check_tensor_args, label
 
 # Horovod's reduce-op values.
@@ -126,32 +128,34 @@ def _scale_(buf: torch.Tensor, factor: float, divisor: int = 1) -> None:
 def _allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float, name: Optional[str],
                what: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     size = basics.size()
-    agree(what, name, tensor, {"op": op})
-    work = torch.float32 if tensor.dtype in _HALF else tensor.dtype
-    if work not in _REDUCIBLE:
-        raise TypeError(f"{what}{label(name)}: cannot reduce dtype {tensor.dtype}; use a floating "
-                        f"point or integer tensor")
-    direct = _direct(out, work)
-    with torch.no_grad():
-        buf = out.detach() if direct else _host_copy(tensor, work)
-        _scale_(buf, prescale)
-        _mpi().allreduce_inplace(basics.job_comm(), buf.numpy(), _MPI_OPS[op])
-        _scale_(buf, postscale, size if op == Average else 1)
-        if out is None:
-            return buf.to(device=tensor.device, dtype=tensor.dtype)
-        if not direct:
-            out.copy_(buf)
+    with operation(f"{what}{label(name)}"):
+        agree(what, name, tensor, {"op": op})
+        work = torch.float32 if tensor.dtype in _HALF else tensor.dtype
+        if work not in _REDUCIBLE:
+            raise TypeError(f"{what}{label(name)}: cannot reduce dtype {tensor.dtype}; use a "
+                            f"floating point or integer tensor")
+        direct = _direct(out, work)
+        with torch.no_grad():
+            buf = out.detach() if direct else _host_copy(tensor, work)
+            _scale_(buf, prescale)
+            _mpi().allreduce_inplace(basics.job_comm(), buf.numpy(), _MPI_OPS[op])
+            _scale_(buf, postscale, size if op == Average else 1)
+            if out is None:
+                return buf.to(device=tensor.device, dtype=tensor.dtype)
+            if not direct:
+                out.copy_(buf)
     return out
 
 
 def _allgather(tensor: torch.Tensor, name: Optional[str], what: str) -> Tuple[torch.Tensor, np.ndarray]:
     """The concatenation along dim 0 (0-d tensors count as one row) and every rank's row count."""
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    rows = agree(what, name, t, {}, dim0_free=True)
-    host = t if _direct(t, t.dtype) else _host_copy(t)
-    row_bytes = host.element_size() * int(np.prod(host.shape[1:], dtype=np.int64))
-    out = torch.empty((int(rows.sum()), *t.shape[1:]), dtype=t.dtype)
-    _mpi().allgatherv_bytes(basics.job_comm(), _bytes(host), rows * row_bytes, out=_bytes(out))
+    with operation(f"{what}{label(name)}"):
+        rows = agree(what, name, t, {}, dim0_free=True)
+        host = t if _direct(t, t.dtype) else _host_copy(t)
+        row_bytes = host.element_size() * int(np.prod(host.shape[1:], dtype=np.int64))
+        out = torch.empty((int(rows.sum()), *t.shape[1:]), dtype=t.dtype)
+        _mpi().allgatherv_bytes(basics.job_comm(), _bytes(host), rows * row_bytes, out=_bytes(out))
     return out.to(tensor.device), rows
 
 
@@ -160,16 +164,17 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str], what: 
     """Root's ``tensor`` as a new tensor, or written into ``out``. ``checked=False`` skips the
     cross-rank check, for callers that already made one for a whole batch of tensors."""
     root = check_root_rank(what, root_rank, basics.size())
-    if checked:
-        agree(what, name, tensor, {"root_rank": root})
-    direct = _direct(out, tensor.dtype)
-    with torch.no_grad():
-        buf = out.detach() if direct else _host_copy(tensor)
-        _mpi().bcast_inplace(basics.job_comm(), _bytes(buf), root)
-        if out is None:
-            return buf.to(tensor.device)
-        if not direct:
-            out.copy_(buf)
+    with operation(f"{what}{label(name)}"):
+        if checked:
+            agree(what, name, tensor, {"root_rank": root})
+        direct = _direct(out, tensor.dtype)
+        with torch.no_grad():
+            buf = out.detach() if direct else _host_copy(tensor)
+            _mpi().bcast_inplace(basics.job_comm(), _bytes(buf), root)
+            if out is None:
+                return buf.to(tensor.device)
+            if not direct:
+                out.copy_(buf)
     return out
 
 

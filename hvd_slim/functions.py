@@ -3,7 +3,8 @@
 
 Every function is collective: all ranks must call it, in the same order. A local failure
 (an unpicklable object, mismatched parameter lists) is turned into the same exception on every
-rank instead of leaving the others waiting in MPI.
+rank instead of leaving the others waiting in MPI, and no call waits longer than
+``HVD_SLIM_TIMEOUT`` for a rank that never comes (:mod:`hvd_slim.runtime.api_timeout`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from .collectives import _broadcast
 from .runtime import basics
+from .runtime.api_timeout import operation
 from .runtime.checks import check_root_rank
 
 try:  # Horovod uses cloudpickle (lambdas, local classes); plain pickle covers ordinary objects
@@ -72,10 +74,11 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     if process_set is not None:
         raise ValueError(f"{what}: process_set is not supported by hvd_slim; omit it")
     root = check_root_rank(what, root_rank, basics.size())
-    _check_same(what, [root], "root_rank")
-    is_root = basics.rank() == root
-    payload, failed = _dumps(obj) if is_root else (None, False)
-    data = _mpi().bcast_bytes(basics.job_comm(), payload, root)
+    with operation(what):
+        _check_same(what, [root], "root_rank")
+        is_root = basics.rank() == root
+        payload, failed = _dumps(obj) if is_root else (None, False)
+        data = _mpi().bcast_bytes(basics.job_comm(), payload, root)
     if is_root and not failed:
         return obj
     return _loads(data, what)  # raises on every rank (the root too) after a pickling failure
@@ -86,7 +89,8 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
 
     Unpickling runs code chosen by the sender: use it between trusted ranks only, as Horovod's."""
     what = "allgather_object" + (f" ({name!r})" if name else "")
-    parts = _mpi().allgather_bytes(basics.job_comm(), _dumps(obj)[0])
+    with operation(what):
+        parts = _mpi().allgather_bytes(basics.job_comm(), _dumps(obj)[0])
     return [_loads(p, what) for p in parts]
 
 
@@ -115,12 +119,16 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     items = _named_tensors(params, what)
     root = check_root_rank(what, root_rank, basics.size())
     layout = [(str(t.dtype), tuple(t.shape)) for _, t in items]
-    # One collective checks the whole list, so a mismatch raises everywhere before any transfer.
-    rows = _mpi().allgather_int64(basics.job_comm(), [root, len(items), zlib.crc32(repr(layout).encode())])
-    if (rows != rows[0]).any():
-        _explain_mismatch(what, items, layout, rows)
-    for key, tensor in items:
-        _broadcast(tensor, root, None if key is None else str(key), what, out=tensor, checked=False)
+    with operation(what):
+        # One collective checks the whole list, so a mismatch raises everywhere before any
+        # transfer.
+        rows = _mpi().allgather_int64(basics.job_comm(),
+                                      [root, len(items), zlib.crc32(repr(layout).encode())])
+        if (rows != rows[0]).any():
+            _explain_mismatch(what, items, layout, rows)
+        for key, tensor in items:
+            _broadcast(tensor, root, None if key is None else str(key), what, out=tensor,
+                       checked=False)
 
 
 def _explain_mismatch(what: str, items: List[Tuple[Any, torch.Tensor]], layout: List[Any],
@@ -186,6 +194,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{what}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     root = check_root_rank(what, root_rank, basics.size())
+    with operation(what):
+        _broadcast_state(optimizer, root, model)
+
+
+def _broadcast_state(optimizer: torch.optim.Optimizer, root: int,
+                     model: Optional[torch.nn.Module]) -> None:
+    """The collective part of :func:`broadcast_optimizer_state`."""
+    what = "broadcast_optimizer_state"
     if len(optimizer.state) == 0:
         _initialise_state(optimizer, model)
     tensors: List[Tuple[str, torch.Tensor]] = []
@@ -217,7 +233,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
 def join(device: int = -1) -> int:
     """Wait until every rank has joined; returns the rank that joined last. (Collectives run
     eagerly, so there are no pending operations for joined ranks to fill in.)"""
-    arrived = _mpi().allgather_int64(basics.job_comm(), [time.time_ns()])[:, 0]
+    with operation("join"):
+        arrived = _mpi().allgather_int64(basics.job_comm(), [time.time_ns()])[:, 0]
     return int(np.argmax(arrived))
 
 
@@ -225,4 +242,5 @@ def barrier(process_set: Any = None) -> None:
     """Block until every rank has called barrier()."""
     if process_set is not None:
         raise ValueError("barrier: process_set is not supported by hvd_slim; omit it")
-    _mpi().barrier(basics.job_comm())
+    with operation("barrier"):
+        _mpi().barrier(basics.job_comm())

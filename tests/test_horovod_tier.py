@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from test_distributed_tier import _env, _tail, run_mpi, run_session
+from mpi_launch import run_mpi, run_session, session_env, tail
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "horovod"
@@ -38,11 +38,11 @@ def _horovod_problem() -> Optional[str]:
     """None when ``import horovod.torch`` works (in a child: its extension is heavy), else why not."""
     try:
         proc = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True,
-                              text=True, timeout=120, env=_env())
+                              text=True, timeout=120, env=session_env())
     except subprocess.TimeoutExpired:
         return "`import horovod.torch` did not finish within 120s"
     if proc.returncode != 0:
-        return f"`import horovod.torch` fails: {_tail(proc.stderr, 1).strip()}"
+        return f"`import horovod.torch` fails: {tail(proc.stderr, 1).strip()}"
     if shutil.which("mpirun") is None:
         return "mpirun is not on PATH"
     return None
@@ -81,13 +81,13 @@ def _assert_all_ranks_passed(rc: int, out: str, reports: Path, np_: int, checks:
                    re.findall(rf"^hvd_slim-horovod: rank {r} of {np_} PASS (\w+)", text, re.M)}
     missing = [(r, c) for r in range(np_) for c in checks if (r, c) not in passed]
     assert rc == 0 and not missing, (f"{how}: exit {rc}, checks not passed (rank, check): "
-                                     f"{missing}; output tail:\n{_tail(out)}")
+                                     f"{missing}; output tail:\n{tail(out)}")
 
 
 def test_under_horovodrun_np2(horovod: None, tmp_path: Path) -> None:
     argv = [_horovodrun(), "--mpi", "-np", "2", "-H", "localhost:2", sys.executable,
             str(SCRIPTS / "check_horovod.py")]
-    rc, out, _ = run_session(argv, TIMEOUT, _report_env(tmp_path))
+    rc, out, _ = run_session(argv, TIMEOUT, {**session_env(), **_report_env(tmp_path)})
     _assert_all_ranks_passed(rc, out, tmp_path, 2, CHECKS, "horovodrun --mpi -np 2")
 
 
@@ -100,6 +100,6 @@ def test_under_mpirun_np3(horovod: None, tmp_path: Path) -> None:
 def test_horovod_on_gloo_is_refused_clearly(horovod: None, tmp_path: Path) -> None:
     argv = [_horovodrun(), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
             str(SCRIPTS / "check_gloo_refused.py")]
-    rc, out, _ = run_session(argv, TIMEOUT, _report_env(tmp_path))
+    rc, out, _ = run_session(argv, TIMEOUT, {**session_env(), **_report_env(tmp_path)})
     _assert_all_ranks_passed(rc, out, tmp_path, 2, ["check_gloo_refused"],
                              "horovodrun --gloo -np 2")

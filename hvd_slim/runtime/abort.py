@@ -6,6 +6,7 @@ collective, and ``mpirun`` hangs. The hooks print which rank failed and why, flu
 """
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import traceback
@@ -13,6 +14,7 @@ from types import TracebackType
 from typing import Any, Callable, Optional, Type
 
 _installed = False
+_end_at_exit: Optional[str] = None   # why this process must not finalise MPI normally
 
 
 def _world() -> Optional[tuple]:
@@ -27,6 +29,14 @@ def _world() -> Optional[tuple]:
     return (rank, size, mpi) if size > 1 else None
 
 
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
+            pass
+
+
 def _report_and_abort(exc_type: Type[BaseException], exc: Optional[BaseException],
                       tb: Optional[TracebackType], where: str) -> bool:
     """Print the failure and abort the job; returns False (nothing done) for a one-rank job."""
@@ -38,11 +48,7 @@ def _report_and_abort(exc_type: Type[BaseException], exc: Optional[BaseException
     sys.stderr.write(f"hvd_slim: rank {rank} of {size} failed with {exc_type.__name__}: {exc}{where}\n"
                      + "".join(lines)
                      + f"hvd_slim: aborting all {size} ranks (MPI.COMM_WORLD.Abort(1))\n")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
-            pass
+    _flush()
     mpi.abort_world(1)
     return True
 
@@ -87,3 +93,26 @@ def install() -> None:
 
     sys.excepthook = sys_hook
     threading.excepthook = thread_hook
+
+
+def end_job_at_exit(reason: str) -> None:
+    """A collective was abandoned (it timed out): MPI cannot finalise cleanly any more, and the
+    peers may still wait in it. If this process reaches exit anyway (the error was caught),
+    end the whole job there with MPI Abort, saying why, instead of hanging in MPI_Finalize."""
+    global _end_at_exit
+    if _end_at_exit is None:
+        # mpi4py finalises MPI through Py_AtExit, which runs after every atexit handler.
+        atexit.register(_abort_at_exit)
+    _end_at_exit = reason
+
+
+def _abort_at_exit() -> None:
+    world = _world()
+    if world is None or _end_at_exit is None:
+        return
+    rank, size, mpi = world
+    sys.stderr.write(f"hvd_slim: rank {rank} of {size} reached exit after a collective timed out "
+                     f"({_end_at_exit}); ending all {size} ranks (MPI.COMM_WORLD.Abort(1)): MPI "
+                     "cannot finalise with that collective pending\n")
+    _flush()
+    mpi.abort_world(1)

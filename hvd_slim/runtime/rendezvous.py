@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import basics, env, horovod
+from .api_timeout import operation
 
 TIMEOUT_ENV = "HVD_SLIM_TRANSPORT_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -127,9 +128,11 @@ def _mpi_store(comm: Any, rank: int, size: int, tmo: datetime.timedelta) -> Any:
             msg = f"ok {host} {store.port}"
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             msg = f"error rank 0 could not open a TCPStore on {host}: {_first_line(exc)}"
-        mpi.bcast_bytes(comm, np.frombuffer(msg.encode(), dtype=np.uint8), 0)
+        with operation("the torch.distributed rendezvous"):
+            mpi.bcast_bytes(comm, np.frombuffer(msg.encode(), dtype=np.uint8), 0)
     else:
-        msg = mpi.bcast_bytes(comm, None, 0).tobytes().decode()
+        with operation("the torch.distributed rendezvous"):
+            msg = mpi.bcast_bytes(comm, None, 0).tobytes().decode()
     if msg.startswith("error "):
         raise RuntimeError(f"hvd_slim rendezvous: {msg[6:]}; set MASTER_ADDR to an address of "
                            f"rank 0's node that every rank can reach")

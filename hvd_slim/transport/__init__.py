@@ -2,6 +2,7 @@
 
 ``MpiTransport`` (``transport.mpi``) and ``TorchDistTransport`` (``transport.torch_dist``, Gloo or
 NCCL) are imported on first use, so ``import hvd_slim`` starts neither MPI nor torch.distributed.
+The public tensor API's MPI collectives, with their deadline, are in ``transport.mpi_api``.
 """
 from typing import Any
 

@@ -1,9 +1,9 @@
 """MPI (mpi4py) transport: the payload collectives of :class:`Transport`, plus the small
 communicator and numpy-buffer collectives that the runtime and the public tensor API call.
 
-Everything here works on numpy buffers (the API hands in views that alias tensor memory), so no
-torch import is needed. Variable-size collectives exchange int64 lengths first; receive buffers
-are allocated once and split into per-rank views, never filled element by element.
+Everything here works on numpy buffers, so no torch import is needed. The tensor API's
+collectives (numpy views that alias tensor memory, under the API's deadline) are in
+:mod:`hvd_slim.transport.mpi_api` and re-exported here.
 
 The exchange's two collectives are nonblocking and polled against the deadline of
 :meth:`Transport.watch`, so a rank that died or hangs ends the step with a
@@ -13,8 +13,7 @@ root say exactly which ranks never sent.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -22,48 +21,20 @@ from mpi4py import MPI
 from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, as_payload,
                    check_bound)
 from .deadline import poll_until
+# The tensor API's collectives (with their deadline) live in mpi_api; re-exported here, where
+# the runtime and the API look them up.
+from .mpi_api import (_CHUNK, _mpi_errors, allgather_bytes, allgather_int64, allgatherv_bytes,
+                      allreduce_inplace, barrier, bcast_bytes, bcast_inplace, forget)
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-# Elementwise collectives are split into chunks below MPI's int32 count limit.
-_CHUNK = 1 << 30
-_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
-_REDUCIBLE = {np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64,
-                                    np.float32, np.float64)}
-
-
-def _mpi_errors(op: str) -> Callable[[F], F]:
-    """Turn an MPI error into a :class:`TransportError` that names the collective and the rank."""
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except MPI.Exception as exc:
-                rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else -1
-                raise TransportError(f"rank {rank}: MPI {op} failed: {exc.Get_error_string()}; "
-                                     f"a peer probably died or the ranks called collectives in a "
-                                     f"different order") from exc
-        return inner  # type: ignore[return-value]
-    return wrap
+__all__ = ["MpiTransport", "allgather_bytes", "allgather_int64", "allgatherv_bytes",
+           "allreduce_inplace", "barrier", "bcast_bytes", "bcast_inplace", "world_rank_size",
+           "is_communicator", "dup", "sub_comm", "split_shared", "split", "free",
+           "thread_multiple", "abort_world"]
 
 
 def _check_root(root: int, size: int, what: str) -> None:
     if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < size:
         raise ValueError(f"{what}: root {root!r} is not a rank in [0, {size})")
-
-
-def _flat(buf: np.ndarray, what: str) -> np.ndarray:
-    """A 1-D view of ``buf``; refuses non-contiguous arrays, whose reshape would silently copy."""
-    if not buf.flags.c_contiguous:
-        raise ValueError(f"{what}: the buffer must be C-contiguous so that MPI writes into it in place")
-    return buf.reshape(-1)
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    displs = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=displs[1:])
-    return displs
 
 
 # Tag of the exchange's point-to-point gather (the exchange communicator is private to it).
@@ -175,78 +146,6 @@ class MpiTransport(Transport):
         return out
 
 
-# ---- numpy-buffer collectives used by the public tensor API --------------------------------
-
-@_mpi_errors("Allreduce")
-def allreduce_inplace(comm: Any, buf: np.ndarray, op: str) -> None:
-    """Reduce the contiguous array ``buf`` across ``comm`` in place with ``op`` (sum/min/max/prod)."""
-    if buf.dtype not in _REDUCIBLE:
-        raise TypeError(f"MPI cannot reduce dtype {buf.dtype}; cast to float32/float64 or an integer type")
-    flat = _flat(buf, "allreduce_inplace")
-    for start in range(0, max(flat.size, 1), _CHUNK):
-        comm.Allreduce(MPI.IN_PLACE, flat[start:start + _CHUNK], op=_OPS[op])
-
-
-@_mpi_errors("Bcast")
-def bcast_inplace(comm: Any, buf: np.ndarray, root: int) -> None:
-    """Overwrite the contiguous array ``buf`` on every rank with the root's."""
-    flat = _flat(buf, "bcast_inplace").view(np.uint8)
-    for start in range(0, max(flat.size, 1), _CHUNK):
-        comm.Bcast(flat[start:start + _CHUNK], root=root)
-
-
-@_mpi_errors("Bcast")
-def bcast_bytes(comm: Any, payload: Optional[np.ndarray], root: int) -> np.ndarray:
-    """Broadcast a variable-size uint8 payload (None off the root): the length, then the bytes."""
-    is_root = comm.Get_rank() == root
-    length = np.array([payload.size if is_root else 0], dtype=np.int64)
-    comm.Bcast(length, root=root)
-    out = payload if is_root else np.empty(int(length[0]), dtype=np.uint8)
-    bcast_inplace(comm, out, root)
-    return out
-
-
-@_mpi_errors("Allgather")
-def allgather_int64(comm: Any, values: Sequence[int]) -> np.ndarray:
-    """Every rank contributes the same number of int64 values; returns a (size, n) array."""
-    mine = np.ascontiguousarray(values, dtype=np.int64)
-    out = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
-    comm.Allgather(mine, out)
-    return out
-
-
-@_mpi_errors("Allgatherv")
-def allgatherv_bytes(comm: Any, send: np.ndarray, lengths: np.ndarray,
-                     out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Concatenate every rank's byte buffer in rank order, into ``out`` (a contiguous uint8 array
-    of ``sum(lengths)`` bytes, e.g. a view of the result tensor) or a new array. ``lengths``
-    (known to all ranks, e.g. from :func:`allgather_int64`) gives each rank's byte count."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    flat = _flat(send, "allgatherv_bytes").view(np.uint8)
-    if flat.size != lengths[comm.Get_rank()]:
-        raise ValueError(f"rank {comm.Get_rank()}: sends {flat.size} bytes but lengths says "
-                         f"{lengths[comm.Get_rank()]}")
-    total = int(lengths.sum())
-    out = np.empty(total, dtype=np.uint8) if out is None else _flat(out, "allgatherv_bytes").view(np.uint8)
-    if out.size != total:
-        raise ValueError(f"allgatherv_bytes: the output holds {out.size} bytes but the ranks send {total}")
-    comm.Allgatherv(flat, [out, (lengths, _offsets(lengths)), MPI.BYTE])
-    return out
-
-
-def allgather_bytes(comm: Any, payload: np.ndarray) -> List[np.ndarray]:
-    """Every rank's variable-size uint8 payload, in rank order, as views of one buffer."""
-    payload = as_payload(payload)
-    lengths = allgather_int64(comm, [payload.size])[:, 0]
-    return np.split(allgatherv_bytes(comm, payload, lengths), _offsets(lengths)[1:])
-
-
-@_mpi_errors("Barrier")
-def barrier(comm: Any) -> None:
-    """Block until every rank of ``comm`` has entered."""
-    comm.Barrier()
-
-
 # ---- communicators, for the runtime --------------------------------------------------------
 
 def world_rank_size() -> Tuple[int, int]:
@@ -294,6 +193,7 @@ def split(comm: Any, color: int, key: int) -> Any:
 
 def free(comm: Any) -> None:
     """Free a communicator this package created; errors are ignored (shutdown must not fail)."""
+    forget(comm)
     try:
         if MPI.Is_initialized() and not MPI.Is_finalized() and comm != MPI.COMM_NULL:
             comm.Free()

@@ -332,6 +332,30 @@ def test_broadcast_optimizer_state_of_wrapped_optimizer(hvd):
     assert all(x == everyone[0] for x in everyone)
 
 
+def test_broadcast_optimizer_state_of_a_fresh_slim_optimizer_runs_no_exchange(hvd):
+    """Creating the state (a step on zero gradients) is local: no Slim-DP step runs or counts."""
+    r = hvd.rank()
+    torch.manual_seed(50 + r)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.ReLU(), torch.nn.Linear(60, 3))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1),
+                                                   momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   min_compress_numel=1000)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    stats = opt.comm_stats()
+    assert (stats["steps"], stats["bytes_pushed"], stats["bytes_pulled"]) == (0, 0, 0), stats
+    assert opt._exchange.step_count == 0
+    assert all("momentum_buffer" in opt.state[p] for p in model.parameters())
+    assert opt.param_groups[0]["lr"] == 0.1
+    opt.zero_grad()
+    model(torch.randn(8, 40)).pow(2).mean().backward()
+    opt.step()
+    assert opt.comm_stats()["steps"] == 1
+    everyone = _rows(hvd, _values(model.parameters()))
+    assert all(x == everyone[0] for x in everyone)
+
+
 # ---- errors (raised on every rank alike, so no rank is left waiting) --------------------------
 
 def test_unsupported_arguments_raise(hvd):
@@ -417,3 +441,54 @@ def test_world_transport_payloads_and_byte_accounting(hvd):
         sent += 5 + root + 8 if r == root else 0
         received += 5 + root + 8
     assert (t.stats.bytes_sent - sent0, t.stats.bytes_received - received0) == (sent, received)
+
+
+# ---- the tensor API's timeout (HVD_SLIM_TIMEOUT) ---------------------------------------------
+
+def test_a_collective_a_rank_skips_times_out_naming_it(hvd):
+    """On a private communicator: the last rank arrives only after the others have timed out
+    (and their roll call found it absent), then completes the abandoned collective so the test
+    leaves nothing pending. The whole job launch is in test_distributed_tier.py."""
+    import re
+    from hvd_slim.transport import mpi_api
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        return
+    comm, late = MPI.COMM_WORLD.Dup(), n - 1
+    buf = np.ones(4)
+    if r != late:
+        with mpi_api.watch(2.0, "allreduce of 'probe'"):
+            with pytest.raises(hvd.TransportTimeout) as info:
+                mpi_api.allreduce_inplace(comm, buf, "sum")
+        msg = str(info.value)
+        m = re.match(rf"rank {r}: allreduce of 'probe' timed out after 2 s in MPI Iallreduce "
+                     r"\(collective #1 on this communicator\): rank\(s\) ([\d, ]+) did not arrive$",
+                     msg)
+        assert m and str(late) in m.group(1).split(", "), msg
+        with pytest.raises(hvd.TransportError, match="unusable after an earlier timeout"):
+            mpi_api.barrier(comm)   # retired: refuses at once instead of mismatching
+    hvd.barrier()
+    if r == late:   # join late: the others' abandoned request completes; read their roll calls
+        mpi_api.allreduce_inplace(comm, buf, "sum")
+        for j in range(n - 1):
+            comm.Recv(np.empty(256, np.uint8), source=j, tag=mpi_api._TAG_ROLL_CALL)
+    hvd.barrier()
+    if r != late:
+        for item in mpi_api._retired[id(comm)][2]:
+            if isinstance(item, MPI.Request):
+                item.Wait()
+    assert buf.tolist() == [n] * 4
+    mpi_api.forget(comm)
+    comm.Free()
+
+
+def test_collectives_under_a_short_timeout_still_complete(hvd, monkeypatch):
+    monkeypatch.setenv("HVD_SLIM_TIMEOUT", "30")
+    n = hvd.size()
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n, n]
+    assert hvd.allgather(torch.ones(1)).tolist() == [1.0] * n
+    assert hvd.broadcast_object("x", root_rank=n - 1) == "x"
+    hvd.barrier()
+    monkeypatch.setenv("HVD_SLIM_TIMEOUT", "soon")
+    with pytest.raises(hvd.ConfigError, match="HVD_SLIM_TIMEOUT"):
+        hvd.barrier()   # raised before any collective, on every rank alike

@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_distributed_tier import _tail, run_mpi  # noqa: E402
+from mpi_launch import run_mpi, tail  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "gpu" / "check_gpu.py"
 TIMEOUT = float(os.environ.get("HVD_SLIM_GPU_TIMEOUT", "150"))
@@ -44,13 +44,13 @@ def run_checks(tmp_path: Path, transports: str, extra=None) -> tuple:
            "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"), **(extra or {})}
     rc, out, seconds = run_mpi(2, [sys.executable, str(SCRIPT), "--transports", transports],
                                TIMEOUT, extra_env=env)
-    print(f"[gpu tier] {transports}: exit {rc} after {seconds:.1f}s\n{_tail(out, 30)}")
+    print(f"[gpu tier] {transports}: exit {rc} after {seconds:.1f}s\n{tail(out, 30)}")
     return rc, out
 
 
 def assert_passed(rc: int, out: str, tmp_path: Path, expected: List[str]) -> None:
     missing = [(r, c) for r in range(2) for c in expected if (r, c) not in passed_checks(tmp_path, 2)]
-    assert rc == 0 and not missing, f"exit {rc}, not passed (rank, check): {missing}\n{_tail(out)}"
+    assert rc == 0 and not missing, f"exit {rc}, not passed (rank, check): {missing}\n{tail(out)}"
 
 
 @needs_gpu

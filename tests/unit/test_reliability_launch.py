@@ -6,25 +6,19 @@ Skipped where mpirun or mpi4py is missing. Each launch kills its whole session i
 its timeout, so a regression shows up as a failed test, never as a hung suite.
 """
 import importlib.util
-import os
 import re
-import shlex
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from mpi_launch import run_mpi  # noqa: E402
+
 SCRIPTS = ROOT / "tests" / "scripts"
-MPIRUN_ARGS = os.environ.get("HVD_SLIM_MPIRUN_ARGS", "--mca pml ob1 --mca btl self,vader,tcp "
-                             "--mca btl_vader_single_copy_mechanism none")
 LIMIT = 60.0   # the issue's bound on how long the other ranks may take to exit
-# A launcher's per-process variables would make a nested mpirun think it is a rank itself.
-_STRIP = ("OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE", "PMI_", "PMIX_", "HOROVOD_", "HVD_SLIM_")
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None
                                 or importlib.util.find_spec("mpi4py") is None,
@@ -33,42 +27,10 @@ pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None
 
 def launch(np_, script, *args, env=None, timeout=120.0):
     """Run ``script`` on ``np_`` ranks; (exit code, output, seconds). Fails the test (after
-    killing the whole session) when the job outlives ``timeout``."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP)}
-    environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                   PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(ROOT), **(env or {}))
-    exports = [x for k in ["PYTHONPATH", "PYTHONDONTWRITEBYTECODE", *(env or {})]
-               for x in ("-x", k)]
-    argv = ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
-            *shlex.split(MPIRUN_ARGS), *exports, sys.executable, str(script), *map(str, args)]
-    start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_session(proc)
-        out, _ = proc.communicate()
-        pytest.fail(f"{shlex.join(argv)} still ran after {timeout:.0f}s (a hang); output:\n"
-                    f"{out.decode(errors='replace')[-4000:]}")
-    return proc.returncode, out.decode(errors="replace"), time.monotonic() - start
-
-
-def _kill_session(proc):
-    """SIGTERM mpirun's group, then SIGKILL every process of its session (Open MPI puts each rank
-    in a process group of its own)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3]) == proc.pid:
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except (OSError, IndexError, ValueError):
-                pass
+    killing the whole session) when the job outlives ``timeout``. The caller's HOROVOD_* and
+    HVD_SLIM_* variables are dropped so that only ``env`` configures the job."""
+    return run_mpi(np_, [sys.executable, str(script), *map(str, args)], timeout,
+                   extra_env=env, drop=("HOROVOD_", "HVD_SLIM_"))
 
 
 def _after_failure(out, marker):

@@ -1,0 +1,72 @@
+"""The tensor API's timeout: ``HVD_SLIM_TIMEOUT``, the variable (and default) of the exchange's
+``timeout``, also bounds every blocking collective of ``hvd_slim.allreduce``, ``allgather``,
+``broadcast``, the object and parameter helpers, ``join`` and ``barrier``.
+
+A collective that outlives it raises :class:`~hvd_slim.transport.base.TransportTimeout` naming
+the call, the ranks that did not arrive (see :mod:`hvd_slim.transport.mpi_api`) and how to wait
+longer. Uncaught, that error ends every rank (:mod:`hvd_slim.runtime.abort`). Caught, the job
+cannot go on: the communicator is retired, and at exit the job is ended with MPI Abort, since
+MPI cannot finalise with the abandoned collective pending.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Mapping, Optional
+
+from ..config import DEFAULT_TIMEOUT, ENV_PREFIX, ConfigError, _check_timeout, _parse_env
+from ..transport.base import TransportTimeout
+from . import abort
+
+TIMEOUT_ENV = ENV_PREFIX + "TIMEOUT"
+# Appended to timeout errors: what usually causes one, and how to wait longer.
+API_ADVICE = ("A rank died or hangs, or the ranks made different hvd_slim calls (every rank must "
+              "call the same collectives in the same order). If a rank legitimately keeps the "
+              "others waiting this long (e.g. a rank-0-only evaluation or checkpoint), raise "
+              f"{TIMEOUT_ENV} (seconds; 0 waits forever)")
+
+_local = threading.local()
+
+
+def api_timeout(environ: Optional[Mapping[str, str]] = None) -> Optional[float]:
+    """Seconds a tensor-API collective may wait: ``HVD_SLIM_TIMEOUT`` when set (0 or "none":
+    forever, returned as None), else the exchange's default. A bad value names the variable."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        return _check_timeout(_parse_env("timeout", raw))
+    except ConfigError as exc:
+        if TIMEOUT_ENV in str(exc):
+            raise
+        raise ConfigError(f"{exc} (from environment variable {TIMEOUT_ENV})", "timeout") from None
+
+
+def _mpi_api() -> Any:
+    from ..transport import mpi_api  # imported lazily: importing it initialises MPI
+    return mpi_api
+
+
+@contextmanager
+def operation(what: str) -> Iterator[None]:
+    """Run the block's collectives under the API timeout; ``what`` names the public call in
+    errors (a nested call is named with the outermost one, e.g. "broadcast_parameters of 'w',
+    in broadcast_optimizer_state")."""
+    stack: List[str] = _local.__dict__.setdefault("stack", [])
+    label = what if not stack or what.startswith(stack[0]) else f"{what}, in {stack[0]}"
+    seconds = api_timeout()
+    stack.append(what)
+    try:
+        with _mpi_api().watch(seconds, label):
+            yield
+    except TransportTimeout as exc:
+        if getattr(exc, "advised", False):   # a nested operation already explained it
+            raise
+        abort.end_job_at_exit(str(exc))
+        err = TransportTimeout(f"{exc}. {API_ADVICE} (now {seconds:g} s)")
+        err.advised = True  # type: ignore[attr-defined]
+        raise err from None
+    finally:
+        stack.pop()

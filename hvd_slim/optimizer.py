@@ -7,6 +7,7 @@ exchange runs in :meth:`synchronize` (one gather and one broadcast per step).
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from contextlib import contextmanager
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -112,6 +113,13 @@ class _SlimOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Exchange (unless inside ``skip_synchronize``), then the wrapped optimizer's step."""
+        if _called_by_horovod_state_init():
+            # Horovod's broadcast_optimizer_state creates a fresh optimizer's state with a step
+            # on zero gradients, and for its own DistributedOptimizer calls the parent class's
+            # step() so no allreduce runs. It recognises only its own class, so do the same
+            # here: no exchange, nothing counted, the exchange's step counter untouched. Every
+            # rank in that call takes this path; it communicates nothing, as in Horovod.
+            return super(self.__class__, self).step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -218,6 +226,26 @@ class _SlimOptimizer(torch.optim.Optimizer):
             self._delay[p] = self.backward_passes_per_step
 
 
+def _called_by_horovod_state_init() -> bool:
+    """Whether ``step()`` was called by Horovod's ``broadcast_optimizer_state`` (any version:
+    the function has kept its name and its ``horovod.*`` module). torch's own wrappers around
+    ``step`` (profiling hooks, an LR scheduler's call counter) are looked through."""
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        for _ in range(8):
+            if caller is None:
+                return False
+            module = str(caller.f_globals.get("__name__", ""))
+            if module != "torch" and not module.startswith("torch."):
+                return (caller.f_code.co_name == "broadcast_optimizer_state"
+                        and module.startswith("horovod."))
+            caller = caller.f_back
+        return False
+    finally:
+        del frame   # a frame reference would keep every local of the stack alive
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                          compression: Any = None, backward_passes_per_step: int = 1,
@@ -230,10 +258,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     effect: the exchange is always one fused message per step; sparse gradients are densified).
     Slim-DP keywords: ``density``, ``exploration``, ``refresh_interval``, ``magnitude_weight``,
     ``momentum_correction``, ``pull``, ``pull_density``, ``min_compress_numel``, ``server_rank``,
-    ``seed``, ``nonfinite`` ("raise" | "skip" | "propagate": what a NaN/Inf gradient does) and
-    ``timeout`` (seconds a rank waits in the exchange before failing; 0 waits forever); each
-    not given reads ``HVD_SLIM_<NAME>`` from the environment, then its default.
-    ``transport`` takes a transport instance (tests) or ``"mpi"`` (default).
+    ``seed``, ``warmup_dense_steps`` and ``warmup_decay_steps`` (dense first steps, then a
+    geometric decay to the densities), ``nonfinite`` ("raise" | "skip" | "propagate": what a
+    NaN/Inf gradient does) and ``timeout`` (seconds a rank waits in the exchange before
+    failing; 0 waits forever); each not given reads ``HVD_SLIM_<NAME>`` from the environment,
+    then its default. ``transport``: ``"mpi"``, ``"gloo"``, ``"nccl"`` or ``"auto"`` (default
+    ``HVD_SLIM_TRANSPORT``, else ``"auto"``: NCCL for CUDA parameters when available, else MPI),
+    or a transport instance (tests).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "

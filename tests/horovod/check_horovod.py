@@ -128,13 +128,24 @@ def check_replicas_identical() -> None:
 
 
 def check_broadcast_optimizer_state() -> None:
-    # A fresh optimizer has no state: Horovod runs one step() to create it. That step is hvd_slim's
-    # collective exchange, which every rank makes, so it must complete (not deadlock).
+    # A fresh optimizer has no state: Horovod runs one step() on zero gradients to create it.
+    # As for Horovod's own optimizer, that step is local: no Slim-DP exchange runs or counts
+    # (also through an LR scheduler, which wraps step()).
     model = fresh_model()
     opt = slim(model, density=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)
     opt.param_groups[0]["lr"] = 0.05 * (hvd.rank() + 1)
+    before = flat(model).clone()
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert opt.param_groups[0]["lr"] == 0.05, opt.param_groups[0]["lr"]
+    stats = opt.comm_stats()
+    assert (stats["steps"], stats["bytes_pushed"], stats["bytes_pulled"]) == (0, 0, 0), stats
+    assert opt._exchange.step_count == 0, opt._exchange.step_count
+    assert all("momentum_buffer" in opt.state[p] for p in model.parameters()), "no state created"
+    assert torch.equal(flat(model), before), "the zero-gradient step moved the parameters"
+    train(model, opt, steps=2)
+    assert opt.comm_stats()["steps"] == 2 and opt._exchange.step_count == 2
+    assert_same_everywhere(digest(flat(model)), "parameters after Horovod's state initialisation")
     # With state: every tensor and scalar of Adam's state comes from the root.
     model = fresh_model()
     opt = slim(model, opt_cls=torch.optim.Adam, density=0.1)

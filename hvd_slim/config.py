@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 PULL_MODES = ("slim", "union")
 OPS = ("average", "sum")
@@ -23,7 +23,8 @@ ENV_PREFIX = "HVD_SLIM_"
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
 ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
-                "server_rank", "seed", "nonfinite", "timeout")
+                "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
+                "warmup_decay_steps")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -87,6 +88,9 @@ class SlimConfig:
     exploration: float = 0.1           # epsilon: share of each slice given to random exploration
     magnitude_weight: float = 0.0      # lambda in |a| + lambda*|w|; 0 = gradient magnitude only
     refresh_interval: int = 1          # q: re-select the core every q steps (q > 1 is expert-only)
+    # --- warm-up (DGC-style; see densities_at) ------------------------------------------------
+    warmup_dense_steps: int = 0        # the first exchange steps are an exact dense average
+    warmup_decay_steps: int = 0        # then both densities decay geometrically to their targets
     # --- memory ------------------------------------------------------------------------------
     momentum_correction: Optional[bool] = None  # None = on for SGD with momentum > 0
     # --- server and reduction ----------------------------------------------------------------
@@ -115,8 +119,13 @@ class SlimConfig:
                               "magnitude_weight")
         norm["magnitude_weight"] = float(w)
         for name, low in (("refresh_interval", 1), ("min_compress_numel", 0),
-                          ("server_rank", 0), ("backward_passes_per_step", 1), ("seed", 0)):
+                          ("server_rank", 0), ("backward_passes_per_step", 1), ("seed", 0),
+                          ("warmup_dense_steps", 0), ("warmup_decay_steps", 0)):
             norm[name] = _check_int(name, getattr(self, name), low)
+        if norm["refresh_interval"] > 1 and norm["warmup_dense_steps"] + norm["warmup_decay_steps"]:
+            raise ConfigError("a warm-up (warmup_dense_steps/warmup_decay_steps) needs "
+                              "refresh_interval=1: a cached core cannot outlive a slice size that "
+                              "changes every step", "refresh_interval")
         if self.momentum_correction not in (None, True, False):
             raise ConfigError(f"momentum_correction must be True, False or None (auto), "
                               f"got {self.momentum_correction!r}", "momentum_correction")
@@ -142,6 +151,25 @@ class SlimConfig:
     def effective_pull_density(self) -> float:
         return default_pull_density(self.density) if self.pull_density is None \
             else self.pull_density
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup_dense_steps + self.warmup_decay_steps
+
+    def densities_at(self, step: int) -> Optional[Tuple[float, float]]:
+        """``(push, pull)`` densities of exchange step ``step`` during the warm-up, else None.
+
+        Steps ``[0, D)`` are dense (1.0); step ``D + i`` of the ``S`` decay steps uses
+        ``density ** ((i + 1) / (S + 1))`` (and the same power of the pull density, never below
+        the push), a geometric path from dense to the targets, which step ``D + S`` reaches."""
+        dense, decay = self.warmup_dense_steps, self.warmup_decay_steps
+        if step >= dense + decay:
+            return None
+        if step < dense:
+            return 1.0, 1.0
+        x = (step - dense + 1) / (decay + 1)
+        push = self.density ** x
+        return push, max(push, self.effective_pull_density ** x)
 
     def check_world(self, size: int) -> None:
         """Checks that need the world size: the server must be one of the ranks."""
@@ -220,13 +248,15 @@ def _parse_env(name: str, text: str) -> Any:
                           f"{name} ({_ENV_FORMS.get(name, 'a number')}): {exc}", name) from None
 
 
-_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed")
+_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed",
+               "warmup_dense_steps", "warmup_decay_steps")
 # What each variable accepts, for parse errors.
 _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a number in (0, 1] "
               "or none", "refresh_interval": "an integer >= 1", "min_compress_numel":
               "an integer >= 0", "server_rank": "an integer rank", "seed": "an integer >= 0",
               "timeout": "seconds > 0, or 0/none to wait forever", "density": "a number in (0, 1]",
-              "exploration": "a number in [0, 1]", "magnitude_weight": "a number >= 0"}
+              "exploration": "a number in [0, 1]", "magnitude_weight": "a number >= 0",
+              "warmup_dense_steps": "an integer >= 0", "warmup_decay_steps": "an integer >= 0"}
 
 
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None

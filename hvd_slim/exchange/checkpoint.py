@@ -62,8 +62,10 @@ def validate(ex: Any, state: Any) -> None:
                              "velocity but this optimizer has none: load it with the same "
                              "optimizer (SGD momentum) and momentum_correction setting")
         _threshold(_entry(state, "selector", b.index), b.index)
-        _core(state.get("core"), b.index, b.k_core, b.numel, "core")
-        _core(state.get("pull_core"), b.index, b.k_pull_core, b.numel, "pull core")
+        fixed = not ex.cfg.warmup_steps
+        _core(state.get("core"), b.index, b.k_core if fixed else None, b.numel, "core")
+        _core(state.get("pull_core"), b.index, b.k_pull_core if fixed else None, b.numel,
+              "pull core")
     if ex.server is not None:
         _check_server(ex, state.get("server"))
     if not isinstance(state.get("stats", {}), dict):
@@ -130,19 +132,21 @@ def _threshold(d: dict, index: int) -> None:
                          "not a finite number")
 
 
-def _core(table: Any, index: int, k: int, d: int, what: str) -> None:
-    """An optional cached core: k sorted, distinct int64 indices in [0, d)."""
+def _core(table: Any, index: int, k: Optional[int], d: int, what: str) -> None:
+    """An optional cached core: k sorted, distinct int64 indices in [0, d) (any k when None:
+    during a warm-up a core's size follows its step's density)."""
     if not isinstance(table, dict):
         raise ValueError(f"hvd_slim checkpoint: the {what} table is missing")
     c: Optional[torch.Tensor] = table.get(index)
     if c is None:
         return
     ok = (isinstance(c, torch.Tensor) and c.dtype == torch.int64 and c.dim() == 1
-          and c.numel() == k and (k == 0 or (int(c[0]) >= 0 and int(c[-1]) < d
-                                             and bool((c[1:] > c[:-1]).all()))))
+          and c.numel() == (c.numel() if k is None else k) and c.numel() <= d
+          and (c.numel() == 0 or (int(c[0]) >= 0 and int(c[-1]) < d
+                                  and bool((c[1:] > c[:-1]).all()))))
     if not ok:
-        raise ValueError(f"hvd_slim checkpoint: bucket {index} {what} is not {k} sorted distinct "
-                         f"indices in [0, {d})")
+        raise ValueError(f"hvd_slim checkpoint: bucket {index} {what} is not "
+                         f"{'' if k is None else f'{k} '}sorted distinct indices in [0, {d})")
 
 
 def _check_server(ex: Any, srv: Any) -> None:
@@ -153,9 +157,12 @@ def _check_server(ex: Any, srv: Any) -> None:
     if not isinstance(cores, list) or len(cores) != ex.size:
         n = len(cores) if isinstance(cores, list) else "?"
         raise ValueError(f"server checkpoint is from a job of {n} ranks, this job has {ex.size}")
+    fixed = not ex.cfg.warmup_steps
     for b in ex.layout.sparse:
         _tensor(_entry(srv, "memory", b.index), "residual", (b.numel,), b.dtype, b.index)
         _threshold(_entry(srv, "selector", b.index), b.index)
-        _core(srv.get("pull_core"), b.index, b.k_pull_core, b.numel, "server pull core")
+        _core(srv.get("pull_core"), b.index, b.k_pull_core if fixed else None, b.numel,
+              "server pull core")
         for j, table in enumerate(cores):
-            _core(table, b.index, b.k_core, b.numel, f"server's copy of rank {j}'s core")
+            _core(table, b.index, b.k_core if fixed else None, b.numel,
+                  f"server's copy of rank {j}'s core")

@@ -1,14 +1,15 @@
 """Tensor <-> wire bytes, and what each side expects of a message for a given step."""
 from __future__ import annotations
 
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
-from .layout import DENSE, Bucket, slice_is_smaller
+from .layout import DENSE, Bucket, slice_is_smaller, sent_whole
 
 
 def to_bytes(t: torch.Tensor) -> np.ndarray:
@@ -40,7 +41,30 @@ def is_refresh(step: int, refresh_interval: int) -> bool:
 
 
 def pull_is_dense(b: Bucket) -> bool:
+    """Whether a ``pull="slim"`` slice of ``b`` would not be smaller than ``b`` sent dense."""
     return not slice_is_smaller(b.numel, b.k_pull, b.k_pull_core, b.value_bytes)
+
+
+Modes = Dict[int, Optional[Tuple[int, int]]]
+
+
+@dataclass(frozen=True)
+class BoundedExpect(wm.Expect):
+    """An :class:`~hvd_slim.wire.message.Expect` that also knows the most coordinates an
+    explicit section (mode None in ``modes``) can carry here, so :func:`message_bound` need not
+    assume d. Decoding reads only the base fields and still accepts any count up to d."""
+
+    most_explicit: Optional[int] = None
+
+
+def explicit_section_bound(d: int, count: int, itemsize: int) -> int:
+    """The most bytes an explicit section of at most ``count`` of ``d`` coordinates takes: the
+    values plus their encoded indices. ``index_bytes_bound`` can shrink by one byte when the
+    count grows by one (where the Elias-Fano split moves), never by more (checked in
+    tests/unit/test_pull_bound.py), so with values of one byte or more the total never shrinks
+    as the count grows, and ``count`` itself is the worst case."""
+    count = max(0, min(int(count), int(d)))
+    return count * itemsize + index_bytes_bound(d, count)
 
 
 def message_bound(expect: List[wm.Expect]) -> int:
@@ -50,48 +74,66 @@ def message_bound(expect: List[wm.Expect]) -> int:
     for ex in expect:
         worst = 0
         for mode, want in ex.modes.items():
-            if want is None:  # explicit indices are sent only when cheaper than dense
-                worst = max(worst, ex.d * ex.itemsize)
+            if want is None:
                 continue
             count, n_idx = want
             idx = index_bytes_bound(ex.d, n_idx) if mode in (wm.M_SLICE, wm.M_EXPLICIT) else 0
             worst = max(worst, count * ex.itemsize + idx)
+        if None in ex.modes.values():
+            # Explicit indices (the union pull) are sent only when smaller than dense, and dense
+            # is the only other choice: so the worst case is the smaller of the two, for the
+            # most coordinates the section can hold (d when ``most_explicit`` is unknown).
+            most = getattr(ex, "most_explicit", None)
+            dense = ex.d * ex.itemsize
+            worst = min(dense, explicit_section_bound(ex.d, ex.d if most is None else most,
+                                                      ex.itemsize))
         total += worst
     return total
 
 
+def _slice_modes(step: int, q: int, k: int, k_core: int) -> Modes:
+    """A slice of ``k`` values: core indices travel on refresh steps only."""
+    return {wm.M_SLICE: (k, k_core)} if is_refresh(step, q) else {wm.M_SLICE_CACHED: (k, 0)}
+
+
+def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes],
+            most_explicit: Callable[[Bucket], Optional[int]] = lambda b: None
+            ) -> List[wm.Expect]:
+    """The shape pushes and pulls share. A flush moves every compressed bucket dense and
+    nothing for dense buckets (they have no residual); otherwise dense buckets travel dense and
+    ``sparse(b)`` says what a compressed bucket may be."""
+    out: List[wm.Expect] = []
+    for b in buckets:
+        if flush:
+            modes: Modes = {wm.M_EMPTY: (0, 0)} if b.kind == DENSE else {wm.M_DENSE: (b.numel, 0)}
+        elif b.kind == DENSE:
+            modes = {wm.M_DENSE: (b.numel, 0)}
+        else:
+            modes = sparse(b)
+        most = most_explicit(b) if None in modes.values() else None
+        out.append(BoundedExpect(b.numel, b.value_bytes, modes, most))
+    return out
+
+
 def push_expect(buckets: List[Bucket], step: int, q: int, flush: bool = False) -> List[wm.Expect]:
     """What the server accepts from a worker at ``step``."""
-    out = []
-    for b in buckets:
-        if flush:
-            modes = {wm.M_EMPTY: (0, 0)} if b.kind == DENSE else {wm.M_DENSE: (b.numel, 0)}
-        elif b.kind == DENSE:
-            modes = {wm.M_DENSE: (b.numel, 0)}
-        elif is_refresh(step, q):
-            modes = {wm.M_SLICE: (b.k, b.k_core)}
-        else:
-            modes = {wm.M_SLICE_CACHED: (b.k, 0)}
-        out.append(wm.Expect(b.numel, b.value_bytes, modes))
-    return out
+    return _expect(buckets, flush, lambda b: {wm.M_DENSE: (b.numel, 0)} if sent_whole(b)
+                   else _slice_modes(step, q, b.k, b.k_core))
 
 
-def pull_expect(buckets: List[Bucket], step: int, q: int, pull: str,
-                flush: bool = False) -> List[wm.Expect]:
-    """What a worker accepts from the server at ``step``."""
-    out = []
-    for b in buckets:
-        if flush:
-            modes = {wm.M_EMPTY: (0, 0)} if b.kind == DENSE else {wm.M_DENSE: (b.numel, 0)}
-        elif b.kind == DENSE:
-            modes = {wm.M_DENSE: (b.numel, 0)}
-        elif pull == "union":
-            modes = {wm.M_EXPLICIT: None, wm.M_DENSE: (b.numel, 0)}
-        elif pull_is_dense(b):
-            modes = {wm.M_DENSE: (b.numel, 0)}
-        elif is_refresh(step, q):
-            modes = {wm.M_SLICE: (b.k_pull, b.k_pull_core)}
-        else:
-            modes = {wm.M_SLICE_CACHED: (b.k_pull, 0)}
-        out.append(wm.Expect(b.numel, b.value_bytes, modes))
-    return out
+def pull_expect(buckets: List[Bucket], step: int, q: int, pull: str, flush: bool = False,
+                size: Optional[int] = None) -> List[wm.Expect]:
+    """What a worker accepts from the server at ``step``. ``size`` (the number of ranks) bounds
+    a union pull: its explicit section holds at most the ``size * k`` coordinates the workers
+    pushed; without it the bound assumes all d coordinates (dense)."""
+    def sparse(b: Bucket) -> Modes:
+        if pull == "union":
+            return {wm.M_EXPLICIT: None, wm.M_DENSE: (b.numel, 0)}
+        if pull_is_dense(b):
+            return {wm.M_DENSE: (b.numel, 0)}
+        return _slice_modes(step, q, b.k_pull, b.k_pull_core)
+
+    def most(b: Bucket) -> Optional[int]:
+        return None if size is None else min(b.numel, size * b.k)
+
+    return _expect(buckets, flush, sparse, most)

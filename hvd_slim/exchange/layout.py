@@ -8,6 +8,7 @@ sent dense ("dense fallback"), which also makes ``density=1.0`` exactly a dense 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -74,6 +75,12 @@ def slice_is_smaller(d: int, k: int, k_core: int, value_bytes: int) -> bool:
     return k * value_bytes + index_bytes_bound(d, k_core) < d * value_bytes
 
 
+def sent_whole(b: Bucket) -> bool:
+    """A compressed bucket whose push slice (at a warm-up step's size) would not be smaller than
+    all of it: that step sends it whole, the residual included (see the worker)."""
+    return b.kind == SPARSE and not slice_is_smaller(b.numel, b.k, b.k_core, b.value_bytes)
+
+
 class Layout:
     """Buckets for a fixed, name-ordered list of parameters."""
 
@@ -109,6 +116,28 @@ class Layout:
                     b.kind = DENSE  # dense fallback: no residual, exactly a dense average
             self.buckets.append(b)
         self.names = [n for n, _ in ordered]
+        self._config = config
+        self._at: Tuple[int, List[Bucket]] = (-1, self.buckets)
+
+    def at_step(self, step: int) -> List[Bucket]:
+        """The buckets with the slice sizes of exchange step ``step``: ``buckets`` itself, except
+        during a warm-up (:meth:`SlimConfig.densities_at`), where compressed buckets get that
+        step's sizes and may be sent whole (:func:`sent_whole`) while keeping their memory."""
+        dens = self._config.densities_at(step)
+        if dens is None:
+            return self.buckets
+        if self._at[0] != step:
+            expl = self._config.exploration
+            out = []
+            for b in self.buckets:
+                if b.kind == SPARSE:
+                    k, kc, ke = slice_sizes(b.numel, dens[0], expl)
+                    kp, kpc, kpe = slice_sizes(b.numel, dens[1], expl)
+                    b = dataclasses.replace(b, k=k, k_core=kc, k_explore=ke, k_pull=kp,
+                                            k_pull_core=kpc, k_pull_explore=kpe)
+                out.append(b)
+            self._at = (step, out)
+        return self._at[1]
 
     @property
     def sparse(self) -> List[Bucket]:

@@ -56,7 +56,7 @@ class Server:
               limit: Optional[int] = None) -> np.ndarray:
         """Aggregate ``payloads`` (rank order) and return the pull (or SKIP/ERROR verdict) to
         broadcast; ``limit`` is the pull's byte bound, which a verdict's text is cut to."""
-        cfg, buckets = self.cfg, self.layout.buckets
+        cfg, buckets = self.cfg, self.layout.at_step(step)
         kind = wm.FLUSH_PUSH if flush else wm.PUSH
         expect = push_expect(buckets, step, cfg.refresh_interval, flush)
         decoded: List[Optional[List[wm.Section]]] = []
@@ -277,6 +277,6 @@ class _Plan:
 def decode_pull(layout: Layout, cfg: SlimConfig, buf: np.ndarray, step: int, digest: int,
                 flush: bool = False) -> List[wm.Section]:
     """A worker's strict decode of the server's pull."""
-    expect = pull_expect(layout.buckets, step, cfg.refresh_interval, cfg.pull, flush)
+    expect = pull_expect(layout.at_step(step), step, cfg.refresh_interval, cfg.pull, flush)
     return wm.decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL, sender=cfg.server_rank,
                      step=step, digest=digest, expect=expect, who="pull from the server")

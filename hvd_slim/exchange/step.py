@@ -126,7 +126,7 @@ class SlimExchange(WorkerSide):
     def _push(self, sections: List[wm.Section], report: Optional[str], t: int,
               flush: bool = False) -> Optional[List[np.ndarray]]:
         kind = wm.FLUSH_PUSH if flush else wm.PUSH
-        bound = message_bound(push_expect(self.layout.buckets, t, self.cfg.refresh_interval,
+        bound = message_bound(push_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
                                           flush=flush))
         if report is None:
             buf, sizes = wm.encode(kind, self.rank, t, self.digest, sections,
@@ -155,8 +155,8 @@ class SlimExchange(WorkerSide):
     def _aggregate_and_pull(self, gathered: Optional[List[np.ndarray]], t: int,
                             flush: bool) -> Optional[List[wm.Section]]:
         """The pulled sections, or None for a step every rank skips."""
-        bound = message_bound(pull_expect(self.layout.buckets, t, self.cfg.refresh_interval,
-                                          self.cfg.pull, flush))
+        bound = message_bound(pull_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
+                                          self.cfg.pull, flush, size=self.size))
         reply = None
         if self.server is not None:
             try:
@@ -189,7 +189,7 @@ class SlimExchange(WorkerSide):
 
     def _apply(self, sections: List[wm.Section], t: int) -> None:
         self._commit()
-        for b, sec in zip(self.layout.buckets, sections):
+        for b, sec in zip(self.layout.at_step(t), sections):
             if sec.mode == wm.M_EMPTY:
                 continue
             vals = from_bytes(sec.values, b.wire_dtype, like=b)

@@ -16,7 +16,7 @@ from ..selection import explore, significance
 from ..wire import message as wm
 from .codec import is_refresh, to_bytes
 from .finite import describe, nonfinite_params, nonfinite_sent
-from .layout import DENSE, Bucket
+from .layout import DENSE, Bucket, sent_whole
 from .server import ROLE_PUSH
 
 
@@ -40,8 +40,9 @@ class WorkerSide:
         """Every bucket's section, or (when a value is NaN/Inf and nonfinite is not
         "propagate") a report naming the tensors instead; nothing is folded in then."""
         check = self.cfg.nonfinite != "propagate"
+        buckets = self.layout.at_step(t)
         folded, bad = [], []
-        for b in self.layout.buckets:
+        for b in buckets:
             x, u_new = self._fold(b)
             # Compressed buckets are checked after folding: residual and velocity are always
             # finite, so a NaN/Inf in ``a`` is one in this step's gradient.
@@ -51,7 +52,7 @@ class WorkerSide:
         if bad:
             return [], describe(bad, overflow=False)
         sections, overflow, wire_dtype = [], [], None
-        for b, (x, u_new) in zip(self.layout.buckets, folded):
+        for b, (x, u_new) in zip(buckets, folded):
             sec, wire, sel = self._compensate_and_select(b, t, x, u_new)
             if check and wire.dtype != b.dtype:
                 found = nonfinite_sent(b, wire, sel)
@@ -79,6 +80,13 @@ class WorkerSide:
         cfg = self.cfg
         if b.kind == DENSE:
             wire = a.to(b.wire_dtype)
+            return wm.make_section(wm.M_DENSE, to_bytes(wire), b.numel), wire, None
+        if sent_whole(b):
+            # A dense warm-up step: all of a goes, and the velocity is not masked (masking every
+            # coordinate every step would cancel the momentum): dense momentum SGD exactly.
+            wire = a.to(b.wire_dtype)
+            self._pending.append(Proposal(b.index, None, wire.to(b.dtype)
+                                           if b.wire_dtype != b.dtype else None, False, a, u_new))
             return wm.make_section(wm.M_DENSE, to_bytes(wire), b.numel), wire, None
         t_sel = time.perf_counter()
         new_core = None

@@ -261,3 +261,33 @@ def test_state_dict_round_trip_continues_bitwise():
         return flat(model)
 
     assert torch.equal(run(-1), run(4))
+
+
+def test_warmup_is_dense_momentum_sgd_then_decays_with_replicas_identical():
+    """warmup_dense_steps: the same parameters as dense momentum SGD on MPI-averaged gradients;
+    then the decay steps push less every step, and replicas stay bitwise identical."""
+    dense, decay = 4, 4
+    model, ref = Net(), Net()
+    opt = wrap(model, density=0.01, warmup_dense_steps=dense, warmup_decay_steps=decay)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    pushed = []
+    for t in range(dense + decay + 2):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+        pushed.append(opt.comm_stats()["last_step"]["bytes_pushed"])
+        if t < dense:
+            ref_opt.zero_grad()
+            loss_of(ref, t).backward()
+            for p in ref.parameters():
+                g = torch.zeros_like(p) if p.grad is None else p.grad
+                p.grad = mpi_mean(g).to(p.dtype)
+            ref_opt.step()
+        if t == dense - 1:
+            assert torch.allclose(flat(model), flat(ref), rtol=1e-5, atol=1e-6)
+    assert_same_on_every_rank(flat(model))
+    if hvd.rank() != 0:   # the server's own push is not counted by a transport
+        assert pushed[0] == pushed[dense - 1]
+        assert all(a > b for a, b in zip(pushed[dense - 1:dense + decay],
+                                         pushed[dense:dense + decay + 1])), pushed
+        assert pushed[-1] == pushed[-2] < 0.1 * pushed[0], pushed

@@ -1,0 +1,167 @@
+"""The byte bound of a ``pull="union"`` message (codec.message_bound of codec.pull_expect), which
+fixed-size transports (Gloo, NCCL) pad every pull to: it must be tight (the explicit section of
+the at most ``size * k`` coordinates the workers pushed, not dense) and safe (every pull the
+server really builds fits), and padding to it must not change any result."""
+import random
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_slim.config import SlimConfig
+from hvd_slim.exchange import Layout, SlimExchange
+from hvd_slim.exchange.codec import (explicit_section_bound, message_bound, pull_expect,
+                                     push_expect)
+from hvd_slim.transport import run_ranks
+from hvd_slim.transport.fake import FakeTransport
+from hvd_slim.wire import message as wm
+from hvd_slim.wire.indices import index_bytes_bound
+
+SHAPES = {"fc1.weight": (400, 500), "fc2.weight": (100, 400), "fc2.bias": (100,)}
+
+
+def layout_for(config, dtype=torch.float32):
+    named = [(n, torch.nn.Parameter(torch.zeros(s, dtype=dtype))) for n, s in SHAPES.items()]
+    return named, Layout(named, config, lambda dt: dt)
+
+
+def dense_bound(layout):
+    """What the pull's bound was before: every compressed bucket at dense size."""
+    return wm.HEADER.size + sum(wm.ENTRY.size + b.numel * b.value_bytes for b in layout.buckets)
+
+
+def test_explicit_bytes_never_shrink_as_the_count_grows():
+    """message_bound takes the largest count as the worst case: values of one byte or more
+    outgrow the at most one-byte drops of the index encoding (where Elias-Fano's split moves)."""
+    rng = random.Random(5)
+    for d in list(range(1, 400)) + [rng.randrange(400, 3_000_000) for _ in range(25)]:
+        # Beyond small d: random counts, and those where Elias-Fano's low-bit width changes.
+        near = [rng.randrange(d) for _ in range(300)] + [d // 2 ** s for s in range(22)]
+        counts = range(d + 1) if d < 400 else sorted(
+            {n + j for n in near for j in range(-2, 3) if 0 <= n + j <= d})
+        prev_n, prev = None, None
+        for n in counts:
+            now = explicit_section_bound(d, n, 1)
+            if prev is not None and n == prev_n + 1:
+                assert now >= prev, (d, n, prev, now)
+            prev_n, prev = n, now
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_union_bound_is_the_pushed_coordinates_not_dense(size):
+    config = SlimConfig(density=0.01, pull="union", min_compress_numel=1000)
+    _, layout = layout_for(config)
+    (b,) = layout.sparse
+    tight = message_bound(pull_expect(layout.buckets, 0, 1, "union", size=size))
+    n = size * b.k
+    assert tight == dense_bound(layout) - b.numel * 4 + n * 4 + index_bytes_bound(b.numel, n)
+    assert tight < 0.1 * dense_bound(layout), (tight, dense_bound(layout))
+    # Without the world size nothing is known: the dense bound, as before.
+    assert message_bound(pull_expect(layout.buckets, 0, 1, "union")) == dense_bound(layout)
+    # The decoder's contract is unchanged: an explicit section of any count up to d.
+    assert [ex.modes for ex in pull_expect(layout.buckets, 0, 1, "union", size=size)] == \
+        [ex.modes for ex in pull_expect(layout.buckets, 0, 1, "union")]
+
+
+def test_union_bound_caps_at_dense_when_the_workers_cover_everything():
+    config = SlimConfig(density=0.4, pull="union", min_compress_numel=1000, exploration=0.0)
+    _, layout = layout_for(config)
+    assert layout.sparse
+    bound = message_bound(pull_expect(layout.buckets, 0, 1, "union", size=3))
+    assert bound == dense_bound(layout)
+
+
+def test_push_and_pull_expectations_keep_their_shape():
+    """codec's one helper behind push_expect and pull_expect: each mode and count as before."""
+    config = SlimConfig(density=0.01, min_compress_numel=1000, refresh_interval=2)
+    _, layout = layout_for(config)
+    (s,) = layout.sparse
+
+    def modes(expect, sparse):   # dense buckets always travel dense outside a flush
+        want = [sparse if b is s else {wm.M_DENSE: (b.numel, 0)} for b in layout.buckets]
+        assert [ex.modes for ex in expect] == want
+        assert [(ex.d, ex.itemsize) for ex in expect] == [(b.numel, 4) for b in layout.buckets]
+
+    modes(push_expect(layout.buckets, 0, 2), {wm.M_SLICE: (s.k, s.k_core)})
+    modes(push_expect(layout.buckets, 1, 2), {wm.M_SLICE_CACHED: (s.k, 0)})
+    modes(pull_expect(layout.buckets, 0, 2, "slim"), {wm.M_SLICE: (s.k_pull, s.k_pull_core)})
+    modes(pull_expect(layout.buckets, 1, 2, "slim"), {wm.M_SLICE_CACHED: (s.k_pull, 0)})
+    modes(pull_expect(layout.buckets, 1, 2, "union"), {wm.M_EXPLICIT: None,
+                                                       wm.M_DENSE: (s.numel, 0)})
+    flushed = [{wm.M_DENSE: (b.numel, 0)} if b is s else {wm.M_EMPTY: (0, 0)}
+               for b in layout.buckets]
+    for expect in (push_expect(layout.buckets, 3, 2, flush=True),
+                   pull_expect(layout.buckets, 3, 2, "slim", flush=True),
+                   pull_expect(layout.buckets, 3, 2, "union", flush=True, size=3)):
+        assert [ex.modes for ex in expect] == flushed
+
+
+def grad_for(rank, step, name, shape):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rank}|{step}|{name}".encode()))
+    return torch.randn(shape, generator=g) * torch.rand(shape, generator=g).pow(4)
+
+
+class PaddingTransport(FakeTransport):
+    """A fake rank that moves what Gloo moves: every payload padded to the announced bound
+    (plus its length word). Records each broadcast's bound and payload size."""
+
+    def __init__(self, cluster, rank):
+        super().__init__(cluster, rank)
+        self.pulls = []
+
+    def broadcast(self, payload, root, bound=None):
+        out = super().broadcast(payload, root, bound)
+        if wm.peek(out, "test") == wm.PULL:   # not the first step's handshake replies
+            self.pulls.append((bound, len(out)))
+        extra = 0 if bound is None else bound - len(out)
+        self.stats.record("padding", extra if self.rank == root else 0, extra)
+        return out
+
+
+def run_union(size, steps, transport_cls, density=0.01):
+    """``steps`` union exchanges on ``size`` simulated ranks, each over ``transport_cls``; per
+    rank: the pulled gradients, the transport and the layout."""
+    config = SlimConfig(density=density, pull="union", min_compress_numel=1000, seed=3)
+
+    def body(rank, fake):
+        tr = transport_cls(fake._c, rank)   # the same simulated cluster, another endpoint class
+        named, layout = layout_for(config)
+        ex = SlimExchange(layout, config, tr)
+        pulled = []
+        for t in range(steps):
+            for name, p in named:
+                p.grad = grad_for(rank, t, name, p.shape)
+            ex.step()
+            pulled.append({name: p.grad.clone() for name, p in named})
+        return pulled, tr, layout
+
+    return run_ranks(size, body)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_every_union_pull_fits_the_tight_bound(size):
+    """The server's real pulls never exceed the bound every rank computes from the world size,
+    and come close to it (the workers' slices barely overlap here)."""
+    res = run_union(size, 4, PaddingTransport)
+    layout = res[0][2]
+    tight = message_bound(pull_expect(layout.buckets, 0, 1, "union", size=size))
+    for _, tr, _ in res:
+        assert tr.pulls and all(n <= tight for _, n in tr.pulls), (tight, tr.pulls)
+        assert max(n for _, n in tr.pulls) > 0.8 * tight, (tight, tr.pulls)
+    assert tight < 0.1 * dense_bound(layout)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_union_pull_over_a_padding_transport_moves_far_less_than_dense(size):
+    plain = run_union(size, 3, FakeTransport)
+    padded = run_union(size, 3, PaddingTransport)
+    layout = padded[0][2]
+    for (a, _, _), (b, tr, _) in zip(plain, padded):
+        for t in range(3):   # padding changes no result
+            for name in SHAPES:
+                assert torch.equal(a[t][name], b[t][name]), (t, name)
+        assert all(bound < 0.1 * dense_bound(layout) for bound, _ in tr.pulls), tr.pulls
+    received = np.mean([tr.stats.per_op["broadcast"][1] + tr.stats.per_op["padding"][1]
+                        for _, tr, _ in padded])
+    assert received < 0.1 * 3 * dense_bound(layout), received

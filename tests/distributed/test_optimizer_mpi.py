@@ -6,7 +6,6 @@ They pass at any world size and compare against closed forms or a dense MPI refe
 import hashlib
 import warnings
 
-import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -72,6 +71,16 @@ def mpi_mean(t):
     return torch.from_numpy(buf / COMM.Get_size())
 
 
+def dense_step(ref, ref_opt, t):
+    """The reference: one step of the plain optimizer on MPI-averaged gradients."""
+    ref_opt.zero_grad()
+    loss_of(ref, t).backward()
+    for p in ref.parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad
+        p.grad = mpi_mean(g).to(p.dtype)
+    ref_opt.step()
+
+
 @pytest.mark.parametrize("pull", ["slim", "union"])
 def test_fifty_steps_keep_replicas_identical(pull):
     model = Net()
@@ -92,12 +101,7 @@ def test_density_one_matches_mpi_allreduce_averaging():
         opt.zero_grad()
         loss_of(model, t).backward()
         opt.step()
-        ref_opt.zero_grad()
-        loss_of(ref, t).backward()
-        for p in ref.parameters():
-            g = torch.zeros_like(p) if p.grad is None else p.grad
-            p.grad = mpi_mean(g).to(p.dtype)
-        ref_opt.step()
+        dense_step(ref, ref_opt, t)
     assert torch.allclose(flat(model), flat(ref), rtol=1e-6, atol=1e-6)
 
 
@@ -277,12 +281,7 @@ def test_warmup_is_dense_momentum_sgd_then_decays_with_replicas_identical():
         opt.step()
         pushed.append(opt.comm_stats()["last_step"]["bytes_pushed"])
         if t < dense:
-            ref_opt.zero_grad()
-            loss_of(ref, t).backward()
-            for p in ref.parameters():
-                g = torch.zeros_like(p) if p.grad is None else p.grad
-                p.grad = mpi_mean(g).to(p.dtype)
-            ref_opt.step()
+            dense_step(ref, ref_opt, t)
         if t == dense - 1:
             assert torch.allclose(flat(model), flat(ref), rtol=1e-5, atol=1e-6)
     assert_same_on_every_rank(flat(model))

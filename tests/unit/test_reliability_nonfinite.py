@@ -67,6 +67,26 @@ def assert_same(a, b, path="state"):
         assert a == b, (path, a, b)
 
 
+def refused_step(m, opt):
+    """Step, expecting a refusal (a skip, or NonFiniteGradientError's text) that changes no
+    parameter, residual, velocity, core or step count."""
+    before = snapshot(m, opt)
+    try:
+        out = opt.step()
+    except NonFiniteGradientError as exc:
+        out = str(exc)
+    assert_same(before, snapshot(m, opt))
+    return out
+
+
+def assert_refused(results, mode, text):
+    """Every rank skipped (mode "skip"), or raised the same error containing ``text``."""
+    if mode == "skip":
+        assert results == [None] * len(results)
+    else:
+        assert len(set(results)) == 1 and text in results[0], results
+
+
 def flat(m):
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
@@ -190,19 +210,9 @@ def test_fp16_overflow_on_the_wire_is_caught(mode):
         opt = wrap(m, tr, nonfinite=mode, compression=hvd_slim.Compression.fp16)
         opt.zero_grad()
         backward(m, rank, 0, ("1.weight", 1e6) if rank == 1 else None)
-        before = snapshot(m, opt)
-        try:
-            out = opt.step()
-        except NonFiniteGradientError as exc:
-            out = str(exc)
-        assert_same(before, snapshot(m, opt))
-        return out
+        return refused_step(m, opt)
 
-    res = run_ranks(2, body, timeout=60)
-    if mode == "skip":
-        assert res == [None, None]
-    else:
-        assert res[0] == res[1] and "'1.weight' overflow float16 on the wire" in res[0], res
+    assert_refused(run_ranks(2, body, timeout=60), mode, "'1.weight' overflow float16 on the wire")
 
 
 def test_the_servers_aggregate_overflowing_fp16_is_caught():
@@ -235,16 +245,6 @@ def test_the_servers_sliced_aggregate_overflowing_fp16_restores_its_residual(mod
             opt.step()
         opt.zero_grad()
         backward(m, rank, 3, ("1.weight", 40000.0))   # fits float16; the sum of two does not
-        before = snapshot(m, opt)
-        try:
-            out = opt.step()
-        except NonFiniteGradientError as exc:
-            out = str(exc)
-        assert_same(before, snapshot(m, opt))
-        return out
+        return refused_step(m, opt)
 
-    res = run_ranks(2, body, timeout=60)
-    if mode == "skip":
-        assert res == [None, None]
-    else:
-        assert res[0] == res[1] and "the server's aggregate" in res[0], res
+    assert_refused(run_ranks(2, body, timeout=60), mode, "the server's aggregate")

@@ -11,7 +11,8 @@ from hvd_slim.config import ConfigError, SlimConfig, resolve_config
 from hvd_slim.exchange import Layout, SlimExchange
 from hvd_slim.transport import run_ranks
 
-from test_exchange import SHAPES, grad_for, make_params, residual_by_name, simulate, total
+from test_exchange import (SHAPES, assert_resumes_identically, grad_for, make_params,
+                           simulate, total)
 
 WARM = dict(warmup_dense_steps=2, warmup_decay_steps=4)
 
@@ -135,27 +136,5 @@ def test_dense_warmup_step_leaves_no_residual_and_keeps_the_velocity():
 
 
 def test_checkpoint_in_the_middle_of_the_decay_resumes_identically():
-    config = SlimConfig(density=0.02, min_compress_numel=1000, seed=5, **WARM)
-
-    def run(rank, tr, split):
-        named = make_params()
-        ex = SlimExchange(Layout(named, config, lambda dt: dt), config, tr)
-        out = []
-        for t in range(8):
-            if t == split:
-                state = ex.state_dict()
-                named = make_params()
-                ex = SlimExchange(Layout(named, config, lambda dt: dt), config, tr)
-                ex.load_state_dict(state)
-            for name, p in named:
-                p.grad = grad_for(rank, t, name, p.shape)
-            ex.step()
-            out.append([p.grad.clone() for _, p in named])
-        return out, residual_by_name(ex)
-
-    plain = run_ranks(2, lambda r, tr: run(r, tr, split=-1))
-    resumed = run_ranks(2, lambda r, tr: run(r, tr, split=4))
-    for r in range(2):
-        for t in range(8):
-            for a, b in zip(plain[r][0][t], resumed[r][0][t]):
-                assert torch.equal(a, b), (r, t)
+    assert_resumes_identically(SlimConfig(density=0.02, min_compress_numel=1000, seed=5,
+                                          **WARM), size=2, split=4)

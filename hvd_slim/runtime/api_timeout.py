@@ -15,7 +15,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Mapping, Optional
 
-from ..config import DEFAULT_TIMEOUT, ENV_PREFIX, ConfigError, _check_timeout, _parse_env
+from ..config import DEFAULT_TIMEOUT, ENV_PREFIX, resolve_config
 from ..transport.base import TransportTimeout
 from . import abort
 
@@ -36,12 +36,8 @@ def api_timeout(environ: Optional[Mapping[str, str]] = None) -> Optional[float]:
     raw = environ.get(TIMEOUT_ENV)
     if raw is None:
         return DEFAULT_TIMEOUT
-    try:
-        return _check_timeout(_parse_env("timeout", raw))
-    except ConfigError as exc:
-        if TIMEOUT_ENV in str(exc):
-            raise
-        raise ConfigError(f"{exc} (from environment variable {TIMEOUT_ENV})", "timeout") from None
+    # The optimizer's own parsing and validation, so both read the variable alike.
+    return resolve_config({}, {TIMEOUT_ENV: raw}).timeout
 
 
 def _mpi_api() -> Any:

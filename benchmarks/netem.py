@@ -26,6 +26,9 @@ NETS: Dict[str, Optional[tuple]] = {
     "tbf10g": ("10gbit", "1mb"),
     "loopback": None,
 }
+# Open MPI over TCP on the namespace's ``lo`` only: shared memory would bypass the shaping.
+MPI_ARGS = ("--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
+            "--mca", "oob_tcp_if_include", "lo")
 
 
 class NetemError(RuntimeError):
@@ -116,6 +119,11 @@ def namespace(net: str) -> Iterator[Optional[str]]:
 def wrap(ns: Optional[str], argv: List[str]) -> List[str]:
     """``argv`` run inside namespace ``ns`` (unchanged for None)."""
     return argv if ns is None else ["ip", "netns", "exec", ns, *argv]
+
+
+def mpi_args(net: str) -> List[str]:
+    """The mpirun options a job on ``net`` needs (none on the plain loopback)."""
+    return [] if NETS[net] is None else list(MPI_ARGS)
 
 
 def qdisc(ns: Optional[str]) -> str:

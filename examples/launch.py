@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A launcher's per-process variables would make a nested mpirun think it is a rank itself.
@@ -26,28 +26,32 @@ class MpiTimeout(RuntimeError):
         self.output = output
 
 
-def mpirun_argv(np_: int, command: List[str]) -> List[str]:
-    """``mpirun`` for ``np_`` ranks on one machine with fewer cores than ranks."""
+def mpirun_argv(np_: int, command: List[str], mpi_args: Sequence[str] = ()) -> List[str]:
+    """``mpirun`` for ``np_`` ranks on one machine with fewer cores than ranks; ``mpi_args``
+    (e.g. the emulated network's ``--mca btl tcp,self ...``) go before the command."""
     return ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
             # Containers often forbid the single-copy mechanism (CMA); plain shared memory works.
-            "--mca", "btl_vader_single_copy_mechanism", "none",
+            "--mca", "btl_vader_single_copy_mechanism", "none", *mpi_args,
             "-x", "PYTHONPATH", "-x", "PYTHONDONTWRITEBYTECODE", *command]
 
 
-def run(np_: int, command: List[str], timeout: float, capture: bool = True
-        ) -> Tuple[int, str]:
+def run(np_: int, command: List[str], timeout: float, capture: bool = True,
+        mpi_args: Sequence[str] = (), prefix: Sequence[str] = ()) -> Tuple[int, str]:
     """Run ``command`` on ``np_`` ranks from the repository root; return (exit code, output).
 
     With ``capture=False`` the output goes to this process's stdout/stderr and "" is returned.
-    Raises :class:`MpiTimeout` after killing the job if it runs longer than ``timeout`` s.
+    ``mpi_args`` are extra mpirun options; ``prefix`` is put before mpirun (e.g. ``ip netns
+    exec NS``). Raises :class:`MpiTimeout` after killing the job if it runs longer than
+    ``timeout`` s; any other exception here (Ctrl-C, SIGTERM turned into SystemExit) kills the
+    job too before it propagates.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP)}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONDONTWRITEBYTECODE="1",  # ranks would race writing the same .pyc files
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     pipe: Optional[int] = subprocess.PIPE if capture else None
-    proc = subprocess.Popen(mpirun_argv(np_, command), cwd=ROOT, env=env, stdout=pipe,
-                            stderr=subprocess.STDOUT if capture else None,
+    proc = subprocess.Popen([*prefix, *mpirun_argv(np_, command, mpi_args)], cwd=ROOT, env=env,
+                            stdout=pipe, stderr=subprocess.STDOUT if capture else None,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -55,6 +59,9 @@ def run(np_: int, command: List[str], timeout: float, capture: bool = True
         out = _kill(proc)
         raise MpiTimeout(f"`{' '.join(command)}` on {np_} ranks did not finish within "
                          f"{timeout:.0f}s and was killed", out) from None
+    except BaseException:
+        _kill(proc)
+        raise
     return proc.returncode, (out or b"").decode(errors="replace")
 
 

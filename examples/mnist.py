@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -53,6 +54,8 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--train-subset", type=int, default=None, metavar="N",
                    help="train on the first N training examples only")
+    p.add_argument("--evals-per-epoch", type=int, default=1, metavar="N",
+                   help="also score the model N-1 times inside each epoch (the records' curve)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the per-epoch log to OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
     s = p.add_argument_group("Slim-DP keywords (--method slim); unset ones come from "
@@ -75,6 +78,40 @@ def slim_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     if args.momentum_correction is not None:
         out["momentum_correction"] = args.momentum_correction == "on"
     return out
+
+
+_SLIM_FLAGS = {"pull": "--pull", "pull_density": "--pull-density", "exploration": "--exploration",
+               "refresh_interval": "--refresh-interval", "magnitude_weight": "--magnitude-weight"}
+
+
+def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:
+    """This script's flags for one examples/sweep.py run spec (the convergence study runs
+    ``--method horovod`` specs this way). Raises ValueError for what the flags cannot say."""
+    unsupported = {k: spec[k] for k in ("dense_warmup_steps", "optimizer", "lr_via")
+                   if spec.get(k) not in (None, 0, "sgd", "optimizer")}
+    if unsupported:
+        raise ValueError(f"examples/mnist.py cannot run {unsupported}; use examples/sweep.py")
+    argv = ["--dataset", spec["dataset"], "--method", spec["method"],
+            "--density", repr(float(spec.get("density", 1.0))), "--epochs", str(spec["epochs"]),
+            "--batch-size", str(spec["batch_size"]), "--lr", repr(float(spec["lr"])),
+            "--lr-schedule", spec["schedule"], "--momentum", repr(float(spec.get("momentum", 0.9))),
+            "--seed", str(spec["seed"]), "--evals-per-epoch", str(spec.get("evals_per_epoch", 1)),
+            "--no-progress", "--json", json_path]
+    if spec.get("train_subset"):
+        argv += ["--train-subset", str(spec["train_subset"])]
+    for key, value in spec.get("slim", {}).items():
+        if key == "momentum_correction":
+            argv += ["--momentum-correction", "on" if value else "off"]
+        elif key in _SLIM_FLAGS:
+            argv += [_SLIM_FLAGS[key], repr(value) if isinstance(value, float) else str(value)]
+        else:
+            raise ValueError(f"examples/mnist.py has no flag for the Slim-DP keyword {key!r}")
+    return argv
+
+
+def spec_result(spec: Dict[str, Any], log: Dict[str, Any]) -> Dict[str, Any]:
+    """A results.jsonl line (as examples/sweep.py writes it) from this script's ``--json`` log."""
+    return dict(spec, world_size=log["world_size"], seconds=log["seconds"], records=log["epochs"])
 
 
 def main(argv: Optional[List[str]] = None, dataset: str = "mnist") -> int:
@@ -114,13 +151,16 @@ def main(argv: Optional[List[str]] = None, dataset: str = "mnist") -> int:
                   + (f"; after flush {flushed:.2f}%" if flushed is not None else ""), flush=True)
 
     label = args.method if args.method != "slim" else f"slim d={args.density:g}"
+    start = time.perf_counter()
     records = fit(hvd, args.method, model, opt, train_set, test, epochs=args.epochs,
                   batch_size=args.batch_size, schedule=Schedule(args.lr, args.lr_schedule),
-                  seed=args.seed, name=label, on_epoch=report, show_progress=not args.no_progress)
+                  seed=args.seed, name=label, on_epoch=report, show_progress=not args.no_progress,
+                  evals_per_epoch=args.evals_per_epoch)
+    seconds = time.perf_counter() - start
     if rank0 and args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"dataset": args.dataset, "world_size": hvd.size(),
-                       "train_examples": len(train_set), "args": vars(args),
+                       "train_examples": len(train_set), "args": vars(args), "seconds": seconds,
                        "slim_config": slim_kwargs(args), "epochs": records}, f, indent=2)
     return 0
 

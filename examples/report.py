@@ -2,14 +2,24 @@
 
 ``write_report(runs, out, target_gap)`` groups runs by (dataset, config), averages over seeds,
 writes ``table.md`` and, with matplotlib, ``<dataset>_accuracy_vs_epoch.png`` and
-``<dataset>_accuracy_vs_bytes.png`` into ``out``, and returns the table.
+``<dataset>_accuracy_vs_bytes.png`` into ``out``, and returns the table. Runs carry the
+network they ran on (``net``, loopback when absent); a run on another network is its own row,
+labelled ``<config> @<net>`` and compared with dense on the same network. With
+``tta_target`` (e.g. ``{"mnist": 98.5}``) it adds, per dataset and network, a table of the
+time to that accuracy from the runs whose evaluations are timed
+(examples/time_to_accuracy.py).
 """
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import time_to_accuracy as tta  # noqa: E402  (examples/time_to_accuracy.py)
+from time_to_accuracy import points as _points  # noqa: E402
 
 Runs = List[Dict[str, Any]]
 REFERENCE_TAGS = ("adam", "constant-LR", "cosine-in-loss", "4-epochs")  # rows whose dense reference differs in that way
@@ -22,17 +32,19 @@ def _mean_std(xs: List[float]) -> tuple[float, float]:
 
 def summarise(runs: Runs) -> List[Dict[str, Any]]:
     """One row per (dataset, config), in first-seen order, with seed means and stds."""
-    groups: "OrderedDict[tuple, Runs]" = OrderedDict()
+    groups: "OrderedDict[tuple, Runs]" = OrderedDict()  # (dataset, config, net)
     rank = {g: i for i, g in enumerate(GROUP_ORDER)}
     # Datasets in first-seen order; within one, the study's groups in order, then first seen.
     first = {ds: i for i, ds in reversed(list(enumerate(r["dataset"] for r in runs)))}
     for r in sorted(runs, key=lambda r: (first[r["dataset"]], rank.get(r.get("group"), 99))):
-        groups.setdefault((r["dataset"], r["config"]), []).append(r)
+        groups.setdefault((r["dataset"], r["config"], net_of(r)), []).append(r)
     rows = []
-    for (ds, config), all_rs in groups.items():
+    for (ds, config, net), all_rs in groups.items():
         rs = [r for r in all_rs if not r.get("diverged")]  # diverged runs are counted apart
+        label = config if net == "loopback" else f"{config} @{net}"
         if not rs:
-            rows.append({"dataset": ds, "config": config, "method": all_rs[0]["method"],
+            rows.append({"dataset": ds, "config": config, "net": net, "label": label,
+                         "method": all_rs[0]["method"],
                          "density": all_rs[0].get("density", 1.0), "seeds": 0,
                          "diverged": len(all_rs), "epochs": all_rs[0]["epochs"], "acc": None})
             continue
@@ -41,7 +53,8 @@ def summarise(runs: Runs) -> List[Dict[str, Any]]:
         flushed, flushed_sd = _mean_std([x["flushed_accuracy"] for x in last])
         steps = [max(x["steps"], 1) for x in last]
         rows.append({
-            "dataset": ds, "config": config, "group": rs[0].get("group", ""),
+            "dataset": ds, "config": config, "net": net, "label": label,
+            "group": rs[0].get("group", ""),
             "method": rs[0]["method"], "density": rs[0].get("density", 1.0), "seeds": len(rs),
             "diverged": len(all_rs) - len(rs),
             "acc": acc, "acc_sd": acc_sd, "flushed": flushed, "flushed_sd": flushed_sd,
@@ -57,7 +70,7 @@ def summarise(runs: Runs) -> List[Dict[str, Any]]:
         ref_name = next((f"dense {t}" for t in REFERENCE_TAGS if row["config"].endswith(t)),
                         "dense")
         ref = next((x for x in rows if x["dataset"] == row["dataset"]
-                    and x["config"] == ref_name), None)
+                    and x["config"] == ref_name and x["net"] == row["net"]), None)
         ref = ref if ref is not None and ref["acc"] is not None else None
         row["gap"] = None if ref is None else row["acc"] - ref["acc"]
         row["flushed_gap"] = None if ref is None else row["flushed"] - ref["flushed"]
@@ -85,23 +98,23 @@ def table(rows: List[Dict[str, Any]], target_gap: Dict[float, float]) -> str:
         out.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
         for r in sub:
             if r["acc"] is None:
-                out.append(f"| {r['config']} | 0 (+{r['diverged']} diverged) | diverged | | | | "
+                out.append(f"| {r['label']} | 0 (+{r['diverged']} diverged) | diverged | | | | "
                            f"| | | | |")
                 continue
             gap = "" if r["gap"] is None else f"{r['gap']:+.2f}"
             fgap = "" if r["flushed_gap"] is None else f"{r['flushed_gap']:+.2f}"
             ratio = r["dense"] / r["pushed"] if r["pushed"] else float("inf")
             seeds = f"{r['seeds']}" + (f" (+{r['diverged']} diverged)" if r["diverged"] else "")
-            out.append(f"| {r['config']} | {seeds} | {r['acc']:.2f} ± {r['acc_sd']:.2f} "
+            out.append(f"| {r['label']} | {seeds} | {r['acc']:.2f} ± {r['acc_sd']:.2f} "
                        f"| {gap} | {r['flushed']:.2f} ± {r['flushed_sd']:.2f} | {fgap} "
                        f"| {_verdict(r, target_gap)} | {r['pushed']:,.0f} | {r['pulled']:,.0f} "
                        f"| {ratio:.1f}x | {r['seconds']:.0f} |")
     return "\n".join(out).lstrip("\n") + "\n"
 
 
-def _points(run: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """A run's evaluation points in order: intermediate ones (``curve``), then each epoch's."""
-    return [p for rec in run["records"] for p in rec.get("curve", []) + [rec]]
+def net_of(run: Dict[str, Any]) -> str:
+    """The network a run ran on (runs from before ``--net`` ran on the plain loopback)."""
+    return run.get("net") or "loopback"
 
 
 def _curves(runs: Runs, x_key: Optional[str]) -> tuple[List[float], List[float], List[float]]:
@@ -129,6 +142,8 @@ def plot(runs: Runs, out: str) -> List[str]:
     for ds in OrderedDict.fromkeys(r["dataset"] for r in runs):
         mine = [r for r in runs if r["dataset"] == ds and r.get("group") in ("grid", "baselines")
                 and not r.get("diverged")]
+        if not mine:
+            continue
         by_config: "OrderedDict[str, Runs]" = OrderedDict()
         for r in mine:
             by_config.setdefault(r["config"], []).append(r)
@@ -164,11 +179,15 @@ def plot(runs: Runs, out: str) -> List[str]:
     return written
 
 
-def write_report(runs: Runs, out: str, target_gap: Dict[float, float]) -> str:
-    """Write table.md and the plots into ``out``; return the table."""
+def write_report(runs: Runs, out: str, target_gap: Dict[float, float],
+                 tta_target: Optional[Dict[str, float]] = None) -> str:
+    """Write table.md (with the time-to-accuracy tables for ``tta_target``) and the plots into
+    ``out``; return the table."""
     text = table(summarise(runs), target_gap)
+    if tta_target:
+        text += tta.tables(runs, tta_target)
     with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    for path in plot(runs, out):
+    for path in plot(runs, out) + tta.plot(runs, tta_target or {}, out):
         text += f"\nwrote {path}"
     return text

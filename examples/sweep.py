@@ -13,7 +13,9 @@ see training.py),
 ``density``, ``slim`` (Slim-DP keywords), ``seed``, ``epochs``, ``batch_size``, ``lr``,
 ``schedule`` ("constant"/"cosine"/"step"), and optionally ``optimizer`` ("sgd"/"adam"),
 ``momentum`` (0.9), ``train_subset``, ``dense_warmup_steps`` (see ``training.DenseWarmup``),
-``evals_per_epoch`` (1), ``lr_via`` ("optimizer" or "loss": see ``training.Schedule``).
+``evals_per_epoch`` (1), ``lr_via`` ("optimizer" or "loss": see ``training.Schedule``),
+``net`` and ``network`` (where it ran: stored, not read). A result line adds ``world_size``,
+``seconds``, ``records``, ``loadavg`` (1-minute load at start and end) and ``hvd_slim_digest``.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def run_one(hvd: Any, spec: Dict[str, Any], data: Tuple[Any, Any]) -> Dict[str, 
 
     warm = int(spec.get("dense_warmup_steps", 0))
     opt = DenseWarmup(inner, model, hvd, warm, build) if warm > 0 else build()
-    start = time.perf_counter()
+    start, load0 = time.perf_counter(), os.getloadavg()[0]  # the load: for reading the times
     try:
         records = _fit(hvd, spec, model, opt, data)
     except FloatingPointError as exc:
@@ -54,7 +56,7 @@ def run_one(hvd: Any, spec: Dict[str, Any], data: Tuple[Any, Any]) -> Dict[str, 
         return dict(spec, world_size=hvd.size(), seconds=time.perf_counter() - start,
                     records=[], diverged=str(exc)[:500])
     return dict(spec, world_size=hvd.size(), seconds=time.perf_counter() - start,
-                records=records)
+                records=records, loadavg=[load0, os.getloadavg()[0]])
 
 
 def _fit(hvd: Any, spec: Dict[str, Any], model: Any, opt: Any, data: Tuple[Any, Any]

@@ -168,12 +168,15 @@ def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dat
 
     Each record: ``epoch``, ``lr``, ``train_loss`` (mean over the epoch and the ranks),
     ``test_accuracy`` (of the model as it stands), ``epoch_seconds`` and ``wall_seconds``
-    (training only, evaluation excluded), ``steps``, and rank 0's cumulative ``bytes_pushed``,
-    ``bytes_pulled``, ``dense_bytes`` plus the same for the epoch alone (``epoch_bytes_*``).
+    (training only, evaluation excluded; ``wall_seconds`` counts from the start of the run),
+    ``eval_seconds`` (every evaluation so far, reported apart), ``steps``, and rank 0's
+    cumulative ``bytes_pushed``, ``bytes_pulled``, ``dense_bytes`` plus the same for the epoch
+    alone (``epoch_bytes_*``).
     The final record adds ``flushed_accuracy``: the accuracy after ``opt.flush()`` (residuals
     applied), which is the method's final, exact model. ``evals_per_epoch > 1`` also scores the
     model at evenly spaced points inside each epoch: those land in the record's ``curve``
-    as ``{epoch (fractional), steps, test_accuracy, bytes_pushed, bytes_pulled}``.
+    as ``{epoch (fractional), steps, wall_seconds, test_accuracy, bytes_pushed, bytes_pulled,
+    eval_seconds}`` (times as in the record: training up to the point, evaluations apart).
     """
     # Same seed => same shuffles for every method; equal shard sizes => equal step counts per
     # rank, which the collective exchange inside opt.step() requires.
@@ -181,7 +184,7 @@ def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dat
                                  shuffle=True, seed=seed)
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
     per_epoch = len(loader)
-    total, step, wall = epochs * per_epoch, 0, 0.0
+    total, step, wall, evals = epochs * per_epoch, 0, 0.0, 0.0
     checkpoints = {round(per_epoch * i / evals_per_epoch) for i in range(1, evals_per_epoch)}
     records: List[Dict[str, Any]] = []
     previous = {"bytes_pushed": 0.0, "bytes_pulled": 0.0, "dense_bytes": 0.0}
@@ -206,19 +209,24 @@ def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dat
                 bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             if batches in checkpoints:  # an intermediate point, not counted as training time
                 t0 = time.perf_counter()
-                curve.append({"epoch": epoch + batches / per_epoch, "steps": step,
-                              "test_accuracy": evaluate(hvd, model, *test),
-                              **comm_totals(method, opt, step, model, hvd.size())})
+                point = {"epoch": epoch + batches / per_epoch, "steps": step,
+                         "wall_seconds": wall + t0 - start - paused,
+                         "test_accuracy": evaluate(hvd, model, *test),
+                         **comm_totals(method, opt, step, model, hvd.size())}
                 paused += time.perf_counter() - t0
+                curve.append(dict(point, eval_seconds=evals + paused))
         seconds = time.perf_counter() - start - paused
-        wall += seconds
+        wall, evals = wall + seconds, evals + paused
         totals = comm_totals(method, opt, step, model, hvd.size())
+        t0 = time.perf_counter()
         record: Dict[str, Any] = {
             "epoch": epoch + 1, "lr": lr, "steps": step,
             "train_loss": float(hvd.allreduce(torch.tensor([loss_sum / max(batches, 1)]))),
             "test_accuracy": evaluate(hvd, model, *test),
             "epoch_seconds": seconds, "wall_seconds": wall, **totals,
             **{f"epoch_{k}": v - previous[k] for k, v in totals.items()}}
+        evals += time.perf_counter() - t0
+        record["eval_seconds"] = evals
         if curve:
             record["curve"] = curve
         previous = totals

@@ -12,8 +12,9 @@ Groups of runs (each config x each seed x each dataset):
 * ``baselines``: the top-k + error-feedback allgather baseline (examples/topk.py) at both densities.
 * ``ablation``: hvd_slim's defaults with one knob changed: momentum correction off, core fixed
   for 4 steps, magnitude weight 0.1, a 4x denser pull, a dense warm-up over the first 10% of
-  the steps (emulated outside hvd_slim: examples/training.py ``DenseWarmup``); and Adam, for
-  dense and slim.
+  the steps (emulated outside hvd_slim: examples/training.py ``DenseWarmup``), hvd_slim's own
+  warm-up (``warmup_dense_steps``: the first 10% dense; and 5% dense then a geometric decay over
+  the next 10%); and Adam, for dense and slim.
 * ``schedule``: dense and slim with a constant LR instead of the cosine decay, and with the
   cosine applied by scaling the loss instead of the LR (``training.Schedule``'s ``via``).
 * ``longer``: dense and slim trained for twice the epochs (MNIST: 4).
@@ -88,7 +89,10 @@ def configs(group: str) -> List[Config]:
                      ("q=4", {"refresh_interval": 4}, {}),
                      ("lambda=0.1", {"magnitude_weight": 0.1}, {}),
                      ("pull_density=4d", {"pull_density": 4 * d}, {}),
-                     ("dense warm-up 10%", {}, {"dense_warmup_fraction": 0.1})]
+                     ("dense warm-up 10%", {}, {"dense_warmup_fraction": 0.1}),
+                     # hvd_slim's own warm-up: dense steps, then a geometric density decay
+                     ("warm-up 10% dense", {}, {"slim_warmup_fraction": (0.1, 0.0)}),
+                     ("warm-up 5% dense + 10% decay", {}, {"slim_warmup_fraction": (0.05, 0.1)})]
             out += [(f"slim d={d:g} {label}", "slim", d, slim, extra)
                     for label, slim, extra in knobs]
         # Adam (momentum correction is SGD-only), against dense Adam ("... adam" rows).
@@ -138,9 +142,13 @@ def build_plan(datasets: List[str], groups: List[str], seeds: List[int], np_: in
             for (name, method, density, slim, extra), seed in pairs:
                 extra = dict(extra)
                 frac = extra.pop("dense_warmup_fraction", 0.0)
+                total = s["epochs"] * steps_per_epoch(ds, s["batch_size"], np_)
                 if frac:
-                    extra["dense_warmup_steps"] = int(frac * s["epochs"] *
-                                                      steps_per_epoch(ds, s["batch_size"], np_))
+                    extra["dense_warmup_steps"] = int(frac * total)
+                dense_frac, decay_frac = extra.pop("slim_warmup_fraction", (0.0, 0.0))
+                if dense_frac or decay_frac:
+                    slim = dict(slim, warmup_dense_steps=int(dense_frac * total),
+                                warmup_decay_steps=int(decay_frac * total))
                 plan.append({"key": f"{ds}/{name}/seed{seed}{suffix}", "dataset": ds,
                              "group": group, "config": name, "method": method,
                              "density": density, "slim": slim, "seed": seed, "net": net,

@@ -66,13 +66,18 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
     s.add_argument("--momentum-correction", choices=("on", "off"), default=None)
     s.add_argument("--refresh-interval", type=int, default=None)
     s.add_argument("--magnitude-weight", type=float, default=None)
+    s.add_argument("--warmup-dense-steps", type=int, default=None,
+                   help="first optimizer steps exchanged dense (exactly dense momentum SGD)")
+    s.add_argument("--warmup-decay-steps", type=int, default=None,
+                   help="then the densities fall geometrically to --density over this many steps")
     return p
 
 
 def slim_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """Only the Slim-DP keywords given on the command line (so HVD_SLIM_* still apply)."""
     out: Dict[str, Any] = {}
-    for key in ("pull", "pull_density", "exploration", "refresh_interval", "magnitude_weight"):
+    for key in ("pull", "pull_density", "exploration", "refresh_interval", "magnitude_weight",
+                "warmup_dense_steps", "warmup_decay_steps"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     if args.momentum_correction is not None:
@@ -81,7 +86,9 @@ def slim_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 _SLIM_FLAGS = {"pull": "--pull", "pull_density": "--pull-density", "exploration": "--exploration",
-               "refresh_interval": "--refresh-interval", "magnitude_weight": "--magnitude-weight"}
+               "refresh_interval": "--refresh-interval", "magnitude_weight": "--magnitude-weight",
+               "warmup_dense_steps": "--warmup-dense-steps",
+               "warmup_decay_steps": "--warmup-decay-steps"}
 
 
 def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:

@@ -85,9 +85,11 @@ def test_mnist_runs_a_horovod_spec_with_the_same_settings():
             args.evals_per_epoch, args.json) == ("horovod", 4, 64, 0.05, "cosine", 2, 2,
                                                  "/tmp/x.json")
     slim = dict(spec, method="slim", density=0.001,
-                slim={"pull_density": 0.004, "momentum_correction": False})
+                slim={"pull_density": 0.004, "momentum_correction": False,
+                      "warmup_dense_steps": 23, "warmup_decay_steps": 47})
     args = mnist.build_parser().parse_args(mnist.spec_argv(slim, "o.json"))
-    assert mnist.slim_kwargs(args) == {"pull_density": 0.004, "momentum_correction": False}
+    assert mnist.slim_kwargs(args) == {"pull_density": 0.004, "momentum_correction": False,
+                                       "warmup_dense_steps": 23, "warmup_decay_steps": 47}
     with pytest.raises(ValueError, match="sweep"):
         mnist.spec_argv(dict(spec, optimizer="adam"), "o.json")
     line = mnist.spec_result(spec, {"world_size": 4, "seconds": 9.0, "epochs": [{"epoch": 1}]})

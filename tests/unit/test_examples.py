@@ -136,6 +136,13 @@ def test_convergence_plan_is_the_issue_grid():
     warm = [s for s in conv.build_plan(["mnist"], ["ablation"], [0], 4)
             if "dense_warmup_steps" in s]
     assert warm and warm[0]["dense_warmup_steps"] == int(0.1 * 2 * math.ceil(15000 / 64))
+    steps = 2 * math.ceil(15000 / 64)   # hvd_slim's own warm-up: keywords, in steps
+    own = {s["config"]: s["slim"] for s in conv.build_plan(["mnist"], ["ablation"], [0], 4)
+           if "warmup_dense_steps" in s["slim"]}
+    assert own["slim d=0.001 warm-up 10% dense"] == {"warmup_dense_steps": int(0.1 * steps),
+                                                     "warmup_decay_steps": 0}
+    assert own["slim d=0.01 warm-up 5% dense + 10% decay"] == {
+        "warmup_dense_steps": int(0.05 * steps), "warmup_decay_steps": int(0.1 * steps)}
 
 
 def _run(config, method, density, accs, seed):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -13,26 +13,39 @@ from .layout import DENSE, Bucket, slice_is_smaller, sent_whole
 
 
 def to_bytes(t: torch.Tensor) -> np.ndarray:
-    """Raw bytes of a (CPU) tensor as a uint8 numpy view, no copy when already contiguous."""
+    """Raw bytes of a (CPU) tensor as a uint8 numpy view, no copy when already contiguous. The
+    host path only: the device path keeps a tensor's bytes as a uint8 view on its device
+    (:func:`hvd_slim.wire.message_torch.make_section`)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
-def from_bytes(buf: np.ndarray, dtype: torch.dtype, like: Optional[Bucket] = None) -> torch.Tensor:
-    """A tensor of ``dtype`` over ``buf`` (which the caller owns and does not reuse); with
-    ``like``, converted to that bucket's dtype and moved to its device."""
-    if len(buf) == 0:
+def from_bytes(buf: Any, dtype: torch.dtype, like: Optional[Bucket] = None) -> torch.Tensor:
+    """A tensor of ``dtype`` over ``buf`` (numpy bytes, or a uint8 tensor in the device path;
+    the caller owns it and does not reuse it); with ``like``, converted to that bucket's dtype
+    and moved to its device (no copy when it is already there)."""
+    if isinstance(buf, torch.Tensor):
+        t = buf
+        if t.numel() and (t.storage_offset() % _itemsize(dtype) or not t.is_contiguous()):
+            t = t.clone()   # a view at a misaligned offset cannot be reinterpreted in place
+        t = t.view(dtype)
+    elif len(buf) == 0:
         t = torch.empty(0, dtype=dtype)
     else:
         t = torch.from_numpy(np.ascontiguousarray(buf)).view(dtype)
     return t if like is None else t.to(device=like.device, dtype=like.dtype)
 
 
-def indices_on(idx: np.ndarray, b: Bucket) -> torch.Tensor:
-    """Decoded int64 indices as a tensor on the bucket's device."""
-    return torch.from_numpy(idx).to(b.device)
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def indices_on(idx: Any, b: Bucket) -> torch.Tensor:
+    """Decoded int64 indices (numpy, or a tensor in the device path) on the bucket's device."""
+    t = idx if isinstance(idx, torch.Tensor) else torch.from_numpy(idx)
+    return t.to(b.device)
 
 
 def is_refresh(step: int, refresh_interval: int) -> bool:

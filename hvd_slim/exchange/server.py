@@ -11,9 +11,8 @@ the pull and costs nothing on a healthy step.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from ..config import SlimConfig
@@ -22,9 +21,10 @@ from ..selection import CoreSelector, explore
 from ..wire import control
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
-from .codec import from_bytes, is_refresh, pull_expect, pull_is_dense, push_expect, to_bytes
+from .codec import from_bytes, indices_on, is_refresh, pull_expect, pull_is_dense, push_expect
 from .finite import describe, nonfinite_sent
 from .layout import DENSE, Bucket, Layout
+from .wirepath import HostPath
 
 ROLE_PUSH, ROLE_PULL = 0, 1
 
@@ -33,9 +33,14 @@ class Server:
     """Aggregation state: its own residual ``e`` per compressed bucket (pull="slim"), the cores
     each worker last sent (for ``refresh_interval > 1``) and its own cached pull core."""
 
-    def __init__(self, layout: Layout, config: SlimConfig, size: int, rank: int) -> None:
+    def __init__(self, layout: Layout, config: SlimConfig, size: int, rank: int,
+                 wire: Optional[HostPath] = None) -> None:
         self.layout, self.cfg, self.size, self.rank = layout, config, size, rank
-        self.memory = {b.index: ResidualMemory(b.numel, b.dtype) for b in layout.sparse}
+        self.wire = HostPath() if wire is None else wire   # messages: numpy or device tensors
+        # The server's state lives beside the parameters: on a GPU, aggregation, selection and
+        # the pull's encoding all stay there.
+        self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device)
+                       for b in layout.sparse}
         self.selector = {b.index: CoreSelector() for b in layout.sparse}
         self.worker_cores: List[dict] = [dict() for _ in range(size)]
         self.pull_core: dict = {}
@@ -48,12 +53,12 @@ class Server:
                 ) -> torch.Tensor:
         buf = cache.pop(b.index, None)
         if buf is None:
-            return torch.zeros(b.numel, dtype=dtype)
+            return torch.zeros(b.numel, dtype=dtype, device=b.device)
         return buf.zero_()
 
     # --- aggregate -------------------------------------------------------------------------
-    def serve(self, payloads: List[np.ndarray], step: int, digest: int, flush: bool = False,
-              limit: Optional[int] = None) -> np.ndarray:
+    def serve(self, payloads: List[Any], step: int, digest: int, flush: bool = False,
+              limit: Optional[int] = None) -> Any:
         """Aggregate ``payloads`` (rank order) and return the pull (or SKIP/ERROR verdict) to
         broadcast; ``limit`` is the pull's byte bound, which a verdict's text is cut to."""
         cfg, buckets = self.cfg, self.layout.at_step(step)
@@ -63,15 +68,16 @@ class Server:
         reports: List[Tuple[int, str]] = []
         for j, buf in enumerate(payloads):
             who = f"push from rank {j}"
-            if wm.is_error(buf):
+            if self.wire.is_error(buf):
                 raise wm.WireError(f"{who}: an error message where a push belongs")
-            if not flush and wm.peek(buf, who) == wm.NONFINITE:
-                reports.append((j, control.decode_text(buf, kind=wm.NONFINITE, sender=j,
-                                                       step=step, digest=digest, who=who)))
+            if not flush and self.wire.peek(buf, who) == wm.NONFINITE:
+                reports.append((j, control.decode_text(self.wire.host(buf), kind=wm.NONFINITE,
+                                                       sender=j, step=step, digest=digest,
+                                                       who=who)))
                 decoded.append(None)
                 continue
-            decoded.append(wm.decode(buf, kind=kind, sender=j, step=step, digest=digest,
-                                     expect=expect, who=who))
+            decoded.append(self.wire.decode(buf, kind=kind, sender=j, step=step, digest=digest,
+                                            expect=expect, who=who))
         if reports:
             return self._verdict(reports, step, digest, limit)
         scale = 1.0 if cfg.op == "sum" else cfg.gradient_predivide_factor / self.size
@@ -102,8 +108,8 @@ class Server:
             text = f"the server's aggregate: {describe(plan.overflow, True, plan.wire_dtype)}"
             return self._verdict([(self.rank, text)], step, digest, limit)
         adopted = plan.commit(self)
-        out = wm.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest, sections,
-                        [b.value_bytes for b in buckets])[0]
+        out = self.wire.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,
+                               sections, [b.value_bytes for b in buckets])[0]
         # encode() copied every section: the aggregate buffers are free again. A residual that
         # adopted a bucket's aggregate handed back its old buffer instead.
         for b in buckets:
@@ -113,19 +119,19 @@ class Server:
         return out
 
     def _verdict(self, reports: List[Tuple[int, str]], step: int, digest: int,
-                 limit: Optional[int]) -> np.ndarray:
+                 limit: Optional[int]) -> Any:
         """SKIP or ERROR for a step with non-finite values; nothing of the server has changed."""
         where = "; ".join(f"rank {j}: {text}" for j, text in reports)
         if self.cfg.nonfinite == "skip":
-            return control.encode_text(wm.SKIP, self.rank, step, digest,
-                                       f"step {step} skipped on every rank (nonfinite='skip'): "
-                                       f"{where}", limit=limit)
-        return wm.encode_error(
+            return self.wire.from_host(control.encode_text(
+                wm.SKIP, self.rank, step, digest,
+                f"step {step} skipped on every rank (nonfinite='skip'): {where}", limit=limit))
+        return self.wire.from_host(wm.encode_error(
             self.rank, step, f"hvd_slim: non-finite gradient at step {step} (nonfinite='raise'): "
             f"{where}. No rank's parameters, residuals or optimizer state changed. Find the "
             "source (torch.autograd.set_detect_anomaly, a lower learning rate, gradient "
             "clipping), or pass nonfinite='skip' (HVD_SLIM_NONFINITE=skip) to skip such steps",
-            code=wm.E_NONFINITE, limit=limit)
+            code=wm.E_NONFINITE, limit=limit))
 
     def _slim_section(self, b: Bucket, decoded: List[List[wm.Section]], step: int,
                       scale: float, plan: "_Plan") -> wm.Section:
@@ -145,17 +151,19 @@ class Server:
     def _push_slice(self, b: Bucket, j: int, sec: wm.Section, step: int, plan: "_Plan"
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """The coordinates (core, then exploration) and values of rank ``j``'s sliced push."""
-        vals = from_bytes(sec.values, b.wire_dtype).to(b.dtype)
+        vals = from_bytes(sec.values, b.wire_dtype, like=b)
         if sec.mode == wm.M_SLICE:
-            core = torch.from_numpy(sec.indices)
+            core = indices_on(sec.indices, b)
             plan.worker_cores[(j, b.index)] = core
         else:
             core = self.worker_cores[j].get(b.index)
             if core is None:
                 raise wm.WireError(f"push from rank {j}: bucket {b.index} reuses a cached core, "
                                    "but the server has none (restored from another checkpoint?)")
+            core = core.to(b.device)
         idx = torch.cat([core, explore(b.numel, core, b.k_explore,
-                                       (self.cfg.seed, ROLE_PUSH, j, step, b.index))])
+                                       (self.cfg.seed, ROLE_PUSH, j, step, b.index)
+                                       ).to(b.device)])
         return idx, vals
 
     def _accumulate(self, b: Bucket, j: int, sec: wm.Section, step: int, total: torch.Tensor,
@@ -163,7 +171,7 @@ class Server:
         if sec.mode == wm.M_EMPTY:
             return
         if sec.mode == wm.M_DENSE:
-            total.add_(from_bytes(sec.values, b.wire_dtype).to(b.dtype))
+            total.add_(from_bytes(sec.values, b.wire_dtype, like=b))
             if touched is not None:
                 touched.fill_(True)
             return
@@ -177,7 +185,7 @@ class Server:
                       step: int, flush: bool, plan: "_Plan") -> wm.Section:
         if b.kind == DENSE:
             if flush:
-                return wm.make_section(wm.M_EMPTY, np.empty(0, np.uint8), b.numel)
+                return self.wire.empty()
             return self._sent(b, total.to(b.wire_dtype), None, plan, wm.M_DENSE)
         if self.cfg.pull == "union" and not flush:
             idx = touched.nonzero().reshape(-1)
@@ -202,9 +210,10 @@ class Server:
             core = self.selector[b.index].select_magnitude(v, b.k_pull_core)
             plan.pull_core[b.index] = core
         else:
-            core = self.pull_core[b.index]
+            core = self.pull_core[b.index].to(b.device)
         sel = torch.cat([core, explore(b.numel, core, b.k_pull_explore,
-                                       (self.cfg.seed, ROLE_PULL, self.rank, step, b.index))])
+                                       (self.cfg.seed, ROLE_PULL, self.rank, step, b.index)
+                                       ).to(b.device)])
         wire = v[sel].to(b.wire_dtype)
         plan.forget.append((mem, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype else None))
         mode = wm.M_SLICE if refresh else wm.M_SLICE_CACHED
@@ -218,8 +227,7 @@ class Server:
             if bad:
                 plan.overflow += bad
                 plan.wire_dtype = wire.dtype
-        return wm.make_section(mode, to_bytes(wire), b.numel,
-                               indices=None if indices is None else indices.numpy())
+        return self.wire.section(mode, wire, b.numel, indices)
 
     # --- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -274,9 +282,11 @@ class _Plan:
         self.saved = []
 
 
-def decode_pull(layout: Layout, cfg: SlimConfig, buf: np.ndarray, step: int, digest: int,
-                flush: bool = False) -> List[wm.Section]:
-    """A worker's strict decode of the server's pull."""
+def decode_pull(layout: Layout, cfg: SlimConfig, buf: Any, step: int, digest: int,
+                flush: bool = False, wire: Optional[HostPath] = None) -> List[wm.Section]:
+    """A worker's strict decode of the server's pull (numpy, or a tensor with ``wire`` the
+    device path)."""
     expect = pull_expect(layout.at_step(step), step, cfg.refresh_interval, cfg.pull, flush)
-    return wm.decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL, sender=cfg.server_rank,
-                     step=step, digest=digest, expect=expect, who="pull from the server")
+    return (wire or HostPath()).decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
+                                       sender=cfg.server_rank, step=step, digest=digest,
+                                       expect=expect, who="pull from the server")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 
 from ..config import SlimConfig
@@ -27,11 +26,12 @@ from ..transport.base import Transport, TransportTimeout
 from ..wire import control
 from ..wire import message as wm
 from . import checkpoint, handshake
-from .codec import from_bytes, indices_on, message_bound, pull_expect, push_expect, to_bytes
+from .codec import from_bytes, indices_on, message_bound, pull_expect, push_expect
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
 from .layout import DENSE, Bucket, Layout
 from .server import ROLE_PULL, Server, decode_pull
 from .stats import ExchangeStats
+from .wirepath import wire_path
 from .worker import Proposal, WorkerSide
 
 __all__ = ["ExchangeError", "NonFiniteGradientError", "SlimExchange"]
@@ -54,7 +54,11 @@ class SlimExchange(WorkerSide):
         self.selector = {b.index: CoreSelector() for b in layout.sparse}
         self.core: Dict[int, torch.Tensor] = {}        # this worker's cached push cores
         self.pull_core: Dict[int, torch.Tensor] = {}   # the server's cached pull cores
-        self.server = Server(layout, config, self.size, self.rank) \
+        # Host numpy or device tensors for the messages: whichever the transport takes for the
+        # parameters' device (the layout refuses parameters on more than one device).
+        device = layout.buckets[0].device if layout.buckets else torch.device("cpu")
+        self.wire = wire_path(transport, device)
+        self.server = Server(layout, config, self.size, self.rank, self.wire) \
             if self.rank == config.server_rank else None
         self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
                       for b in layout.buckets}
@@ -100,12 +104,12 @@ class SlimExchange(WorkerSide):
         sections = []
         for b in self.layout.buckets:
             if b.kind == DENSE:
-                sections.append(wm.make_section(wm.M_EMPTY, np.empty(0, np.uint8), b.numel))
+                sections.append(self.wire.empty())
                 continue
             wire = self.memory[b.index].residual.to(b.wire_dtype, copy=True)
             self._pending.append(Proposal(b.index, None, wire.to(b.dtype)
                                            if b.wire_dtype != b.dtype else None, False))
-            sections.append(wm.make_section(wm.M_DENSE, to_bytes(wire), b.numel))
+            sections.append(self.wire.section(wm.M_DENSE, wire, b.numel))
         try:
             self._agree(t)
             pushed = self._push(sections, None, t, flush=True)
@@ -124,20 +128,20 @@ class SlimExchange(WorkerSide):
             self._agreed = True
 
     def _push(self, sections: List[wm.Section], report: Optional[str], t: int,
-              flush: bool = False) -> Optional[List[np.ndarray]]:
+              flush: bool = False) -> Optional[List[Any]]:
         kind = wm.FLUSH_PUSH if flush else wm.PUSH
         bound = message_bound(push_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
                                           flush=flush))
         if report is None:
-            buf, sizes = wm.encode(kind, self.rank, t, self.digest, sections,
-                                   [b.value_bytes for b in self.layout.buckets])
+            buf, sizes = self.wire.encode(kind, self.rank, t, self.digest, sections,
+                                          [b.value_bytes for b in self.layout.buckets])
             self.stats.record_push(sections, sizes)
         else:   # a NaN/Inf: report it instead of pushing; the server decides for every rank
-            buf = control.encode_text(wm.NONFINITE, self.rank, t, self.digest, report,
-                                      limit=bound)
+            buf = self.wire.from_host(control.encode_text(wm.NONFINITE, self.rank, t,
+                                                          self.digest, report, limit=bound))
         before = self.transport.stats.bytes_sent
-        gathered = self._collective(lambda: self.transport.gather(
-            buf, root=self.cfg.server_rank, bound=bound), f"the push of step {t}")
+        gathered = self._collective(lambda: self.wire.gather(
+            self.transport, buf, self.cfg.server_rank, bound), f"the push of step {t}")
         sent = self.transport.stats.bytes_sent - before
         self.stats.bytes_pushed += sent
         self.stats.last["bytes_pushed"] = sent
@@ -152,7 +156,7 @@ class SlimExchange(WorkerSide):
             raise TransportTimeout(f"{exc}. {TIMEOUT_ADVICE} (now {self.cfg.timeout:g} s)"
                                    ) from None
 
-    def _aggregate_and_pull(self, gathered: Optional[List[np.ndarray]], t: int,
+    def _aggregate_and_pull(self, gathered: Optional[List[Any]], t: int,
                             flush: bool) -> Optional[List[wm.Section]]:
         """The pulled sections, or None for a step every rank skips."""
         bound = message_bound(pull_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
@@ -162,22 +166,23 @@ class SlimExchange(WorkerSide):
             try:
                 reply = self.server.serve(gathered, t, self.digest, flush, limit=bound)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
-                reply = wm.encode_error(self.rank, t, f"server rank {self.rank} failed at step "
-                                        f"{t}: {type(exc).__name__}: {exc}", limit=bound)
+                reply = self.wire.from_host(wm.encode_error(
+                    self.rank, t, f"server rank {self.rank} failed at step {t}: "
+                    f"{type(exc).__name__}: {exc}", limit=bound))
         before = self.transport.stats.bytes_received
-        buf = self._collective(lambda: self.transport.broadcast(
-            reply, root=self.cfg.server_rank, bound=bound), f"the pull of step {t}")
+        buf = self._collective(lambda: self.wire.broadcast(
+            self.transport, reply, self.cfg.server_rank, bound), f"the pull of step {t}")
         received = self.transport.stats.bytes_received - before
         self.stats.bytes_pulled += received
         self.stats.last["bytes_pulled"] = received
         who = "pull from the server"
         try:
-            if not flush and wm.peek(buf, who) == wm.SKIP:
+            if not flush and self.wire.peek(buf, who) == wm.SKIP:
                 self.stats.last_skip = control.decode_text(
-                    buf, kind=wm.SKIP, sender=self.cfg.server_rank, step=t, digest=self.digest,
-                    who=who)
+                    self.wire.host(buf), kind=wm.SKIP, sender=self.cfg.server_rank, step=t,
+                    digest=self.digest, who=who)
                 return None
-            sections = decode_pull(self.layout, self.cfg, buf, t, self.digest, flush)
+            sections = decode_pull(self.layout, self.cfg, buf, t, self.digest, flush, self.wire)
         except wm.RemoteError as exc:
             if exc.code == wm.E_NONFINITE:
                 raise NonFiniteGradientError(str(exc)) from None

@@ -2,7 +2,8 @@
 settle the outcome on this rank's memory once the pull says how the step ended.
 
 Mixed into :class:`~hvd_slim.exchange.step.SlimExchange`, which owns the state used here
-(``layout``, ``cfg``, ``memory``, ``selector``, ``core``, ``_flat``, ``_score``, ``_pending``).
+(``layout``, ``cfg``, ``memory``, ``selector``, ``core``, ``_flat``, ``_score``, ``_pending``,
+and ``wire``: the host or device form of the sections, see wirepath.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from ..selection import explore, significance
 from ..wire import message as wm
-from .codec import is_refresh, to_bytes
+from .codec import is_refresh
 from .finite import describe, nonfinite_params, nonfinite_sent
 from .layout import DENSE, Bucket, sent_whole
 from .server import ROLE_PUSH
@@ -80,19 +81,19 @@ class WorkerSide:
         cfg = self.cfg
         if b.kind == DENSE:
             wire = a.to(b.wire_dtype)
-            return wm.make_section(wm.M_DENSE, to_bytes(wire), b.numel), wire, None
+            return self.wire.section(wm.M_DENSE, wire, b.numel), wire, None
         if sent_whole(b):
             # A dense warm-up step: all of a goes, and the velocity is not masked (masking every
             # coordinate every step would cancel the momentum): dense momentum SGD exactly.
             wire = a.to(b.wire_dtype)
             self._pending.append(Proposal(b.index, None, wire.to(b.dtype)
                                            if b.wire_dtype != b.dtype else None, False, a, u_new))
-            return wm.make_section(wm.M_DENSE, to_bytes(wire), b.numel), wire, None
+            return self.wire.section(wm.M_DENSE, wire, b.numel), wire, None
         t_sel = time.perf_counter()
         new_core = None
         if is_refresh(t, cfg.refresh_interval) or b.index not in self.core:
             new_core = self._select_core(b, a)
-        core = self.core[b.index] if new_core is None else new_core
+        core = (self.core[b.index] if new_core is None else new_core).to(b.device)
         sel = torch.cat([core, explore(b.numel, core, b.k_explore,
                                        (cfg.seed, ROLE_PUSH, self.rank, t, b.index)).to(b.device)])
         self.stats.select_seconds += time.perf_counter() - t_sel
@@ -100,9 +101,9 @@ class WorkerSide:
         self._pending.append(Proposal(b.index, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype
                                        else None, True, a, u_new, new_core))
         if is_refresh(t, cfg.refresh_interval):
-            sec = wm.make_section(wm.M_SLICE, to_bytes(wire), b.numel, indices=core.cpu().numpy())
+            sec = self.wire.section(wm.M_SLICE, wire, b.numel, indices=core)
         else:
-            sec = wm.make_section(wm.M_SLICE_CACHED, to_bytes(wire), b.numel)
+            sec = self.wire.section(wm.M_SLICE_CACHED, wire, b.numel)
         return sec, wire, sel
 
     def _select_core(self, b: Bucket, a: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,11 @@ The keyword wins; without it ``HVD_SLIM_TRANSPORT`` decides, then ``"auto"``:
 
 * ``"auto"``: NCCL for CUDA parameters when torch.distributed has NCCL and a GPU is visible;
   otherwise MPI, except under torchrun with hvd_slim not started on MPI, where it is Gloo.
-* ``"mpi"``: mpi4py on hvd_slim's own communicator (CUDA tensors staged through host memory).
-* ``"gloo"``: torch.distributed's Gloo backend, on the host (CUDA tensors are staged too).
-* ``"nccl"``: torch.distributed's NCCL backend on the parameters' GPU (CUDA parameters only).
+* ``"mpi"``: mpi4py on hvd_slim's own communicator (CUDA messages staged through pinned host
+  buffers, or handed to MPI directly when it reports CUDA support).
+* ``"gloo"``: torch.distributed's Gloo backend, on the host (CUDA messages staged, pinned).
+* ``"nccl"``: torch.distributed's NCCL backend on the parameters' GPU (CUDA parameters only);
+  values, indices and messages stay on the GPU (exchange/wirepath.py).
 """
 from __future__ import annotations
 

@@ -12,20 +12,22 @@ about one vectorised threshold pass:
 3. An exact selection among the candidates only (``np.partition``, linear time) gives exactly
    ``k``; ties at the k-th value go to the lowest indices, so results are deterministic.
 
+CPU scores run in numpy; scores on a GPU run the same steps in torch ops on the GPU
+(scores_torch.py; selection/backend.py decides), with bitwise the same result and threshold.
+
 The threshold for the next call is the candidate value at rank ``k + margin``, a plain Python
 float in :meth:`CoreSelector.state_dict`, so a restored run selects bitwise identically.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
-import numpy as np
 import torch
 
-# Elements per block of the significance loop: a 1 MiB float32 scratch stays in L2 cache, and
-# blocks this size keep Python overhead under a millisecond for 10M+ elements.
-_BLOCK = 1 << 18
+from .backend import use_torch
+from .scores_numpy import _BLOCK, NumpyScores, _as_numpy
+from .scores_torch import TorchScores, _as_float
 
 
 def significance(a: torch.Tensor, w: Optional[torch.Tensor], lam: float,
@@ -61,21 +63,6 @@ def significance(a: torch.Tensor, w: Optional[torch.Tensor], lam: float,
     return out
 
 
-def _as_numpy(score: torch.Tensor) -> np.ndarray:
-    """A 1-D float32/float64 numpy view of ``score`` (a copy only for other devices/dtypes)."""
-    if score.dim() != 1:
-        raise ValueError(f"select: score must be 1-D, got shape {tuple(score.shape)}")
-    t = score.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()   # the threshold pass is a CPU kernel; other devices pay one copy
-    if t.dtype not in (torch.float32, torch.float64):
-        if t.is_floating_point():
-            t = t.float()
-        else:
-            raise ValueError(f"select: score must be a float tensor, got {score.dtype}")
-    return t.contiguous().numpy()
-
-
 class CoreSelector:
     """Exact top-k index sets by a carried threshold: about one pass over the scores per call.
 
@@ -83,10 +70,17 @@ class CoreSelector:
     between calls). ``sample_size``: about how many strided samples estimate a fresh threshold.
     """
 
-    def __init__(self, margin: float = 0.1, sample_size: int = 1 << 16) -> None:
+    def __init__(self, margin: float = 0.1, sample_size: int = 1 << 16,
+                 backend: Optional[str] = None) -> None:
         if margin <= 0 or sample_size < 1:
             raise ValueError(f"CoreSelector: need margin > 0 and sample_size >= 1, "
                              f"got {margin} and {sample_size}")
+        if backend not in (None, "numpy", "torch"):
+            raise ValueError(f"CoreSelector: backend must be None, 'numpy' or 'torch', "
+                             f"got {backend!r}")
+        # None: numpy for CPU tensors (faster there), torch ops on any other device (the scores
+        # never leave it); see selection/backend.py. The choice never changes the result.
+        self.backend = backend
         self.margin = float(margin)
         self.sample_size = int(sample_size)
         self._thr: Optional[float] = None
@@ -127,32 +121,28 @@ class CoreSelector:
         k = int(k)
         if k < 0:
             raise ValueError(f"select: k must be >= 0, got {k}")
-        s = _Scores(_as_numpy(score), magnitude)
-        n = s.n
-        if k == 0:
-            res = np.empty(0, dtype=np.int64)
-        elif k >= n:
-            res = np.arange(n, dtype=np.int64)
-        else:
-            res = self._select(s, k)
-        return torch.from_numpy(res).to(score.device)
+        torch_path = self.backend == "torch" or (self.backend is None and use_torch(score))
+        s = TorchScores(_as_float(score), magnitude) if torch_path \
+            else NumpyScores(_as_numpy(score), magnitude)
+        if k == 0 or k >= s.n:
+            return torch.arange(min(k, s.n), dtype=torch.int64, device=score.device)
+        return s.result(self._select(s, k), score.device)
 
-    def _select(self, s: "_Scores", k: int) -> np.ndarray:
+    def _select(self, s: Any, k: int) -> Any:
         n = s.n
         want = k + max(16, math.ceil(self.margin * k))   # aimed-for candidate count
-        stride = max(1, n // self.sample_size)
-        sample = s.sample(stride)   # strided, deterministic
+        s.take_sample(max(1, n // self.sample_size))     # strided, deterministic
 
         thr = self._thr
         if thr is not None:
             # Check the carried threshold on the sample first (0.1 ms): drift inside the band is
             # absorbed by the margin; outside it (e.g. the scale jumped), a fresh estimate costs
             # a sample partition (well under a millisecond) instead of a wasted or bloated pass.
-            est = np.count_nonzero(sample >= thr) * (n / sample.size)
+            est = s.sample_count_ge(thr) * (n / s.m)
             if not (k + want) / 2 <= est <= 1.3 * want:
                 thr = None
         if thr is None:
-            thr = self._estimate(sample, n, want)
+            thr = self._estimate(s, want)
 
         passes, cand = 0, None
         for mult in (4.0, 16.0, 0.0):
@@ -160,110 +150,58 @@ class CoreSelector:
                 break
             cand = s.at_least(thr)
             passes += 1
-            if cand.size >= k:
+            if len(cand) >= k:
                 break
             cand = None
             if not mult:
                 break
             # Too few: lower the threshold, strictly, from wider sample ranks.
-            lower = self._estimate(sample, n, want * mult)
+            lower = self._estimate(s, want * mult)
             if lower >= thr:
-                below = sample[sample < thr]
-                lower = float(below.max()) if below.size else 0.0
+                below = s.sample_max_below(thr)
+                lower = 0.0 if below is None else below
             thr = lower
         self.last_passes = passes
         if cand is None:
             # Still too few after three passes (or a zero threshold): zero always suffices.
             self.last_passes += 1
-            return self._select_from_zero(s, k, want, sample, n)
-        self.last_candidates = cand.size
-        return self._exact(s, cand, k, want, sample, n)
+            return self._select_from_zero(s, k, want)
+        self.last_candidates = len(cand)
+        return self._exact(s, cand, k, want)
 
-    def _estimate(self, sample: np.ndarray, n: int, want: float) -> float:
+    def _estimate(self, s: Any, want: float) -> float:
         """A threshold that about ``want`` of ``n`` entries reach, from the sample (0.0: all)."""
-        m = sample.size
-        expect = m * want / n
+        m = s.m
+        expect = m * want / s.n
         # Aim a few standard deviations of sampling noise high so one pass usually suffices.
         r = math.ceil(expect + 3.0 * math.sqrt(expect)) + 1
         if r >= m:
             return 0.0
-        return float(np.partition(sample, m - r)[m - r])
+        return s.sample_order(m - r)
 
-    def _exact(self, s: "_Scores", cand: np.ndarray, k: int, want: int,
-               sample: np.ndarray, n: int) -> np.ndarray:
+    def _exact(self, s: Any, cand: Any, k: int, want: int) -> Any:
         """Exactly ``k`` of ``cand`` (ascending indices), and the threshold for the next call."""
-        c = cand.size
-        vals = s.at(cand)
+        c = len(cand)
         if c == k:
-            self._thr = self._estimate(sample, n, want)   # c < want: start lower next time
+            self._thr = self._estimate(s, want)   # c < want: start lower next time
             return cand
-        j = c - k                      # ascending position of the k-th largest value
-        part = np.partition(vals, j)
-        kth = part[j]
-        if c >= want:
-            # Next threshold: the want-th largest, found among the c - k values below the k-th
-            # (already split off by the partition above, so this costs almost nothing).
-            jw = c - want
-            self._thr = float(np.partition(part[:j], jw)[jw])
-        else:
-            # Fewer candidates than aimed for: the next call starts lower, from the sample.
-            self._thr = self._estimate(sample, n, want)
-        keep = vals > kth
-        need = k - int(np.count_nonzero(keep))
-        ties = np.flatnonzero(vals == kth)
-        keep[ties[:need]] = True       # lowest indices first among equal scores
-        return cand[keep]
+        vals = s.at(cand)
+        # kth: the k-th largest value (ascending position c - k). With c >= want, the next
+        # threshold is the want-th largest (ascending position c - want, below the k-th);
+        # otherwise the next call starts lower, from the sample.
+        kth, nxt = s.order_stats(vals, c - k, c - want if c >= want else None)
+        self._thr = nxt if nxt is not None else self._estimate(s, want)
+        return s.keep_top(cand, vals, kth, k)   # ties at kth: lowest indices first
 
-    def _select_from_zero(self, s: "_Scores", k: int, want: int, sample: np.ndarray,
-                          n: int) -> np.ndarray:
+    def _select_from_zero(self, s: Any, k: int, want: int) -> Any:
         """Threshold zero: every positive entry is a candidate; zeros fill up by lowest index."""
         pos = s.positive()
-        cand = np.flatnonzero(pos)
-        if cand.size >= k:
-            self.last_candidates = cand.size
-            return self._exact(s, cand, k, want, sample, n)
+        cand = s.where(pos)
+        if len(cand) >= k:
+            self.last_candidates = len(cand)
+            return self._exact(s, cand, k, want)
         if s.any_negative():
             raise ValueError("select: score must be non-negative")
         self._thr = 0.0
-        self.last_candidates = n
-        zeros = np.flatnonzero(~pos)[: k - cand.size]
-        pos[zeros] = True
-        return np.flatnonzero(pos)
-
-
-class _Scores:
-    """The scores as :class:`CoreSelector` reads them: ``s`` itself, or ``|s|`` computed only
-    where it is looked at (``magnitude``), so no full-size score buffer is written."""
-
-    def __init__(self, s: np.ndarray, magnitude: bool) -> None:
-        self.s, self.magnitude, self.n = s, magnitude, s.size
-
-    def sample(self, stride: int) -> np.ndarray:
-        x = self.s[stride // 2::stride]
-        return np.abs(x) if self.magnitude else x
-
-    def at(self, idx: np.ndarray) -> np.ndarray:
-        v = self.s[idx]
-        return np.abs(v) if self.magnitude else v
-
-    def at_least(self, thr: float) -> np.ndarray:
-        """Ascending indices with score >= ``thr``, block by block: the block's scores and mask
-        stay in cache instead of full-size temporaries going through memory."""
-        s, n, out = self.s, self.n, []
-        scratch = np.empty(min(n, _BLOCK), dtype=s.dtype) if self.magnitude else None
-        for lo in range(0, n, _BLOCK):
-            blk = s[lo:lo + _BLOCK]
-            if scratch is not None:
-                blk = np.abs(blk, out=scratch[:blk.size])
-            hits = np.flatnonzero(blk >= thr)
-            if hits.size:
-                out.append(hits + lo)
-        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
-
-    def positive(self) -> np.ndarray:
-        if self.magnitude:   # not ``!= 0``: NaN must stay out, as it does from ``|s| > 0``
-            return (self.s > 0) | (self.s < 0)
-        return self.s > 0
-
-    def any_negative(self) -> bool:
-        return False if self.magnitude else bool(np.any(self.s < 0))
+        self.last_candidates = s.n
+        return s.with_lowest_zeros(pos, k - len(cand))

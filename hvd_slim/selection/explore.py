@@ -21,6 +21,8 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
+from .backend import use_torch
+
 # Domain tag mixed into every key, so exploration streams never coincide with another use of
 # the same (seed, role, rank, step, bucket) tuple elsewhere in the package.
 _DOMAIN = 0x45585031   # "EXP1"
@@ -62,21 +64,25 @@ def _as_core(core: Union[torch.Tensor, np.ndarray], d: int) -> np.ndarray:
     return c
 
 
-def explore(d: int, core: torch.Tensor, k_e: int, key: Sequence[int]) -> torch.Tensor:
-    """``min(k_e, d - len(core))`` distinct indices in [0, d) outside ``core``, ascending (int64).
+def _core_on_device(core: torch.Tensor, d: int) -> torch.Tensor:
+    """The core as int64 on its own device, checked as :func:`_as_core` does (one host read of
+    three scalars instead of a copy of the core)."""
+    if core.dim() != 1 or (core.numel() and (core.is_floating_point() or core.is_complex())):
+        raise ValueError(f"explore: core must be a 1-D integer tensor, got {core.dtype} "
+                         f"{tuple(core.shape)}")
+    c = core.detach().to(torch.int64)
+    if c.numel():
+        first, last, bad = torch.stack([c[0], c[-1], (c[1:] <= c[:-1]).sum()]).tolist()
+        if first < 0 or last >= d:
+            raise ValueError(f"explore: core indices must lie in [0, {d}), "
+                             f"got range [{first}, {last}]")
+        if bad:
+            raise ValueError("explore: core must be sorted ascending without duplicates")
+    return c
 
-    ``core``: sorted unique int64 indices. ``key``: non-negative ints, e.g.
-    ``(seed, role, rank, step, bucket)``; the same key always gives the same output.
-    """
-    d, k_e = int(d), int(k_e)
-    if d < 0 or k_e < 0:
-        raise ValueError(f"explore: need d >= 0 and k_e >= 0, got d={d}, k_e={k_e}")
-    cr = _as_core(core, d)
-    m = d - cr.size               # complement size
-    c = min(k_e, m)
-    if c <= 0:
-        return torch.empty(0, dtype=torch.int64)
 
+def _positions(key: Sequence[int], m: int, c: int) -> np.ndarray:
+    """``c`` sorted complement positions in [0, m), stratified on a randomly rotated ring."""
     raw = _rng_words(key, c + 1)
     rot = min(int(_uniform(raw[:1])[0] * m), m - 1)   # ring rotation, uniform in [0, m)
     i = np.arange(c + 1, dtype=np.int64)
@@ -92,10 +98,36 @@ def explore(d: int, core: torch.Tensor, k_e: int, key: Sequence[int]) -> torch.T
     # the result is sorted by moving the wrapped tail ahead (no sort needed).
     pos = pick + rot
     split = int(np.searchsorted(pos, m, side="left"))
-    pos = np.concatenate([pos[split:] - m, pos[:split]])
+    return np.concatenate([pos[split:] - m, pos[:split]])
+
+
+def explore(d: int, core: torch.Tensor, k_e: int, key: Sequence[int]) -> torch.Tensor:
+    """``min(k_e, d - len(core))`` distinct indices in [0, d) outside ``core``, ascending (int64).
+
+    ``core``: sorted unique int64 indices. ``key``: non-negative ints, e.g.
+    ``(seed, role, rank, step, bucket)``; the same key always gives the same output, on the
+    core's device. A core on a GPU stays there: the random positions depend only on the key and
+    the sizes, so they are drawn on the host and only they cross to the device.
+    """
+    d, k_e = int(d), int(k_e)
+    if d < 0 or k_e < 0:
+        raise ValueError(f"explore: need d >= 0 and k_e >= 0, got d={d}, k_e={k_e}")
+    on_device = isinstance(core, torch.Tensor) and use_torch(core)
+    cr = _core_on_device(core, d) if on_device else _as_core(core, d)
+    m = d - len(cr)               # complement size
+    c = min(k_e, m)
+    if c <= 0:
+        return torch.empty(0, dtype=torch.int64, device=cr.device if on_device else "cpu")
+    pos = _positions(key, m, c)
 
     # Complement position p -> coordinate: p plus the number of core entries at or below it,
     # which is how many of ``core[j] - j`` (non-core coordinates before core[j]) are <= p.
+    if on_device:
+        p = torch.from_numpy(pos).to(cr.device)
+        if cr.numel():
+            gaps = cr - torch.arange(cr.numel(), dtype=torch.int64, device=cr.device)
+            p = p + torch.searchsorted(gaps, p, right=True)
+        return p
     if cr.size:
         gaps = cr - np.arange(cr.size, dtype=np.int64)
         pos = pos + np.searchsorted(gaps, pos, side="right")

@@ -3,6 +3,8 @@
 ``MpiTransport`` (``transport.mpi``) and ``TorchDistTransport`` (``transport.torch_dist``, Gloo or
 NCCL) are imported on first use, so ``import hvd_slim`` starts neither MPI nor torch.distributed.
 The public tensor API's MPI collectives, with their deadline, are in ``transport.mpi_api``.
+Tensor payloads (the exchange's device path): ``torch_frames`` for Gloo/NCCL, ``mpi_device`` for
+MPI (CUDA-aware or staged), ``staging`` for pinned host buffers and the default.
 """
 from typing import Any
 

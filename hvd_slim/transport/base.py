@@ -2,7 +2,8 @@
 
 A transport moves opaque byte payloads (1-D ``numpy.uint8`` arrays) between the ranks of one
 job with two collectives, ``gather`` to a root and ``broadcast`` from it, and counts what it
-moved. Everything above it (wire format, selection, residuals) is pure and testable in one
+moved. ``gather_tensor`` and ``broadcast_tensor`` do the same for 1-D uint8 tensors on a device
+(the exchange uses them where ``device_payloads(device)`` says so), counted the same way. Everything above it (wire format, selection, residuals) is pure and testable in one
 process with :class:`hvd_slim.transport.fake.FakeCluster`.
 
 Byte accounting, identical for every implementation so figures compare across transports:
@@ -29,7 +30,7 @@ from __future__ import annotations
 import abc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -86,6 +87,29 @@ class Transport(abc.ABC):
         """The root sends ``payload``; every rank (the root too) returns the bytes received.
         Non-root ranks pass None. The payload does not exceed ``bound`` when it is given."""
 
+    # --- device payloads --------------------------------------------------------------------
+    def device_payloads(self, device: Any) -> bool:
+        """Whether the exchange should hand this transport its messages as uint8 tensors on
+        ``device`` (:meth:`gather_tensor`, :meth:`broadcast_tensor`) instead of numpy arrays:
+        True where that saves host copies (a GPU's messages, or Gloo's CPU tensors). The
+        default is False: numpy, as everything else here."""
+        return False
+
+    def gather_tensor(self, payload: Any, root: int, bound: Optional[int] = None
+                      ) -> Optional[List[Any]]:
+        """:meth:`gather` for a 1-D uint8 tensor; the root gets tensors on ``payload``'s
+        device. The default stages through (pinned) host memory; byte accounting is that of
+        :meth:`gather`."""
+        from .staging import gather_staged
+        return gather_staged(self, payload, root, bound)
+
+    def broadcast_tensor(self, payload: Any, root: int, bound: Optional[int] = None,
+                         device: Any = "cpu") -> Any:
+        """:meth:`broadcast` for a 1-D uint8 tensor (None off the root); every rank gets a
+        tensor on ``device``. The default stages through (pinned) host memory."""
+        from .staging import broadcast_staged
+        return broadcast_staged(self, payload, root, bound, device)
+
     def close(self) -> None:
         """Release resources; the default has none."""
 
@@ -106,7 +130,7 @@ class Transport(abc.ABC):
         return getattr(self, "_watch", (None, ""))
 
 
-def check_bound(payload: np.ndarray, bound: Optional[int], rank: int, op: str) -> None:
+def check_bound(payload: Any, bound: Optional[int], rank: int, op: str) -> None:
     """A payload over the announced bound is a bug in the caller, never silently truncated."""
     if bound is not None and len(payload) > bound:
         raise ValueError(f"rank {rank}: {op} payload of {len(payload)} bytes exceeds the "

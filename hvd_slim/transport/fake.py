@@ -20,11 +20,13 @@ from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, as
 class FakeCluster:
     """Shared state of N simulated ranks; hand ``cluster.transport(r)`` to rank r."""
 
-    def __init__(self, size: int, timeout: float = 60.0) -> None:
+    def __init__(self, size: int, timeout: float = 60.0, device_payloads: bool = False) -> None:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size = size
         self.timeout = timeout
+        # Whether ranks take tensor payloads (the exchange's device path) on any device.
+        self.device_payloads = device_payloads
         self._barrier = threading.Barrier(size, timeout=timeout)
         self._slots: List[Optional[np.ndarray]] = [None] * size
         # Barriers each rank has entered: every rank enters the same sequence, so on a timeout
@@ -98,11 +100,54 @@ class FakeTransport(Transport):
         self.stats.record("broadcast", n if self.rank == root else 0, n)
         return out
 
+    # --- device payloads: tensors cloned on their device, never through numpy ----------------
+    def device_payloads(self, device: Any) -> bool:
+        return self._c.device_payloads
 
-def run_ranks(size: int, fn: Callable[[int, FakeTransport], Any], timeout: float = 120.0) -> List[Any]:
+    def gather_tensor(self, payload: Any, root: int, bound: Optional[int] = None
+                      ) -> Optional[List[Any]]:
+        _check_tensor(payload)
+        check_bound(payload, bound, self.rank, "gather")
+        c = self._c
+        c._slots[self.rank] = payload.clone()
+        c._wait(self.rank, f"gather to rank {root}", self.deadline)
+        out, received = None, 0
+        if self.rank == root:
+            out = [s.to(payload.device, copy=True) for s in c._slots]
+            received = sum(len(s) + LENGTH_BYTES for s in out)
+        c._wait(self.rank, f"gather to rank {root}", self.deadline)
+        self.stats.record("gather", len(payload) + LENGTH_BYTES, received)
+        return out
+
+    def broadcast_tensor(self, payload: Any, root: int, bound: Optional[int] = None,
+                         device: Any = "cpu") -> Any:
+        c = self._c
+        if self.rank == root:
+            _check_tensor(payload)
+            check_bound(payload, bound, self.rank, "broadcast")
+            c._slots[root] = payload.clone()
+        c._wait(self.rank, f"broadcast from rank {root}", self.deadline)
+        out = c._slots[root].to(device, copy=True)
+        c._wait(self.rank, f"broadcast from rank {root}", self.deadline)
+        n = len(out) + LENGTH_BYTES
+        self.stats.record("broadcast", n if self.rank == root else 0, n)
+        return out
+
+
+def _check_tensor(payload: Any) -> None:
+    import torch
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 \
+            or payload.dim() != 1:
+        raise TypeError(f"a tensor payload must be a 1-D uint8 tensor, got "
+                        f"{type(payload).__name__}")
+
+
+def run_ranks(size: int, fn: Callable[[int, FakeTransport], Any], timeout: float = 120.0,
+              device_payloads: bool = False) -> List[Any]:
     """Run ``fn(rank, transport)`` for every simulated rank in its own thread; return the results
-    in rank order, or raise the first rank's exception (naming the rank)."""
-    cluster = FakeCluster(size, timeout=timeout)
+    in rank order, or raise the first rank's exception (naming the rank). ``device_payloads``:
+    the transports take tensor payloads, so the exchange runs its device path."""
+    cluster = FakeCluster(size, timeout=timeout, device_payloads=device_payloads)
     results: List[Any] = [None] * size
     errors: List[Optional[BaseException]] = [None] * size
 

@@ -78,20 +78,29 @@ class MpiTransport(Transport):
     @_mpi_errors("gather")
     def gather(self, payload: np.ndarray, root: int, bound: Optional[int] = None
                ) -> Optional[List[np.ndarray]]:
-        self._check_usable()
         payload = as_payload(payload)
+        return self.gather_buffers(payload, root, bound, own=payload.copy,
+                                   alloc=lambda n: np.empty(n, dtype=np.uint8))
+
+    def gather_buffers(self, payload: Any, root: int, bound: Optional[int],
+                       own: Callable[[], Any], alloc: Callable[[int], Any]) -> Optional[List[Any]]:
+        """The gather on any 1-D byte buffer mpi4py takes (numpy, or a tensor through DLPack:
+        host memory, or device memory with CUDA-aware MPI). ``own()`` is the root's copy of its
+        own payload; ``alloc(n)`` makes the buffer a peer's ``n`` bytes are received into."""
+        self._check_usable()
         check_bound(payload, bound, self.rank, "gather")  # point-to-point needs no padding
         _check_root(root, self.size, "MpiTransport.gather")
         op = f"gather to rank {root}"
+        size = len(payload)
         if self.rank != root:
             req = self.comm.Isend([payload, MPI.BYTE], dest=root, tag=_TAG_GATHER)
             self._wait(req, op, False, f"rank {root} did not take this rank's "
-                       f"{payload.size}-byte payload (it died, hangs or is elsewhere)")
-            self.stats.record("gather", payload.size + LENGTH_BYTES, 0)
+                       f"{size}-byte payload (it died, hangs or is elsewhere)")
+            self.stats.record("gather", size + LENGTH_BYTES, 0)
             return None
-        out: List[Optional[np.ndarray]] = [None] * self.size
-        out[root] = payload.copy()
-        receiving: Dict[int, Tuple[Any, np.ndarray]] = {}
+        out: List[Any] = [None] * self.size
+        out[root] = own()
+        receiving: Dict[int, Tuple[Any, Any]] = {}
         pending = set(range(self.size)) - {root}
         status = MPI.Status()
 
@@ -101,7 +110,7 @@ class MpiTransport(Transport):
                     msg = self.comm.Improbe(source=j, tag=_TAG_GATHER, status=status)
                     if msg is None:
                         continue
-                    buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+                    buf = alloc(status.Get_count(MPI.BYTE))
                     receiving[j] = (msg.Irecv([buf, MPI.BYTE]), buf)
                 req, buf = receiving[j]
                 if req.Test():
@@ -120,30 +129,54 @@ class MpiTransport(Transport):
             return "; ".join(parts) or "every rank has sent"
 
         self._poll(done, op, True, stalled)
-        total = sum(b.size for b in out)  # type: ignore[union-attr]
-        self.stats.record("gather", payload.size + LENGTH_BYTES, total + LENGTH_BYTES * self.size)
-        return out  # type: ignore[return-value]
+        total = sum(len(b) for b in out)
+        self.stats.record("gather", size + LENGTH_BYTES, total + LENGTH_BYTES * self.size)
+        return out
 
     @_mpi_errors("broadcast")
     def broadcast(self, payload: Optional[np.ndarray], root: int, bound: Optional[int] = None
                   ) -> np.ndarray:
+        if self.rank == root:
+            payload = as_payload(payload)
+        return self.broadcast_buffer(payload, root, bound,
+                                     alloc=lambda n: np.empty(n, dtype=np.uint8))
+
+    def broadcast_buffer(self, payload: Any, root: int, bound: Optional[int],
+                         alloc: Callable[[int], Any]) -> Any:
+        """The broadcast on any 1-D byte buffer mpi4py takes (see :meth:`gather_buffers`);
+        ``alloc(n)`` makes the buffer the ``n`` bytes are received into off the root."""
         self._check_usable()
         _check_root(root, self.size, "MpiTransport.broadcast")
         is_root = self.rank == root
         if is_root:
-            payload = as_payload(payload)
             check_bound(payload, bound, self.rank, "broadcast")
         op = f"broadcast from rank {root}"
         stalled = (f"rank {root} did not send" if not is_root
                    else "a rank did not take part (it died, hangs or is elsewhere)")
-        length = np.array([payload.size if is_root else 0], dtype=np.int64)
+        length = np.array([len(payload) if is_root else 0], dtype=np.int64)
         self._wait(self.comm.Ibcast(length, root=root), op, is_root, stalled)
-        out = payload if is_root else np.empty(int(length[0]), dtype=np.uint8)
-        for lo in range(0, max(out.size, 1), _CHUNK):
+        out = payload if is_root else alloc(int(length[0]))
+        for lo in range(0, max(len(out), 1), _CHUNK):
             self._wait(self.comm.Ibcast(out[lo:lo + _CHUNK], root=root), op, is_root, stalled)
-        n = out.size + LENGTH_BYTES
+        n = len(out) + LENGTH_BYTES
         self.stats.record("broadcast", n if is_root else 0, n)
         return out
+
+    # --- device payloads (mpi_device.py; torch is imported only when they are used) ---------
+    def device_payloads(self, device: Any) -> bool:
+        """CUDA tensors travel as tensors: straight from device memory with CUDA-aware MPI,
+        else through pinned host buffers. CPU tensors keep the numpy path (as fast, and free)."""
+        return getattr(device, "type", str(device).split(":")[0]) == "cuda"
+
+    def gather_tensor(self, payload: Any, root: int, bound: Optional[int] = None
+                      ) -> Optional[List[Any]]:
+        from .mpi_device import gather_tensor
+        return gather_tensor(self, payload, root, bound)
+
+    def broadcast_tensor(self, payload: Any, root: int, bound: Optional[int] = None,
+                         device: Any = "cpu") -> Any:
+        from .mpi_device import broadcast_tensor
+        return broadcast_tensor(self, payload, root, bound, device)
 
 
 # ---- communicators, for the runtime --------------------------------------------------------

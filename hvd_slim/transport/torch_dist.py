@@ -20,8 +20,12 @@ and is waited on for at most ``seconds``; otherwise the process group's own time
 unknown state, so the transport refuses further use.
 
 Process groups come from :mod:`hvd_slim.runtime.rendezvous`; this module only moves frames.
-Payloads are numpy (the exchange's wire bytes are staged on the host): on NCCL each frame is
-copied to the device for the collective and back.
+Two payload forms, counted alike: numpy arrays (``gather``/``broadcast``: the handshake and other
+host-built messages; on NCCL such a frame is copied to the device and back), and uint8 tensors
+(``gather_tensor``/``broadcast_tensor``, the exchange's device path): on NCCL the frame is built
+on the GPU and the received payloads are views of the received frames, so nothing but the 8-byte
+length words crosses to the host; on Gloo CPU tensors are framed as they are and CUDA tensors go
+through pinned host frames.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import torch.distributed as dist
 
 from . import base
 from .base import LENGTH_BYTES, Transport, TransportError, as_payload, check_bound
+from .torch_frames import TensorFrames, _check_root
 
 # Raised when a watch() deadline expires; plain TransportError where base has no deadlines.
 TransportTimeout = getattr(base, "TransportTimeout", TransportError)
@@ -61,7 +66,7 @@ def _unframe(frame: np.ndarray, size: int, rank: int, op: str) -> np.ndarray:
     return frame[LENGTH_BYTES:LENGTH_BYTES + n]
 
 
-class TorchDistTransport(Transport):
+class TorchDistTransport(TensorFrames, Transport):
     """Payload collectives over one torch.distributed process group.
 
     ``device`` is where frames live during a collective: CPU for Gloo, this rank's CUDA device
@@ -188,11 +193,6 @@ def summary(exc: BaseException, limit: int = 600) -> str:
             lines.append(line.strip())
     text = " / ".join(lines) or type(exc).__name__
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _check_root(root: Any, size: int) -> None:
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
-        raise ValueError(f"TorchDistTransport: root {root!r} is not a rank in [0, {size})")
 
 
 def available_backends(cuda: bool) -> List[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -65,7 +65,9 @@ class RemoteError(RuntimeError):
 
 @dataclass
 class Section:
-    """One bucket's part of a message. ``values`` are raw bytes of ``count`` wire-dtype values."""
+    """One bucket's part of a message. ``values`` are raw bytes of ``count`` wire-dtype values.
+    Numpy arrays here; uint8/int64 tensors on the message's device in the tensor form
+    (:mod:`hvd_slim.wire.message_torch`)."""
 
     mode: int
     values: np.ndarray
@@ -95,9 +97,9 @@ def make_section(mode: int, values: np.ndarray, d: int,
     return Section(mode, vals, count=-1, indices=indices, idx_kind=kind, idx_bytes=enc)
 
 
-def encode(kind: int, sender: int, step: int, digest: int, sections: Sequence[Section],
-           itemsizes: Sequence[int]) -> tuple:
-    """Serialise; returns (buffer, {"header": .., "values": .., "indices": ..}) byte counts."""
+def head_and_table(kind: int, sender: int, step: int, digest: int, sections: Sequence[Any],
+                   itemsizes: Sequence[int]) -> bytes:
+    """A message's header and section table (the host and device encoders share it)."""
     head = HEADER.pack(MAGIC, VERSION, kind, len(sections), sender, step, digest, 0)
     table = bytearray()
     for s, isz in zip(sections, itemsizes):
@@ -105,10 +107,17 @@ def encode(kind: int, sender: int, step: int, digest: int, sections: Sequence[Se
             raise ValueError(f"value bytes {len(s.values)} are not a multiple of itemsize {isz}")
         n_idx = 0 if s.indices is None else len(s.indices)
         table += ENTRY.pack(s.mode, s.idx_kind, 0, len(s.values) // isz, n_idx, len(s.idx_bytes))
-    parts = [np.frombuffer(head + bytes(table), np.uint8)]
+    return head + bytes(table)
+
+
+def encode(kind: int, sender: int, step: int, digest: int, sections: Sequence[Section],
+           itemsizes: Sequence[int]) -> tuple:
+    """Serialise; returns (buffer, {"header": .., "values": .., "indices": ..}) byte counts."""
+    meta = head_and_table(kind, sender, step, digest, sections, itemsizes)
+    parts = [np.frombuffer(meta, np.uint8)]
     parts += [s.values for s in sections] + [s.idx_bytes for s in sections]
     buf = np.concatenate(parts) if parts else np.empty(0, np.uint8)
-    sizes = {"header": len(head) + len(table),
+    sizes = {"header": len(meta),
              "values": sum(len(s.values) for s in sections),
              "indices": sum(len(s.idx_bytes) for s in sections)}
     return buf, sizes
@@ -150,10 +159,17 @@ def _header(buf: np.ndarray, who: str) -> tuple:
         raise WireError(f"{who}: payload must be a 1-D uint8 array, got a {what}")
     if not buf.flags.c_contiguous:
         raise WireError(f"{who}: payload must be contiguous")
-    if len(buf) < HEADER.size:
-        raise WireError(f"{who}: truncated message of {len(buf)} bytes, shorter than the "
+    return header_fields(buf, len(buf), who)
+
+
+def header_fields(meta: np.ndarray, length: int, who: str) -> tuple:
+    """Parse and check the header held in ``meta``, the first bytes (at least the header, and
+    all of an ERROR's text) of a message of ``length`` bytes; returns (kind, buckets, sender,
+    step, digest, extra). Raises :class:`RemoteError` for an ERROR message."""
+    if length < HEADER.size:
+        raise WireError(f"{who}: truncated message of {length} bytes, shorter than the "
                         f"{HEADER.size}-byte header")
-    magic, ver, kind, nb, sender, step, digest, extra = HEADER.unpack_from(buf, 0)
+    magic, ver, kind, nb, sender, step, digest, extra = HEADER.unpack_from(meta, 0)
     if magic != MAGIC:
         raise WireError(f"{who}: bad magic {magic!r}: not an hvd_slim message")
     if ver != VERSION:
@@ -161,7 +177,7 @@ def _header(buf: np.ndarray, who: str) -> tuple:
                         "run the same hvd_slim version on every rank")
     if kind == ERROR:
         # The text may have been cut to fit the pull's bound: decode what arrived.
-        text = bytes(buf[HEADER.size:HEADER.size + extra]).decode("utf-8", "replace")
+        text = bytes(meta[HEADER.size:HEADER.size + extra]).decode("utf-8", "replace")
         raise RemoteError(text, nb)
     if kind not in KIND_NAMES:
         raise WireError(f"{who}: unknown message kind {kind}")
@@ -187,17 +203,19 @@ def check_envelope(who: str, got: tuple, kind: int, sender: int, step: int, dige
                         "ranks are out of step (a rank skipped or repeated optimizer.step())")
 
 
-def decode(buf: np.ndarray, *, kind: int, sender: int, step: int, digest: int,
-           expect: Sequence[Expect], who: str) -> List[Section]:
-    """Strictly decode ``buf``; ``who`` names the message in errors (e.g. "push from rank 2")."""
-    got_kind, nb, got_sender, got_step, got_digest, _ = _header(buf, who)
+def read_table(meta: np.ndarray, length: int, *, kind: int, sender: int, step: int,
+               digest: int, expect: Sequence[Expect], who: str) -> List[tuple]:
+    """Check the header and table held in ``meta`` (the first bytes of a message of ``length``
+    bytes: at least its header and ``len(expect)`` table entries) against what the receiver
+    expects, and the exact total length; returns the table entries."""
+    got_kind, nb, got_sender, got_step, got_digest, _ = header_fields(meta, length, who)
     check_envelope(who, (got_kind, got_sender, got_step, got_digest), kind, sender, step, digest)
     if nb != len(expect):
         raise WireError(f"{who}: {nb} buckets, expected {len(expect)}")
-    table_end = HEADER.size + ENTRY.size * nb
-    if len(buf) < table_end:
-        raise WireError(f"{who}: truncated: {len(buf)} bytes, the table needs {table_end}")
-    entries = [ENTRY.unpack_from(buf, HEADER.size + i * ENTRY.size) for i in range(nb)]
+    table_end = table_size(nb)
+    if length < table_end:
+        raise WireError(f"{who}: truncated: {length} bytes, the table needs {table_end}")
+    entries = [ENTRY.unpack_from(meta, HEADER.size + i * ENTRY.size) for i in range(nb)]
     total = table_end
     for i, ((mode, ikind, pad, count, n_idx, nbytes), ex) in enumerate(zip(entries, expect)):
         if pad != 0:
@@ -214,8 +232,7 @@ def decode(buf: np.ndarray, *, kind: int, sender: int, step: int, digest: int,
         elif (count, n_idx) != tuple(want):
             raise WireError(f"{who}: bucket {i} ({MODE_NAMES[mode]}): {count} values and {n_idx} "
                             f"indices, expected {want[0]} and {want[1]}")
-        has_idx = mode in (M_SLICE, M_EXPLICIT)
-        if has_idx:
+        if mode in (M_SLICE, M_EXPLICIT):
             try:
                 need = encoded_size(ikind, ex.d, n_idx)
             except (ValueError, KeyError) as exc:
@@ -226,9 +243,30 @@ def decode(buf: np.ndarray, *, kind: int, sender: int, step: int, digest: int,
         elif ikind != 0 or nbytes != 0:
             raise WireError(f"{who}: bucket {i} ({MODE_NAMES[mode]}) carries index bytes")
         total += count * ex.itemsize + nbytes
-    if len(buf) != total:
-        raise WireError(f"{who}: message is {len(buf)} bytes, its table describes {total}")
-    out, pos = [], table_end
+    if length != total:
+        raise WireError(f"{who}: message is {length} bytes, its table describes {total}")
+    return entries
+
+
+def table_size(buckets: int) -> int:
+    """Bytes of the header and a table of ``buckets`` entries: where the values start."""
+    return HEADER.size + ENTRY.size * buckets
+
+
+def decode(buf: np.ndarray, *, kind: int, sender: int, step: int, digest: int,
+           expect: Sequence[Expect], who: str) -> List[Section]:
+    """Strictly decode ``buf``; ``who`` names the message in errors (e.g. "push from rank 2")."""
+    _header(buf, who)
+    entries = read_table(buf, len(buf), kind=kind, sender=sender, step=step, digest=digest,
+                         expect=expect, who=who)
+    return split_sections(buf, entries, expect, who, decode_indices)
+
+
+def split_sections(buf: Any, entries: List[tuple], expect: Sequence[Expect], who: str,
+                   decode_idx: Callable[..., Any]) -> List[Section]:
+    """Sections over the checked message ``buf`` (a numpy array or a tensor: views, no copies),
+    their indices decoded with ``decode_idx`` (the numpy or the torch codec)."""
+    out, pos = [], table_size(len(entries))
     for (mode, ikind, _pad, count, n_idx, _nb), ex in zip(entries, expect):
         n = count * ex.itemsize
         out.append(Section(mode, buf[pos:pos + n], count, idx_kind=ikind))
@@ -238,7 +276,7 @@ def decode(buf: np.ndarray, *, kind: int, sender: int, step: int, digest: int,
         pos += nbytes
         if mode in (M_SLICE, M_EXPLICIT):
             try:
-                s.indices = decode_indices(ikind, s.idx_bytes, ex.d, n_idx)
+                s.indices = decode_idx(ikind, s.idx_bytes, ex.d, n_idx)
             except WireError as exc:
                 raise WireError(f"{who}: bucket {i} indices: {exc}") from None
     return out

@@ -3,7 +3,8 @@
 
 Per transport: replicas stay bitwise identical over 20 steps at density 0.01; ``density=1.0``
 equals the dense average (mpi4py's Allreduce on host copies, independent of hvd_slim) to 1e-5;
-``flush()`` zeroes every residual and lands on the closed form. Plus: ``auto`` picks NCCL for CUDA
+``flush()`` zeroes every residual and lands on the closed form. On NCCL: no device-to-host copy
+of payload size happens in a step (tests/gpu/host_copies.py counts them). Plus: ``auto`` picks NCCL for CUDA
 parameters, and mixed CPU/CUDA parameters or NCCL for CPU parameters are refused clearly.
 
 ``HVD_SLIM_GPU_CHECK_ON_CPU=1`` runs the same checks on CPU tensors (``--transports mpi,gloo``):
@@ -127,6 +128,52 @@ def check_flush_lands_on_the_closed_form(transport: str) -> str:
     return f"max diff {diff:.2e}"
 
 
+class WideNet(torch.nn.Module):
+    """Payload sections far larger than any metadata read: 65k compressed coordinates, so a
+    push carries about 650 values (2.6 KB) and their indices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(64, 1024)
+        self.head = torch.nn.Linear(1024, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(x)))
+
+
+def check_no_payload_goes_through_the_host(transport: str) -> str:
+    """The device path (NCCL; on CPU tensors, Gloo): after the first step's handshake, no
+    device-to-host copy (on CPU: no numpy conversion) is anywhere near a payload's size. Only
+    headers, section tables, length words and scalars are read on the host."""
+    from hvd_slim.selection import backend
+    from host_copies import HostCopies, metadata_limit
+    backend.FORCE_TORCH = ON_CPU   # on CPU tensors, run selection's torch path as a GPU would
+    try:
+        model = WideNet().to(device())
+        opt = wrap(model, transport, density=0.01)
+        seen = []
+        for t in range(6):
+            opt.zero_grad()
+            loss(model, t).backward()
+            if t == 0:
+                opt.step()   # the handshake is host-built, by design
+                continue
+            with HostCopies(cuda=not ON_CPU) as got:
+                opt.step()
+            seen += got
+    finally:
+        backend.FORCE_TORCH = False
+    ex = opt._exchange
+    assert ex.wire.device_payloads, f"{transport} did not take the device path"
+    limit = metadata_limit(len(ex.layout.buckets), hvd.size())
+    payload = min(b.k * b.value_bytes for b in ex.layout.sparse)
+    biggest = max((n for _, n in seen), default=0)
+    assert limit < payload, (limit, payload)
+    assert biggest <= limit, f"host copies larger than metadata: {sorted(seen, key=lambda x: -x[1])[:5]}"
+    return f"{len(seen)} host reads in 5 steps, largest {biggest} B (a value section is {payload} B)"
+
+
 def check_auto_picks_nccl(_: str) -> str:
     model = Net().to(device())
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -154,6 +201,8 @@ def check_bad_device_combinations_are_refused(_: str) -> str:
 
 PER_TRANSPORT = [check_replicas_identical, check_density_one_is_the_dense_average,
                  check_flush_lands_on_the_closed_form]
+# Transports on which the device path keeps payloads off the host: NCCL (and Gloo on CPU tensors).
+DEVICE_RESIDENT = {"nccl", "gloo"} if ON_CPU else {"nccl"}
 
 
 def main() -> None:
@@ -163,6 +212,7 @@ def main() -> None:
     hvd.init()
     tag = f"hvd_slim-gpu: rank {hvd.rank()} of {hvd.size()}"
     plan = [(check, t) for t in names for check in PER_TRANSPORT]
+    plan += [(check_no_payload_goes_through_the_host, t) for t in names if t in DEVICE_RESIDENT]
     if "nccl" in names:
         plan.append((check_auto_picks_nccl, "nccl"))
     elif not ON_CPU:

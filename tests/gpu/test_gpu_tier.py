@@ -25,6 +25,7 @@ SCRIPT = ROOT / "tests" / "gpu" / "check_gpu.py"
 TIMEOUT = float(os.environ.get("HVD_SLIM_GPU_TIMEOUT", "150"))
 PER_TRANSPORT = ["check_replicas_identical", "check_density_one_is_the_dense_average",
                  "check_flush_lands_on_the_closed_form"]
+HOST_COPIES = "check_no_payload_goes_through_the_host"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
 
 
@@ -60,7 +61,7 @@ def test_cuda_over_nccl(tmp_path: Path) -> None:
         line = next((ln for ln in out.splitlines() if "Duplicate GPU" in ln), "").strip()
         pytest.skip(f"NCCL refuses 2 ranks on this machine's single GPU: {line[-200:]}")
     assert_passed(rc, out, tmp_path, [f"{c}[nccl]" for c in PER_TRANSPORT]
-                  + ["check_auto_picks_nccl[nccl]"])
+                  + [f"{HOST_COPIES}[nccl]", "check_auto_picks_nccl[nccl]"])
 
 
 @needs_gpu
@@ -73,4 +74,45 @@ def test_cuda_over_mpi_and_gloo(tmp_path: Path) -> None:
 def test_the_check_script_itself_on_cpu(tmp_path: Path) -> None:
     """No GPU needed: check_gpu.py's closed forms and plumbing, on CPU tensors over Gloo."""
     rc, out = run_checks(tmp_path, "gloo", {"HVD_SLIM_GPU_CHECK_ON_CPU": "1"})
-    assert_passed(rc, out, tmp_path, [f"{c}[gloo]" for c in PER_TRANSPORT])
+    assert_passed(rc, out, tmp_path, [f"{c}[gloo]" for c in PER_TRANSPORT + [HOST_COPIES]])
+
+
+@needs_gpu
+def test_the_device_path_keeps_payloads_on_one_gpu():
+    """In one process, so a single GPU suffices (NCCL needs two): three simulated ranks on the
+    same GPU exchange through the in-process transport's tensor payloads. After the handshake,
+    no device-to-host copy of payload size happens, and the ranks end bitwise identical."""
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    from host_copies import HostCopies, metadata_limit
+    from hvd_slim.config import SlimConfig
+    from hvd_slim.exchange import Layout, SlimExchange
+    from hvd_slim.transport import run_ranks
+
+    config = SlimConfig(density=0.01, min_compress_numel=1000)
+    dev = torch.device("cuda", 0)
+    seen: list = []
+
+    def rank_fn(rank, transport):
+        torch.manual_seed(0)
+        named = [("w", torch.nn.Parameter(torch.zeros(256, 512, device=dev))),
+                 ("b", torch.nn.Parameter(torch.zeros(512, device=dev)))]
+        ex = SlimExchange(Layout(named, config, lambda dt: dt), config, transport)
+        assert ex.wire.device_payloads
+        for t in range(5):
+            g = torch.Generator(device=dev).manual_seed(100 * rank + t)
+            for _, p in named:
+                p.grad = torch.randn(p.shape, generator=g, device=dev)
+            ex.step()
+        return torch.cat([p.grad.reshape(-1) for _, p in named]), ex   # still on the GPU
+
+    with HostCopies(cuda=True) as got:
+        out = run_ranks(3, rank_fn, device_payloads=True)
+    seen += got
+    grads = [g.cpu() for g, _ in out]
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
+    ex = out[0][1]
+    limit = metadata_limit(len(ex.layout.buckets), 3)
+    payload = min(b.k * b.value_bytes for b in ex.layout.sparse)
+    # The handshake of step 0 is host-built (32-byte control messages) and read on the host.
+    big = [(op, n) for op, n in seen if n > limit]
+    assert limit < payload and not big, f"payload-sized host copies: {big[:5]}"

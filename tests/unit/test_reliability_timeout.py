@@ -66,4 +66,4 @@ def test_a_rank_that_stops_stepping_times_the_others_out():
         assert msg.startswith(f"rank {rank}: gather to rank 0 in the push of step 2 timed out "
                               f"after 1 s: rank(s) 2 never arrived"), msg
         assert "HVD_SLIM_TIMEOUT" in msg and "(now 1 s)" in msg, msg
-        assert timeout <= waited < timeout + 2, waited
+        assert timeout - 0.01 <= waited < timeout + 2, waited   # Barrier.wait may wake µs early

@@ -1,0 +1,106 @@
+"""The scores as :class:`~hvd_slim.selection.core.CoreSelector` reads them, in numpy (CPU
+tensors): the reference its torch twin (scores_torch.py) matches bitwise."""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .scores_torch import _as_float
+
+# Elements per block of the significance and candidate loops: a 1 MiB float32 scratch stays in L2 cache, and
+# blocks this size keep Python overhead under a millisecond for 10M+ elements.
+_BLOCK = 1 << 18
+
+
+def _as_numpy(score: torch.Tensor) -> np.ndarray:
+    """A 1-D float32/float64 numpy view of ``score`` (a copy only for other devices/dtypes)."""
+    t = _as_float(score)
+    if t.device.type != "cpu":
+        t = t.cpu()   # only when the numpy path is forced on another device's tensor
+    return t.contiguous().numpy()
+
+
+class NumpyScores:
+    """The scores as :class:`CoreSelector` reads them, in numpy: ``s`` itself, or ``|s|``
+    computed only where it is looked at (``magnitude``), so no full-size score buffer is
+    written. :class:`~hvd_slim.selection.scores_torch.TorchScores` is the same in torch ops."""
+
+    def __init__(self, s: np.ndarray, magnitude: bool) -> None:
+        self.s, self.magnitude, self.n = s, magnitude, s.size
+        self.sample = np.empty(0, dtype=s.dtype)
+        self.m = 0
+
+    def take_sample(self, stride: int) -> None:
+        x = self.s[stride // 2::stride]
+        self.sample = np.abs(x) if self.magnitude else x
+        self.m = self.sample.size
+
+    def sample_count_ge(self, thr: float) -> int:
+        return int(np.count_nonzero(self.sample >= thr))
+
+    def sample_order(self, i: int) -> float:
+        """The ``i``-th smallest sample value (0-based)."""
+        return float(np.partition(self.sample, i)[i])
+
+    def sample_max_below(self, thr: float) -> Optional[float]:
+        below = self.sample[self.sample < thr]
+        return float(below.max()) if below.size else None
+
+    def at(self, idx: np.ndarray) -> np.ndarray:
+        v = self.s[idx]
+        return np.abs(v) if self.magnitude else v
+
+    def at_least(self, thr: float) -> np.ndarray:
+        """Ascending indices with score >= ``thr``, block by block: the block's scores and mask
+        stay in cache instead of full-size temporaries going through memory."""
+        s, n, out = self.s, self.n, []
+        scratch = np.empty(min(n, _BLOCK), dtype=s.dtype) if self.magnitude else None
+        for lo in range(0, n, _BLOCK):
+            blk = s[lo:lo + _BLOCK]
+            if scratch is not None:
+                blk = np.abs(blk, out=scratch[:blk.size])
+            hits = np.flatnonzero(blk >= thr)
+            if hits.size:
+                out.append(hits + lo)
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+    @staticmethod
+    def order_stats(vals: np.ndarray, j: int, jw: Optional[int]) -> Tuple[Any, Optional[float]]:
+        """(the ``j``-th smallest of ``vals``, the ``jw``-th smallest or None); ``jw < j``."""
+        part = np.partition(vals, j)
+        # The jw-th smallest lies among the j values the partition already split off below.
+        nxt = None if jw is None else float(np.partition(part[:j], jw)[jw])
+        return part[j], nxt
+
+    @staticmethod
+    def keep_top(cand: np.ndarray, vals: np.ndarray, kth: Any, k: int) -> np.ndarray:
+        keep = vals > kth
+        need = k - int(np.count_nonzero(keep))
+        ties = np.flatnonzero(vals == kth)
+        keep[ties[:need]] = True       # lowest indices first among equal scores
+        return cand[keep]
+
+    def positive(self) -> np.ndarray:
+        if self.magnitude:   # not ``!= 0``: NaN must stay out, as it does from ``|s| > 0``
+            return (self.s > 0) | (self.s < 0)
+        return self.s > 0
+
+    @staticmethod
+    def where(mask: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(mask)
+
+    def any_negative(self) -> bool:
+        return False if self.magnitude else bool(np.any(self.s < 0))
+
+    @staticmethod
+    def with_lowest_zeros(pos: np.ndarray, need: int) -> np.ndarray:
+        """The positive entries plus the ``need`` lowest-indexed others, ascending."""
+        zeros = np.flatnonzero(~pos)[:need]
+        pos[zeros] = True
+        return np.flatnonzero(pos)
+
+    @staticmethod
+    def result(idx: np.ndarray, device: torch.device) -> torch.Tensor:
+        return torch.from_numpy(idx).to(device)

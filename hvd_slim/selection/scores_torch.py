@@ -1,0 +1,99 @@
+"""The scores as :class:`~hvd_slim.selection.core.CoreSelector` reads them, in torch ops on the
+scores' own device: the same interface and bitwise the same results as the numpy ``_Scores`` in
+core.py, with no host copy of anything score- or index-sized (only scalars are read back).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def _as_float(score: torch.Tensor) -> torch.Tensor:
+    """``score`` as a detached 1-D float32/float64 tensor on its device (other float dtypes
+    become float32, as the numpy path does; the comparisons then agree bitwise)."""
+    if score.dim() != 1:
+        raise ValueError(f"select: score must be 1-D, got shape {tuple(score.shape)}")
+    t = score.detach()
+    if t.dtype not in (torch.float32, torch.float64):
+        if not t.is_floating_point():
+            raise ValueError(f"select: score must be a float tensor, got {score.dtype}")
+        t = t.float()
+    return t
+
+
+class TorchScores:
+    """``s`` itself, or ``|s|`` (``magnitude``), with the strided sample the threshold comes
+    from. Thresholds are Python floats taken from the scores themselves, so comparing them in
+    the scores' dtype is exact, as in numpy."""
+
+    def __init__(self, s: torch.Tensor, magnitude: bool) -> None:
+        self.s, self.magnitude, self.n = s, magnitude, s.numel()
+        self.sample = s.new_empty(0)
+        self.m = 0
+
+    def take_sample(self, stride: int) -> None:
+        x = self.s[stride // 2::stride]
+        self.sample = x.abs() if self.magnitude else x.contiguous()
+        self.m = self.sample.numel()
+
+    def sample_count_ge(self, thr: float) -> int:
+        return int((self.sample >= thr).sum())
+
+    def sample_order(self, i: int) -> float:
+        """The ``i``-th smallest sample value (0-based)."""
+        return float(torch.kthvalue(self.sample, i + 1).values)
+
+    def sample_max_below(self, thr: float) -> Optional[float]:
+        below = self.sample[self.sample < thr]
+        return float(below.max()) if below.numel() else None
+
+    def at(self, idx: torch.Tensor) -> torch.Tensor:
+        v = self.s[idx]
+        return v.abs() if self.magnitude else v
+
+    def at_least(self, thr: float) -> torch.Tensor:
+        """Ascending indices with score >= ``thr`` (> 0), in one pass over the scores."""
+        hit = (self.s.abs() if self.magnitude else self.s) >= thr
+        return hit.nonzero().reshape(-1)
+
+    @staticmethod
+    def order_stats(vals: torch.Tensor, j: int, jw: Optional[int]
+                    ) -> Tuple[torch.Tensor, Optional[float]]:
+        """(the ``j``-th smallest of ``vals`` as a 0-d tensor on their device, the ``jw``-th
+        smallest as a float or None)."""
+        kth = torch.kthvalue(vals, j + 1).values
+        nxt = None if jw is None else float(torch.kthvalue(vals, jw + 1).values)
+        return kth, nxt
+
+    @staticmethod
+    def keep_top(cand: torch.Tensor, vals: torch.Tensor, kth: torch.Tensor, k: int
+                 ) -> torch.Tensor:
+        keep = vals > kth
+        need = k - int(keep.sum())
+        ties = (vals == kth).nonzero().reshape(-1)
+        keep[ties[:need]] = True       # lowest indices first among equal scores
+        return cand[keep]
+
+    def positive(self) -> torch.Tensor:
+        if self.magnitude:   # not ``!= 0``: NaN must stay out, as it does from ``|s| > 0``
+            return (self.s > 0) | (self.s < 0)
+        return self.s > 0
+
+    @staticmethod
+    def where(mask: torch.Tensor) -> torch.Tensor:
+        return mask.nonzero().reshape(-1)
+
+    def any_negative(self) -> bool:
+        return False if self.magnitude else bool((self.s < 0).any())
+
+    @staticmethod
+    def with_lowest_zeros(pos: torch.Tensor, need: int) -> torch.Tensor:
+        """The positive entries plus the ``need`` lowest-indexed others, ascending."""
+        zeros = (~pos).nonzero().reshape(-1)[:need]
+        pos[zeros] = True
+        return pos.nonzero().reshape(-1)
+
+    @staticmethod
+    def result(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return idx.to(device)

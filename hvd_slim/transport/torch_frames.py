@@ -1,0 +1,129 @@
+"""The tensor-payload collectives of :class:`~hvd_slim.transport.torch_dist.TorchDistTransport`
+(``gather_tensor``/``broadcast_tensor``), framed as its numpy collectives are (an int64
+little-endian length word, the payload, zeros up to the bound) and counted alike.
+
+On NCCL the frames are built on the rank's GPU and the received payloads are views of the
+received frames: only the 8-byte length words are read on the host. On Gloo, CPU tensors are
+framed as they are (no numpy round trip) and CUDA tensors go through pinned host frames.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .base import LENGTH_BYTES, TransportError, check_bound
+from .staging import host_buffer
+
+
+class TensorFrames:
+    """Mixed into TorchDistTransport, which provides ``device``, ``name``, ``rank``, ``size``,
+    ``stats``, ``_run``, ``_agree_max`` and ``_to_device``."""
+
+    def device_payloads(self, device: Any) -> bool:
+        """NCCL: CUDA tensors, frames on this rank's GPU, nothing through the host. Gloo: CPU
+        tensors as they are (no numpy round trip); CUDA tensors through pinned host frames."""
+        dev = torch.device(device)
+        return dev.type == "cuda" if self.name == "nccl" else True
+
+    def _new_frame(self, bound: int, pinned: bool) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return host_buffer(bound + LENGTH_BYTES, pinned)
+        return torch.empty(bound + LENGTH_BYTES, dtype=torch.uint8, device=self.device)
+
+    def _frame_of(self, payload: torch.Tensor, bound: int) -> torch.Tensor:
+        """``payload`` framed to ``bound`` bytes on the frames' device: the length word (written
+        there, little-endian as the numpy frame), the payload, zeros."""
+        n = len(payload)
+        frame = self._new_frame(bound, pinned=payload.device.type != "cpu")
+        frame[:LENGTH_BYTES].view(torch.int64).fill_(n)
+        frame[LENGTH_BYTES:LENGTH_BYTES + n].copy_(payload)
+        frame[LENGTH_BYTES + n:].zero_()
+        return frame
+
+    @staticmethod
+    def _lengths(frames: List[torch.Tensor], bound: int, ranks: List[int], op: str) -> List[int]:
+        """The frames' length words, read on the host in one small copy and checked."""
+        words = torch.stack([f[:LENGTH_BYTES] for f in frames]).cpu().numpy()
+        out = [int(n) for n in words.reshape(-1).view("<i8")]
+        for r, n in zip(ranks, out):
+            if not 0 <= n <= bound:
+                raise TransportError(f"{op}: the frame from rank {r} announces {n} bytes, "
+                                     f"outside [0, {bound}]: the ranks disagree on the payload "
+                                     "bound")
+        return out
+
+    def gather_tensor(self, payload: torch.Tensor, root: int, bound: Optional[int] = None
+                      ) -> Optional[List[torch.Tensor]]:
+        """:meth:`gather` for a 1-D uint8 tensor; the root gets tensors on its device (views of
+        the received frames when they live there: no copy)."""
+        _check_tensor(payload, "gather_tensor")
+        check_bound(payload, bound, self.rank, "gather")
+        _check_root(root, self.size)
+        extra = 0
+        if bound is None:  # no bound known: agree on the largest payload first
+            bound, extra = self._agree_max(len(payload)), LENGTH_BYTES
+        step = bound + LENGTH_BYTES
+        frame = self._frame_of(payload, bound)
+        is_root = self.rank == root
+        staged = payload.device.type != "cpu"
+        parts = [self._new_frame(bound, staged) for _ in range(self.size)] if is_root else None
+        self._run("gather", dist.gather, frame, gather_list=parts, dst=root)
+        self.stats.record("gather", step + extra, (self.size * step if is_root else 0) + extra)
+        if not is_root:
+            return None
+        lengths = self._lengths(parts, bound, list(range(self.size)), "gather")
+        return [_deliver(p[LENGTH_BYTES:LENGTH_BYTES + n], payload.device)
+                for p, n in zip(parts, lengths)]
+
+    def broadcast_tensor(self, payload: Optional[torch.Tensor], root: int,
+                         bound: Optional[int] = None, device: Any = "cpu") -> torch.Tensor:
+        """:meth:`broadcast` for a 1-D uint8 tensor; every rank gets a tensor on ``device``."""
+        _check_root(root, self.size)
+        dev, is_root = torch.device(device), self.rank == root
+        if is_root:
+            _check_tensor(payload, "broadcast_tensor")
+            check_bound(payload, bound, self.rank, "broadcast")
+        staged = dev.type != "cpu"
+        if bound is None:  # the length word first, then exactly the payload
+            n = self._to_device(torch.tensor([len(payload) if is_root else 0], dtype=torch.int64))
+            self._run("broadcast", dist.broadcast, n, src=root)
+            length = int(n.item())
+            if is_root:
+                buf = payload.to(self.device) if self.device.type != "cpu" else \
+                    payload.cpu().contiguous()
+            else:
+                buf = host_buffer(length, staged) if self.device.type == "cpu" else \
+                    torch.empty(length, dtype=torch.uint8, device=self.device)
+            if length:
+                self._run("broadcast", dist.broadcast, buf, src=root)
+            moved = length + LENGTH_BYTES
+            self.stats.record("broadcast", moved if is_root else 0, moved)
+            return payload.to(dev) if is_root else _deliver(buf, dev)
+        frame = self._frame_of(payload, bound) if is_root else self._new_frame(bound, staged)
+        self._run("broadcast", dist.broadcast, frame, src=root)
+        moved = bound + LENGTH_BYTES
+        self.stats.record("broadcast", moved if is_root else 0, moved)
+        if is_root:
+            return payload.to(dev)
+        n = self._lengths([frame], bound, [root], "broadcast")[0]
+        return _deliver(frame[LENGTH_BYTES:LENGTH_BYTES + n], dev)
+
+
+def _check_tensor(payload: Any, op: str) -> None:
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 \
+            or payload.dim() != 1:
+        raise TypeError(f"TorchDistTransport.{op}: a tensor payload must be a 1-D uint8 tensor, "
+                        f"got {type(payload).__name__}")
+
+
+def _deliver(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: itself (a view, no copy) when it is already there."""
+    return t if t.device == torch.device(device) else t.to(device)
+
+
+def _check_root(root: Any, size: int) -> None:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(f"TorchDistTransport: root {root!r} is not a rank in [0, {size})")

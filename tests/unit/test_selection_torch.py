@@ -1,0 +1,124 @@
+"""The torch path of selection (CoreSelector's TorchScores, explore on the core's device) against
+the numpy path, on CPU tensors: the same exact top-k sets (ties to the lowest indices), the same
+carried thresholds and passes, the same explored indices, and the same refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hvd_slim.selection import CoreSelector, backend, explore
+
+
+def pair():
+    return CoreSelector(backend="numpy"), CoreSelector(backend="torch")
+
+
+def check_same(ref: CoreSelector, dev: CoreSelector, x: torch.Tensor, k: int,
+               magnitude: bool) -> torch.Tensor:
+    fn = "select_magnitude" if magnitude else "select"
+    a = getattr(ref, fn)(x, k)
+    b = getattr(dev, fn)(x, k)
+    assert a.dtype == b.dtype == torch.int64 and b.device == x.device
+    assert torch.equal(a, b), (k, magnitude)
+    assert ref.state_dict() == dev.state_dict()
+    assert (ref.last_passes, ref.last_candidates) == (dev.last_passes, dev.last_candidates)
+    return a
+
+
+@pytest.mark.parametrize("magnitude", [False, True])
+def test_a_drifting_sequence_selects_and_carries_identically(magnitude):
+    """Steps whose scale jumps up and down reach every branch: the carried threshold kept or
+    refreshed, lowered from the sample, and the zero-threshold fallback."""
+    ref, dev = pair()
+    g = torch.Generator().manual_seed(0)
+    for step in range(40):
+        n = [300_000, 70_001, 5][step % 7 == 6] if step % 5 else 300_000
+        x = torch.randn(n, generator=g) * (10.0 ** ((step % 9) - 4))
+        if step % 3 == 0:
+            x[::4] = 0.0                                   # many zeros: the zero fallback
+        if step % 4 == 1:
+            x[1::7] = x[1::7].round()                      # plenty of ties
+        if not magnitude:
+            x = x.abs()
+        k = [3_000, 17, 1, 299_999, n // 2][step % 5] if n > 5 else 2
+        check_same(ref, dev, x, min(k, n), magnitude)
+
+
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(n=st.integers(1, 20_000), frac=st.floats(0, 1.2), seed=st.integers(0, 2 ** 31),
+       levels=st.sampled_from([0, 2, 5, 1000]), zeros=st.floats(0, 1),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
+       magnitude=st.booleans(), carried=st.booleans())
+def test_random_scores_select_identically(n, frac, seed, levels, zeros, dtype, magnitude,
+                                          carried):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    if levels:   # few distinct values: ties everywhere
+        x = (x * levels).round()
+    x[torch.rand(n, generator=g, dtype=torch.float64) < zeros] = 0.0
+    x = x.to(dtype)
+    if not magnitude:
+        x = x.abs()
+    ref, dev = pair()
+    k = int(frac * n)
+    if carried:   # a threshold carried over from an earlier, different call
+        check_same(ref, dev, x.flip(0).contiguous(), max(1, n // 3), magnitude)
+    check_same(ref, dev, x, k, magnitude)
+
+
+def test_trivial_sizes_and_refusals_match():
+    ref, dev = pair()
+    x = torch.rand(10)
+    for k in (0, 10, 11):
+        check_same(ref, dev, x, k, False)
+    for bad in (torch.zeros(3, 2), torch.zeros(4, dtype=torch.int32)):
+        for sel in (ref, dev):
+            with pytest.raises(ValueError, match="select: score must"):
+                sel.select(bad, 1)
+    neg = torch.zeros(100)
+    neg[:3] = -1.0
+    for sel in pair():
+        with pytest.raises(ValueError, match="non-negative"):
+            sel.select(neg, 50)
+    with pytest.raises(ValueError):
+        CoreSelector(backend="cupy")
+
+
+def test_the_default_follows_the_device_and_the_force_switch(monkeypatch):
+    """CPU tensors take numpy unless FORCE_TORCH; the torch path never makes a numpy array."""
+    x = torch.rand(50_000, generator=torch.Generator().manual_seed(1))
+    want = CoreSelector(backend="numpy").select(x, 500)
+    monkeypatch.setattr(backend, "FORCE_TORCH", True)
+
+    def refuse(self, *a, **k):
+        raise AssertionError("the torch path made a numpy array of the scores")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", refuse)
+    assert torch.equal(CoreSelector().select(x, 500), want)
+    assert torch.equal(CoreSelector().select_magnitude(x - 0.5, 500),
+                       CoreSelector(backend="torch").select((x - 0.5).abs(), 500))
+
+
+@pytest.mark.parametrize("d,core_n,k_e", [(1, 0, 1), (1, 1, 1), (10, 3, 7), (10, 3, 50),
+                                          (100_000, 900, 100), (100_000, 0, 1000),
+                                          (5_000, 4_999, 3), (2 ** 40, 50, 10)])
+def test_explore_on_the_cores_device_matches(monkeypatch, d, core_n, k_e):
+    rng = np.random.default_rng(d + core_n)
+    if d < 1 << 30:
+        core = np.sort(rng.choice(d, core_n, replace=False))
+    else:
+        core = np.unique(rng.integers(0, d, core_n))
+    core_t = torch.from_numpy(core.astype(np.int64))
+    key = (7, 0, 1, 42, 3)
+    want = explore(d, core_t, k_e, key)
+    monkeypatch.setattr(backend, "FORCE_TORCH", True)
+    got = explore(d, core_t, k_e, key)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    for bad in (torch.tensor([3, 3]), torch.tensor([5, 2]), torch.tensor([-1]),
+                torch.tensor([10]), torch.tensor([0.5])):
+        with pytest.raises(ValueError, match="explore: core"):
+            explore(10, bad, 1, key)

@@ -142,20 +142,15 @@ HEADER_FIELDS = [(4, "B"), (5, "B"), (6, "H"), (8, "I"), (12, "Q"), (20, "Q"), (
 ENTRY_FIELDS = [(0, "B"), (1, "B"), (2, "H"), (4, "I"), (8, "I"), (12, "I")]
 
 
-@fuzz(3000)
-@given(seed=st.integers(0, 2 ** 32 - 1), mutation=st.sampled_from(
-    ["truncate", "extend", "header", "table", "flip", "random", "container"]),
-    edge=st.sampled_from(["zero", "one", "max", "next", "previous", "random"]))
-def test_message_decoder_on_damaged_messages(seed, mutation, edge):
-    buf, expect, sizes = message(seed)
-    assert np.array_equal(_reencode(_decode(buf, expect), expect, sizes), buf)
-    rng = np.random.default_rng(seed + 1)
+def damaged(buf: np.ndarray, expect, rng, mutation: str, edge: str) -> np.ndarray:
+    """A copy of ``buf`` damaged one way: cut, extended, a header or table field set to an edge
+    value, bytes flipped, or replaced by random bytes (keeping the magic for edge "zero")."""
     bad = buf.copy()
     if mutation == "truncate":
-        bad = bad[:int(rng.integers(0, len(buf)))]
-    elif mutation == "extend":
-        bad = np.concatenate([bad, rng.integers(0, 256, int(rng.integers(1, 65)), np.uint8)])
-    elif mutation in ("header", "table"):
+        return bad[:int(rng.integers(0, len(buf)))]
+    if mutation == "extend":
+        return np.concatenate([bad, rng.integers(0, 256, int(rng.integers(1, 65)), np.uint8)])
+    if mutation in ("header", "table"):
         if mutation == "header":
             off, fmt = HEADER_FIELDS[int(rng.integers(len(HEADER_FIELDS)))]
         else:
@@ -166,13 +161,27 @@ def test_message_decoder_on_damaged_messages(seed, mutation, edge):
         new = {"zero": 0, "one": 1, "max": top, "next": old + 1, "previous": max(0, old - 1),
                "random": int(rng.integers(0, top, endpoint=True, dtype=np.uint64))}[edge]
         struct.pack_into("<" + fmt, bad, off, min(new, top))
-    elif mutation == "flip":
+        return bad
+    if mutation == "flip":
         for p in rng.integers(0, len(bad), int(rng.integers(1, 5))):
             bad[p] ^= int(rng.integers(1, 256))
-    elif mutation == "random":
-        bad = rng.integers(0, 256, int(rng.integers(0, 300)), np.uint8)
-        if edge == "zero" and len(bad) >= 8:
-            bad[:8] = buf[:8]   # a valid magic/version/kind: the rest must still be checked
+        return bad
+    bad = rng.integers(0, 256, int(rng.integers(0, 300)), np.uint8)   # "random"
+    if edge == "zero" and len(bad) >= 8:
+        bad[:8] = buf[:8]   # a valid magic/version/kind: the rest must still be checked
+    return bad
+
+
+@fuzz(3000)
+@given(seed=st.integers(0, 2 ** 32 - 1), mutation=st.sampled_from(
+    ["truncate", "extend", "header", "table", "flip", "random", "container"]),
+    edge=st.sampled_from(["zero", "one", "max", "next", "previous", "random"]))
+def test_message_decoder_on_damaged_messages(seed, mutation, edge):
+    buf, expect, sizes = message(seed)
+    assert np.array_equal(_reencode(_decode(buf, expect), expect, sizes), buf)
+    rng = np.random.default_rng(seed + 1)
+    if mutation != "container":
+        bad = damaged(buf, expect, rng, mutation, edge)
     else:
         bad = {"zero": lambda: buf.view(np.int8), "one": lambda: buf.astype(np.float32),
                "max": lambda: buf.reshape(1, -1), "next": lambda: np.repeat(buf, 2)[::2],

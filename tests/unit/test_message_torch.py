@@ -4,7 +4,6 @@ bitwise the same encoding, and on valid, damaged and random messages the same de
 code has no device-specific branch."""
 from __future__ import annotations
 
-import struct
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from hvd_slim.wire import WireError, control
 from hvd_slim.wire import message as wm
 from hvd_slim.wire import message_torch as wt
 
-from test_fuzz_wire import ENTRY_FIELDS, HEADER_FIELDS, message
+from test_fuzz_wire import damaged, message
 
 WHO = "push from rank 2"
 
@@ -77,30 +76,7 @@ def test_the_tensor_encoder_writes_the_same_bytes(seed):
     edge=st.sampled_from(["zero", "one", "max", "next", "previous", "random"]))
 def test_damaged_messages_decode_identically(seed, mutation, edge):
     buf, expect, _ = message(seed)
-    rng = np.random.default_rng(seed + 1)
-    bad = buf.copy()
-    if mutation == "truncate":
-        bad = bad[:int(rng.integers(0, len(buf)))]
-    elif mutation == "extend":
-        bad = np.concatenate([bad, rng.integers(0, 256, int(rng.integers(1, 65)), np.uint8)])
-    elif mutation in ("header", "table"):
-        if mutation == "header":
-            off, fmt = HEADER_FIELDS[int(rng.integers(len(HEADER_FIELDS)))]
-        else:
-            off, fmt = ENTRY_FIELDS[int(rng.integers(len(ENTRY_FIELDS)))]
-            off += wm.HEADER.size + wm.ENTRY.size * int(rng.integers(len(expect)))
-        top = 2 ** (8 * struct.calcsize(fmt)) - 1
-        old = struct.unpack_from("<" + fmt, bad, off)[0]
-        new = {"zero": 0, "one": 1, "max": top, "next": old + 1, "previous": max(0, old - 1),
-               "random": int(rng.integers(0, top, endpoint=True, dtype=np.uint64))}[edge]
-        struct.pack_into("<" + fmt, bad, off, min(new, top))
-    elif mutation == "flip":
-        for p in rng.integers(0, len(bad), int(rng.integers(1, 5))):
-            bad[p] ^= int(rng.integers(1, 256))
-    else:
-        bad = rng.integers(0, 256, int(rng.integers(0, 300)), np.uint8)
-        if edge == "zero" and len(bad) >= 8:
-            bad[:8] = buf[:8]
+    bad = damaged(buf, expect, np.random.default_rng(seed + 1), mutation, edge)
     assert outcome(wt.decode, as_tensor(bad), expect) == outcome(wm.decode, bad, expect)
 
 

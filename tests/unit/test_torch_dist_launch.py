@@ -34,9 +34,10 @@ def free_port() -> int:
 
 
 def launch(scenario: str, ranks: List[int], world: int, timeout: float = 120.0,
-           transport_timeout: float = 60.0) -> Dict[int, str]:
-    """Start one worker per entry of ``ranks`` (RANK values, possibly wrong on purpose); return
-    each process's output by index. All are killed if any outlives ``timeout``."""
+           transport_timeout: float = 60.0, script: str = __file__) -> Dict[int, str]:
+    """Start one worker (``script`` run with ``scenario``) per entry of ``ranks`` (RANK values,
+    possibly wrong on purpose); return each process's output by index. All are killed if any
+    outlives ``timeout``."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(STRIP)}
     procs = []
@@ -44,7 +45,7 @@ def launch(scenario: str, ranks: List[int], world: int, timeout: float = 120.0,
         env = dict(base, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), HVD_SLIM_TRANSPORT_TIMEOUT=str(transport_timeout),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])))
-        procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=env, cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, script, scenario], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     outs: Dict[int, str] = {}

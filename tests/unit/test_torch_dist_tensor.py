@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
 from typing import Dict, List
 
@@ -15,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_torch_dist_launch import ROOT, STRIP, free_port, result
+from test_torch_dist_launch import launch as launch_workers
+from test_torch_dist_launch import result
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),
@@ -23,25 +23,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
 
 
 def launch(scenario: str, world: int, timeout: float = 150.0) -> Dict[int, str]:
-    port = free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith(STRIP)}
-    procs = []
-    for r in range(world):
-        env = dict(base, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), HVD_SLIM_TRANSPORT_TIMEOUT="60",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])))
-        procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    outs: Dict[int, str] = {}
-    try:
-        for i, p in enumerate(procs):
-            outs[i] = p.communicate(timeout=timeout)[0].decode(errors="replace")
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{scenario}: workers did not finish within {timeout:.0f}s (a hang)")
-    return outs
+    """This file's ``scenario`` at ranks 0..world-1, the torchrun way, under ``timeout``."""
+    return launch_workers(scenario, list(range(world)), world, timeout, script=__file__)
 
 
 def test_tensor_collectives_match_the_numpy_ones_at_three_ranks():

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from . import base
-from .base import LENGTH_BYTES, Transport, TransportError, as_payload, check_bound
-from .torch_frames import TensorFrames, _check_root
+from .base import Transport, TransportError, as_payload
+from .torch_frames import TensorFrames
 
 # Raised when a watch() deadline expires; plain TransportError where base has no deadlines.
 TransportTimeout = getattr(base, "TransportTimeout", TransportError)
@@ -48,22 +48,12 @@ TransportTimeout = getattr(base, "TransportTimeout", TransportError)
 BACKENDS = ("gloo", "nccl")
 
 
-def _frame(payload: np.ndarray, size: int) -> torch.Tensor:
-    """``payload`` framed to ``size`` payload bytes (plus the length word), as a CPU tensor."""
-    buf = torch.zeros(size + LENGTH_BYTES, dtype=torch.uint8)
-    view = buf.numpy()
-    view[:LENGTH_BYTES] = np.frombuffer(np.int64(len(payload)).astype("<i8").tobytes(), np.uint8)
-    view[LENGTH_BYTES:LENGTH_BYTES + len(payload)] = payload
-    return buf
-
-
-def _unframe(frame: np.ndarray, size: int, rank: int, op: str) -> np.ndarray:
-    """The payload inside a received frame; a length word outside [0, size] is a peer's bug."""
-    n = int(frame[:LENGTH_BYTES].view("<i8")[0])
-    if not 0 <= n <= size:
-        raise TransportError(f"{op}: the frame from rank {rank} announces {n} bytes, outside "
-                             f"[0, {size}]: the ranks disagree on the payload bound")
-    return frame[LENGTH_BYTES:LENGTH_BYTES + n]
+def _as_tensor(payload: Any) -> torch.Tensor:
+    """A checked numpy payload as a CPU uint8 tensor over the same memory."""
+    payload = as_payload(payload)
+    if not payload.flags.writeable:   # torch.from_numpy warns on read-only memory
+        payload = payload.copy()
+    return torch.from_numpy(payload)
 
 
 class TorchDistTransport(TensorFrames, Transport):
@@ -128,51 +118,16 @@ class TorchDistTransport(TensorFrames, Transport):
     # --- Transport ---------------------------------------------------------------------------
     def gather(self, payload: np.ndarray, root: int, bound: Optional[int] = None
                ) -> Optional[List[np.ndarray]]:
-        payload = as_payload(payload)
-        check_bound(payload, bound, self.rank, "gather")
-        _check_root(root, self.size)
-        extra = 0
-        if bound is None:  # no bound known: agree on the largest payload first
-            bound, extra = self._agree_max(len(payload)), LENGTH_BYTES
-        step = bound + LENGTH_BYTES
-        frame = self._to_device(_frame(payload, bound))
-        is_root = self.rank == root
-        out = torch.empty(self.size * step, dtype=torch.uint8, device=self.device) if is_root else None
-        parts = list(out.split(step)) if is_root else None
-        self._run("gather", dist.gather, frame, gather_list=parts, dst=root)
-        self.stats.record("gather", step + extra, (self.size * step if is_root else 0) + extra)
-        if not is_root:
-            return None
-        host = out.cpu().numpy()
-        return [_unframe(host[r * step:(r + 1) * step], bound, r, "gather")
-                for r in range(self.size)]
+        # The tensor collective does the framing, checks and counting; numpy is its host view.
+        out = self.gather_tensor(_as_tensor(payload), root, bound)
+        return None if out is None else [t.numpy() for t in out]
 
     def broadcast(self, payload: Optional[np.ndarray], root: int, bound: Optional[int] = None
                   ) -> np.ndarray:
-        _check_root(root, self.size)
         is_root = self.rank == root
-        if is_root:
-            payload = as_payload(payload)
-            check_bound(payload, bound, self.rank, "broadcast")
-        if bound is None:  # the length word first, then exactly the payload
-            n = torch.tensor([len(payload) if is_root else 0], dtype=torch.int64)
-            n = self._to_device(n)
-            self._run("broadcast", dist.broadcast, n, src=root)
-            length = int(n.item())
-            buf = torch.from_numpy(payload.copy()) if is_root else torch.empty(length, dtype=torch.uint8)
-            buf = self._to_device(buf)
-            if length:
-                self._run("broadcast", dist.broadcast, buf, src=root)
-            moved = length + LENGTH_BYTES
-            self.stats.record("broadcast", moved if is_root else 0, moved)
-            return buf.cpu().numpy()
-        frame = _frame(payload, bound) if is_root else torch.empty(bound + LENGTH_BYTES,
-                                                                   dtype=torch.uint8)
-        frame = self._to_device(frame)
-        self._run("broadcast", dist.broadcast, frame, src=root)
-        moved = bound + LENGTH_BYTES
-        self.stats.record("broadcast", moved if is_root else 0, moved)
-        return _unframe(frame.cpu().numpy(), bound, root, "broadcast").copy()
+        out = self.broadcast_tensor(_as_tensor(payload) if is_root else None, root, bound)
+        # The root gets its own payload back: a copy, so the caller's buffer is never aliased.
+        return out.numpy().copy() if is_root else out.numpy()
 
     def close(self) -> None:
         """Release the process group (once); later collectives raise TransportError."""

@@ -62,10 +62,8 @@ def validate(ex: Any, state: Any) -> None:
                              "velocity but this optimizer has none: load it with the same "
                              "optimizer (SGD momentum) and momentum_correction setting")
         _threshold(_entry(state, "selector", b.index), b.index)
-        fixed = not ex.cfg.warmup_steps
-        _core(state.get("core"), b.index, b.k_core if fixed else None, b.numel, "core")
-        _core(state.get("pull_core"), b.index, b.k_pull_core if fixed else None, b.numel,
-              "pull core")
+        _core(state.get("core"), b.index, _size(ex, b.k_core), b.numel, "core")
+        _core(state.get("pull_core"), b.index, _size(ex, b.k_pull_core), b.numel, "pull core")
     if ex.server is not None:
         _check_server(ex, state.get("server"))
     if not isinstance(state.get("stats", {}), dict):
@@ -132,6 +130,11 @@ def _threshold(d: dict, index: int) -> None:
                          "not a finite number")
 
 
+def _size(ex: Any, k: int) -> Optional[int]:
+    """A cached core's size: the bucket's ``k``, or any (None) when a warm-up changes it."""
+    return None if ex.cfg.warmup_steps else k
+
+
 def _core(table: Any, index: int, k: Optional[int], d: int, what: str) -> None:
     """An optional cached core: k sorted, distinct int64 indices in [0, d) (any k when None:
     during a warm-up a core's size follows its step's density)."""
@@ -157,12 +160,11 @@ def _check_server(ex: Any, srv: Any) -> None:
     if not isinstance(cores, list) or len(cores) != ex.size:
         n = len(cores) if isinstance(cores, list) else "?"
         raise ValueError(f"server checkpoint is from a job of {n} ranks, this job has {ex.size}")
-    fixed = not ex.cfg.warmup_steps
     for b in ex.layout.sparse:
         _tensor(_entry(srv, "memory", b.index), "residual", (b.numel,), b.dtype, b.index)
         _threshold(_entry(srv, "selector", b.index), b.index)
-        _core(srv.get("pull_core"), b.index, b.k_pull_core if fixed else None, b.numel,
+        _core(srv.get("pull_core"), b.index, _size(ex, b.k_pull_core), b.numel,
               "server pull core")
         for j, table in enumerate(cores):
-            _core(table, b.index, b.k_core if fixed else None, b.numel,
+            _core(table, b.index, _size(ex, b.k_core), b.numel,
                   f"server's copy of rank {j}'s core")

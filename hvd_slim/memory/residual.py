@@ -1,15 +1,12 @@
 """Residual (error-feedback) memory with optional momentum correction, for workers and the server.
 
 A worker's memory holds ``r``, everything it computed but has not sent, and, with momentum
-correction, ``u``, its local velocity. One step is ``compensate`` (fold the new gradient in and
-return what is available to send) followed by ``update`` (forget what was sent). The server uses
-the same class without momentum for its own residual ``e``.
-
-The exchange uses the speculative pair instead: ``propose`` computes the same ``a`` (and the new
-velocity) without touching the memory, and ``commit`` adopts them once every rank agreed on the
-step. A step that every rank skips (a NaN/Inf gradient somewhere) is simply never committed, so
-no residual ever absorbs a non-finite value and nothing changes. Bitwise, propose + commit equals
-compensate + update.
+correction, ``u``, its local velocity; the server uses the same class without momentum for its
+own residual ``e``. A step is speculative: ``propose`` (or ``propose_parts``) computes ``a``, the
+values available to send, and the new velocity without touching the memory; ``commit`` adopts
+them and forgets what was sent once every rank agreed on the step. A step that every rank skips
+(a NaN/Inf gradient somewhere) is simply never committed, so no residual ever absorbs a
+non-finite value and nothing changes. ``update`` forgets sent coordinates of the memory as it is.
 """
 from __future__ import annotations
 
@@ -35,7 +32,8 @@ class ResidualMemory:
         self.momentum = float(momentum)
         self.dampening = float(dampening)
         self.nesterov = bool(nesterov)
-        # ``residual`` doubles as the accumulator: after compensate it holds a = r + u.
+        # ``residual`` is r; a proposal's ``a`` lives in a buffer the caller hands over and becomes
+        # the residual at commit (the old buffer goes back to the caller as scratch).
         self.residual = torch.zeros(numel, dtype=dtype, device=device)
         self.velocity: Optional[torch.Tensor] = (
             torch.zeros(numel, dtype=dtype, device=device) if self.momentum > 0 else None)
@@ -46,19 +44,6 @@ class ResidualMemory:
     @property
     def numel(self) -> int:
         return self.residual.numel()
-
-    def compensate(self, grad: torch.Tensor) -> torch.Tensor:
-        """Fold ``grad`` into the memory and return ``a``, the values available to send.
-
-        The returned tensor is the memory's own buffer: ``update`` must follow before the next
-        ``compensate``. Bitwise the same ``a`` as :meth:`propose`.
-        """
-        self._check(grad)
-        a, u_new = self.propose_parts([(0, grad.numel(), grad)], torch.empty_like(self.residual))
-        if u_new is not None:
-            self._next_velocity, self.velocity = self.velocity, u_new
-        self.residual.copy_(a)
-        return self.residual
 
     def propose(self, grad: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Return ``(a, u_new)`` for ``grad`` without changing the memory.
@@ -129,8 +114,8 @@ class ResidualMemory:
 
         ``delivered`` are the values the receiver will actually see there (after lossy value
         compression such as fp16); what was lost in transit stays in the residual. None means
-        delivered exactly. ``mask_velocity=False`` keeps the velocity (``flush`` sends the
-        residual, not the momentum).
+        delivered exactly. ``mask_velocity=False`` keeps the velocity (``flush`` and dense
+        warm-up steps send the residual, not the momentum).
         """
         r = self.residual
         if sent is None:
@@ -147,13 +132,6 @@ class ResidualMemory:
             r.index_put_((sent,), r.index_select(0, sent) - delivered)
         if self.velocity is not None:
             self.velocity.index_fill_(0, sent, 0)
-
-    def take(self) -> torch.Tensor:
-        """Return a copy of the whole residual and zero it (``flush``). The velocity is kept:
-        it is future momentum, not unsent gradient."""
-        out = self.residual.clone()
-        self.residual.zero_()
-        return out
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         state = {"residual": self.residual.clone()}

@@ -3,7 +3,6 @@ report: the plan and its jobs, the mpirun options, examples/mnist.py's spec flag
 of ``training.fit`` and the tables. Nothing here needs a network namespace or MPI."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -26,13 +25,7 @@ from benchmarks import netem  # noqa: E402
 from topk import TopKOptimizer  # noqa: E402
 
 
-def _load_convergence():
-    spec = importlib.util.spec_from_file_location(
-        "hvd_slim_convergence_net", os.path.join(ROOT, "benchmarks", "convergence.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from test_examples import _load_convergence  # noqa: E402
 
 conv = _load_convergence()
 

@@ -11,6 +11,8 @@ from hvd_slim.exchange import ExchangeError, Layout, SlimExchange
 from hvd_slim.transport import run_ranks
 from hvd_slim.wire.indices import index_bytes_bound
 
+from test_reliability_mismatch import first_step_error
+
 SHAPES = {"conv.weight": (20, 10, 5, 5), "fc.weight": (30, 200), "fc.bias": (30,),
           "norm.weight": (30,)}
 
@@ -194,20 +196,13 @@ def test_fp16_values_keep_their_rounding_error_in_the_residual():
 def test_mismatched_model_fails_on_every_rank_without_hanging():
     config = SlimConfig(density=0.01, min_compress_numel=1000)
 
-    def rank_fn(rank, transport):
+    def make(rank):
         named = make_params()
         if rank == 1:
             named[1] = ("fc.weight", torch.nn.Parameter(torch.zeros(31, 200)))
-        ex = SlimExchange(Layout(named, config, lambda dt: dt), config, transport)
-        for _, p in named:
-            p.grad = torch.ones_like(p)
-        try:
-            ex.step()
-        except ExchangeError as exc:
-            return str(exc)
-        return None
+        return named, config, lambda dt: dt
 
-    msgs = run_ranks(3, rank_fn)
+    msgs = first_step_error(3, make)
     assert all(m is not None and "rank 1" in m and "digest" in m for m in msgs), msgs
     assert len(set(msgs)) == 1
 

@@ -1,4 +1,4 @@
-"""Horovod-shaped tensor collectives: reduce ops, ``Compression``, allreduce / allgather /
+"""Horovod-shaped tensor collectives: reduce ops, allreduce / allgather /
 broadcast with their async and in-place variants, ``poll`` and ``synchronize``.
 
 Collectives run eagerly over MPI on the job communicator; ``*_async`` calls complete before they
@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from .compression import Compression
 from .runtime import basics
 from .runtime.api_timeout import operation
 from .runtime.checks import agree, check_root_rank, check_tensor_args, label
@@ -27,50 +28,6 @@ Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _MPI_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 _HALF = (torch.float16, torch.bfloat16)
 _REDUCIBLE = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64)
-
-
-class Compressor:
-    """Horovod's compressor interface: ``compress(tensor) -> (tensor, ctx)`` before a collective,
-    ``decompress(tensor, ctx) -> tensor`` after it; ``ctx`` never leaves the rank."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Sends the tensor unchanged."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor
-
-
-class FP16Compressor(Compressor):
-    """Casts floating-point tensors to float16 for the wire and back; other dtypes pass through."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        return (tensor.to(torch.float16) if tensor.dtype.is_floating_point else tensor), tensor.dtype
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor.to(ctx) if ctx is not None and ctx.is_floating_point else tensor
-
-
-class Compression:
-    """The built-in compressors: ``Compression.none`` and ``Compression.fp16``."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
 
 
 # ---- validation ---------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
     op_name = _check_horovod_args(backward_passes_per_step, op, gradient_predivide_factor,
                                   num_groups, groups, process_set)
     if compression is None:
-        from .collectives import Compression
+        from .compression import Compression
         compression = Compression.none
     for attr in ("compress", "decompress"):
         if not callable(getattr(compression, attr, None)):

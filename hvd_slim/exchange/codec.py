@@ -65,7 +65,7 @@ Modes = Dict[int, Optional[Tuple[int, int]]]
 class BoundedExpect(wm.Expect):
     """An :class:`~hvd_slim.wire.message.Expect` that also knows the most coordinates an
     explicit section (mode None in ``modes``) can carry here, so :func:`message_bound` need not
-    assume d. Decoding reads only the base fields and still accepts any count up to d."""
+    assume d, and decoding refuses a section holding more."""
 
     most_explicit: Optional[int] = None
 

@@ -283,10 +283,13 @@ class _Plan:
 
 
 def decode_pull(layout: Layout, cfg: SlimConfig, buf: Any, step: int, digest: int,
-                flush: bool = False, wire: Optional[HostPath] = None) -> List[wm.Section]:
+                flush: bool = False, wire: Optional[HostPath] = None,
+                size: Optional[int] = None) -> List[wm.Section]:
     """A worker's strict decode of the server's pull (numpy, or a tensor with ``wire`` the
-    device path)."""
-    expect = pull_expect(layout.at_step(step), step, cfg.refresh_interval, cfg.pull, flush)
+    device path). With the world ``size``, a union pull may hold at most ``size * k``
+    coordinates a bucket (what the workers could have pushed)."""
+    expect = pull_expect(layout.at_step(step), step, cfg.refresh_interval, cfg.pull, flush,
+                         size=size)
     return (wire or HostPath()).decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
                                        sender=cfg.server_rank, step=step, digest=digest,
                                        expect=expect, who="pull from the server")

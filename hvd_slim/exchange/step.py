@@ -182,7 +182,8 @@ class SlimExchange(WorkerSide):
                     self.wire.host(buf), kind=wm.SKIP, sender=self.cfg.server_rank, step=t,
                     digest=self.digest, who=who)
                 return None
-            sections = decode_pull(self.layout, self.cfg, buf, t, self.digest, flush, self.wire)
+            sections = decode_pull(self.layout, self.cfg, buf, t, self.digest, flush, self.wire,
+                                   self.size)
         except wm.RemoteError as exc:
             if exc.code == wm.E_NONFINITE:
                 raise NonFiniteGradientError(str(exc)) from None

@@ -226,9 +226,13 @@ def read_table(meta: np.ndarray, length: int, *, kind: int, sender: int, step: i
                             f"allowed here: {allowed}")
         want = ex.modes[mode]
         if want is None:
-            if count != n_idx or count > ex.d:
+            # An Expect may know fewer coordinates than d can arrive (a union pull holds at
+            # most what the workers pushed): more means a corrupt or foreign message.
+            most = getattr(ex, "most_explicit", None)
+            most = ex.d if most is None else min(int(most), ex.d)
+            if count != n_idx or count > most:
                 raise WireError(f"{who}: bucket {i}: {count} values for {n_idx} explicit indices "
-                                f"(d={ex.d}); they must be equal and at most d")
+                                f"(d={ex.d}); they must be equal and at most {most}")
         elif (count, n_idx) != tuple(want):
             raise WireError(f"{who}: bucket {i} ({MODE_NAMES[mode]}): {count} values and {n_idx} "
                             f"indices, expected {want[0]} and {want[1]}")

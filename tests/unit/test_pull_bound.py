@@ -59,9 +59,50 @@ def test_union_bound_is_the_pushed_coordinates_not_dense(size):
     assert tight < 0.1 * dense_bound(layout), (tight, dense_bound(layout))
     # Without the world size nothing is known: the dense bound, as before.
     assert message_bound(pull_expect(layout.buckets, 0, 1, "union")) == dense_bound(layout)
-    # The decoder's contract is unchanged: an explicit section of any count up to d.
+    # The modes are unchanged: explicit indices or dense (the count limit is tested below).
     assert [ex.modes for ex in pull_expect(layout.buckets, 0, 1, "union", size=size)] == \
         [ex.modes for ex in pull_expect(layout.buckets, 0, 1, "union")]
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_a_union_pull_with_more_than_the_pushed_coordinates_is_refused(path):
+    """The bound is also a check: an explicit section over more than ``size * k`` coordinates
+    cannot come from this job's server, so decoding it fails, naming the bucket and the limit."""
+    from hvd_slim.wire import message_torch as wt
+    size = 2
+    config = SlimConfig(density=0.01, pull="union", min_compress_numel=1000)
+    _, layout = layout_for(config)
+    expect = pull_expect(layout.buckets, 0, 1, "union", size=size)
+    (sparse_at,) = [i for i, b in enumerate(layout.buckets) if b in layout.sparse]
+    most = size * layout.buckets[sparse_at].k
+
+    def message(n):
+        sections, sizes = [], []
+        for i, b in enumerate(layout.buckets):
+            idx = np.arange(n, dtype=np.int64) * 3 if i == sparse_at else None
+            vals = np.ones(n if i == sparse_at else b.numel, np.float32)
+            if path == "numpy":
+                sections.append(wm.make_section(wm.M_EXPLICIT if i == sparse_at else wm.M_DENSE,
+                                                vals, b.numel, indices=idx))
+            else:
+                sections.append(wt.make_section(
+                    wm.M_EXPLICIT if i == sparse_at else wm.M_DENSE, torch.from_numpy(vals),
+                    b.numel, None if idx is None else torch.from_numpy(idx)))
+            sizes.append(4)
+        enc = wm.encode if path == "numpy" else \
+            lambda *a: wt.encode(*a, torch.device("cpu"))
+        return enc(wm.PULL, 0, 0, 7, sections, sizes)[0]
+
+    dec = wm.decode if path == "numpy" else wt.decode
+    kw = dict(kind=wm.PULL, sender=0, step=0, digest=7, expect=expect, who="pull from rank 0")
+    got = dec(message(most), **kw)
+    assert len(got[sparse_at].indices) == most
+    with pytest.raises(wm.WireError, match=rf"pull from rank 0: bucket {sparse_at}: "
+                                           rf"{most + 1} values .* at most {most}"):
+        dec(message(most + 1), **kw)
+    # Without the world size, any count up to d is accepted, as before.
+    loose = pull_expect(layout.buckets, 0, 1, "union")
+    assert len(dec(message(most + 1), **{**kw, "expect": loose})[sparse_at].indices) == most + 1
 
 
 def test_union_bound_caps_at_dense_when_the_workers_cover_everything():

@@ -92,10 +92,10 @@ def free_port() -> int:
 
 def mpirun_argv(args: argparse.Namespace, peers: List[str], out: str, port: int,
                 pingpong: int) -> List[str]:
-    """Open MPI's TCP transport over ``lo`` only: shared memory would bypass the shaping."""
+    """Open MPI's TCP transport over ``lo`` only (netem.MPI_ARGS), on every network: shared
+    memory would bypass the shaping, and the loopback runs stay comparable with the shaped ones."""
     return ["mpirun", "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
-            "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
-            "--mca", "oob_tcp_if_include", "lo",
+            *netem.MPI_ARGS,
             # Ranks waiting in MPI yield the core to ranks still computing (4 ranks, 2 cores).
             "--mca", "mpi_yield_when_idle", "1",
             "-x", f"HVDSLIM_BENCH_PORT={port}", "-x", "OMP_NUM_THREADS", "-x", "GLOO_SOCKET_IFNAME",

@@ -19,12 +19,13 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 PULL_MODES = ("slim", "union")
 OPS = ("average", "sum")
 NONFINITE_MODES = ("raise", "skip", "propagate")
+ADAM_VARIANCE_MODES = ("auto", "rescaled", "live")
 ENV_PREFIX = "HVD_SLIM_"
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
 ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
-                "warmup_decay_steps")
+                "warmup_decay_steps", "adam_variance")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -91,8 +92,11 @@ class SlimConfig:
     # --- warm-up (DGC-style; see densities_at) ------------------------------------------------
     warmup_dense_steps: int = 0        # the first exchange steps are an exact dense average
     warmup_decay_steps: int = 0        # then both densities decay geometrically to their targets
-    # --- memory ------------------------------------------------------------------------------
+    # --- the wrapped optimizer -----------------------------------------------------------------
     momentum_correction: Optional[bool] = None  # None = on for SGD with momentum > 0
+    # Adam/AdamW: "rescaled" feeds exp_avg_sq each delivered value as per-step means of the steps
+    # it sums (inner/adam.py); "live": Adam's own step on the bursts; "auto": rescaled for Adam
+    adam_variance: str = "auto"
     # --- server and reduction ----------------------------------------------------------------
     pull: str = "slim"                 # "slim": server keeps a residual; "union": exact union
     server_rank: int = 0               # rank that aggregates pushes (it is also a worker)
@@ -129,7 +133,8 @@ class SlimConfig:
         if self.momentum_correction not in (None, True, False):
             raise ConfigError(f"momentum_correction must be True, False or None (auto), "
                               f"got {self.momentum_correction!r}", "momentum_correction")
-        for name, allowed in (("pull", PULL_MODES), ("op", OPS), ("nonfinite", NONFINITE_MODES)):
+        for name, allowed in (("pull", PULL_MODES), ("op", OPS), ("nonfinite", NONFINITE_MODES),
+                              ("adam_variance", ADAM_VARIANCE_MODES)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}",
                                   name)
@@ -219,7 +224,7 @@ def _parse_env(name: str, text: str) -> Any:
     var = ENV_PREFIX + name.upper()
     t = text.strip()
     try:
-        if name in ("pull", "nonfinite"):
+        if name in ("pull", "nonfinite", "adam_variance"):
             return t.lower()
         if name == "timeout" and t.lower() in ("none", "off", "never", ""):
             return None
@@ -256,7 +261,8 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "an integer >= 0", "server_rank": "an integer rank", "seed": "an integer >= 0",
               "timeout": "seconds > 0, or 0/none to wait forever", "density": "a number in (0, 1]",
               "exploration": "a number in [0, 1]", "magnitude_weight": "a number >= 0",
-              "warmup_dense_steps": "an integer >= 0", "warmup_decay_steps": "an integer >= 0"}
+              "warmup_dense_steps": "an integer >= 0", "warmup_decay_steps": "an integer >= 0",
+              "adam_variance": "auto, rescaled or live"}
 
 
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None

@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from .exchange import SPARSE, Layout, SlimExchange
+from .inner import adam
 from .wrapping import (SlimSettings, momentum_plan, named_parameter_list, resolve_settings,
                        wire_dtype_fn)
 
@@ -48,6 +49,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._mc_params = {id(p) for b in self._layout.sparse if b.index in plan
                            for p in b.params()}
         self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
+        self._rescaled_params = adam.rescaled_parameters(self, self._layout, settings.config)
         self._exchange = SlimExchange(self._layout, settings.config, settings.transport, plan)
         self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
         self._pending = set()
@@ -143,13 +145,18 @@ class _SlimOptimizer(torch.optim.Optimizer):
 
     def _inner_step(self, closure, only_sparse: bool):
         """The wrapped optimizer's step. With momentum correction the compressed parameters are
-        stepped without the optimizer's own momentum (the exchange already applied it)."""
-        if not self._mc_params and not only_sparse:
+        stepped without the optimizer's own momentum (the exchange already applied it); under
+        Adam they are stepped by inner/adam.py (adam_variance="rescaled") once the dense
+        warm-up, if any, is over."""
+        rescaled = self._rescaled_params if self._exchange.step_count > \
+            self._settings.config.warmup_dense_steps else set()
+        if not self._mc_params and not only_sparse and not rescaled:
             return super(self.__class__, self).step(closure)
         saved = self.param_groups
         view = []
         for g in saved:
             plain = [p for p in g["params"] if id(p) not in self._mc_params
+                     and id(p) not in rescaled
                      and (not only_sparse or id(p) in self._sparse_params)]
             corrected = [p for p in g["params"] if id(p) in self._mc_params]
             if plain:
@@ -159,9 +166,14 @@ class _SlimOptimizer(torch.optim.Optimizer):
                              "nesterov": False})
         self.param_groups = view
         try:
-            return super(self.__class__, self).step(closure)
+            out = super(self.__class__, self).step(closure)
         finally:
             self.param_groups = saved
+        for g in saved:
+            params = [p for p in g["params"] if id(p) in rescaled]
+            if params:
+                adam.step(g, params, self.state)
+        return out
 
     # --- Slim-DP extras ----------------------------------------------------------------------
     def flush(self) -> None:
@@ -259,7 +271,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     Slim-DP keywords: ``density``, ``exploration``, ``refresh_interval``, ``magnitude_weight``,
     ``momentum_correction``, ``pull``, ``pull_density``, ``min_compress_numel``, ``server_rank``,
     ``seed``, ``warmup_dense_steps`` and ``warmup_decay_steps`` (dense first steps, then a
-    geometric decay to the densities), ``nonfinite`` ("raise" | "skip" | "propagate": what a
+    geometric decay to the densities), ``adam_variance`` ("auto" | "rescaled" | "live": for Adam
+    and AdamW, feed the second moment per-step values, inner/adam.py), ``nonfinite`` ("raise" | "skip" | "propagate": what a
     NaN/Inf gradient does) and ``timeout`` (seconds a rank waits in the exchange before
     failing; 0 waits forever); each not given reads ``HVD_SLIM_<NAME>`` from the environment,
     then its default. ``transport``: ``"mpi"``, ``"gloo"``, ``"nccl"`` or ``"auto"`` (default

@@ -16,6 +16,10 @@ import torch
 from ..config import RESUMABLE_FIELDS
 from .describe import config_difference, param_difference, params_of
 
+# Config fields added after checkpoint version 2: a checkpoint without them is read as having
+# their defaults, so it still loads.
+NEW_FIELDS = ("adam_variance",)
+
 VERSION = 2
 FIX_RANK = ("Residuals are per rank: save every rank's optimizer.state_dict() (e.g. to "
             "f'ckpt-{hvd.rank()}.pt') and load each rank's own; for one shared file, call "
@@ -87,6 +91,10 @@ def load(ex: Any, state: dict) -> None:
 def _check_same_exchange(ex: Any, state: dict) -> None:
     """Same model (by layout description when saved, else by digest) and same settings."""
     saved_cfg = state.get("config")
+    if isinstance(saved_cfg, dict):
+        # Fields added since the checkpoint was written hold their defaults, as they did then.
+        saved_cfg = {**{k: v for k, v in type(ex.cfg)().to_dict().items() if k in NEW_FIELDS},
+                     **saved_cfg}
     cfg_diff = config_difference({"in the checkpoint": saved_cfg, "now": ex.cfg.to_dict()},
                                  _where, ignore=RESUMABLE_FIELDS)
     if cfg_diff:

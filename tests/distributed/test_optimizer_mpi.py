@@ -105,6 +105,37 @@ def test_density_one_matches_mpi_allreduce_averaging():
     assert torch.allclose(flat(model), flat(ref), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_adam_density_one_matches_mpi_allreduce_averaging(cls):
+    """The parity test for Adam and AdamW (density 1.0 sends every bucket dense, so the
+    wrapped optimizer's own step runs on the exact average)."""
+    model, ref = Net(), Net()
+    opt = wrap(model, opt=cls(model.parameters(), lr=1e-3, weight_decay=0.01), density=1.0)
+    ref_opt = cls(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    for t in range(10):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+        dense_step(ref, ref_opt, t)
+    assert torch.allclose(flat(model), flat(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_adam_at_one_percent_keeps_replicas_identical():
+    """After 3 dense warm-up steps hvd_slim steps the compressed parameters itself
+    (inner/adam.py): parameters and Adam's state stay bitwise equal on every rank."""
+    model = Net()
+    opt = wrap(model, opt=torch.optim.Adam(model.parameters(), lr=1e-3), density=0.01,
+               warmup_dense_steps=3)
+    for t in range(20):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+    assert_same_on_every_rank(flat(model))
+    states = [opt.state[p]["exp_avg_sq"].reshape(-1) for p in model.parameters()]
+    assert_same_on_every_rank(torch.cat(states))
+    assert any("last_delivery" in opt.state[p] for p in model.parameters())
+
+
 def test_conservation_at_one_percent():
     """op=Sum: everything pulled + the server's residual + every worker's residual equals the
     sum over ranks and steps of every gradient computed."""

@@ -123,6 +123,7 @@ BAD_ENV = [
     ("timeout", "-1"), ("timeout", "soon"),
     ("warmup_dense_steps", "-1"), ("warmup_dense_steps", "2.5"),
     ("warmup_decay_steps", "-2"), ("warmup_decay_steps", "later"),
+    ("adam_variance", "frozen"),
 ]
 
 
@@ -149,7 +150,8 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
     good = {"density": 0.05, "exploration": 0.2, "refresh_interval": 1, "magnitude_weight": 0.0,
             "momentum_correction": None, "pull": "union", "pull_density": 0.05,
             "min_compress_numel": 100, "server_rank": 1, "seed": 4, "nonfinite": "skip",
-            "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20}[name]
+            "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
+            "adam_variance": "live"}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

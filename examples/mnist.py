@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import load_dataset, make_model  # noqa: E402
-from training import (METHODS, HorovodMissing, Schedule, fit, runtime_for,  # noqa: E402
-                      wrap_optimizer)
+from training import (METHODS, HorovodMissing, Schedule, fit, make_inner,  # noqa: E402
+                      runtime_for, wrap_optimizer)
 
 # Per-dataset defaults: MNIST as in `make demo`; MNIST-1D trains a small MLP for many short
 # epochs (about 75 steps each at 4 ranks), so its sweeps take seconds.
@@ -50,7 +50,9 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help=f"default {d['lr']}")
     p.add_argument("--lr-schedule", choices=("constant", "cosine", "step"), default=None,
                    help=f"default {d['schedule']}")
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="the wrapped optimizer (adam: torch.optim.Adam; pass --lr too, e.g. 1e-3)")
+    p.add_argument("--momentum", type=float, default=0.9, help="for sgd")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--train-subset", type=int, default=None, metavar="N",
                    help="train on the first N training examples only")
@@ -70,6 +72,8 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
                    help="first optimizer steps exchanged dense (exactly dense momentum SGD)")
     s.add_argument("--warmup-decay-steps", type=int, default=None,
                    help="then the densities fall geometrically to --density over this many steps")
+    s.add_argument("--adam-variance", choices=("auto", "rescaled", "live"), default=None,
+                   help="with --optimizer adam: how Adam's second moment sees sparse deliveries")
     return p
 
 
@@ -77,7 +81,7 @@ def slim_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """Only the Slim-DP keywords given on the command line (so HVD_SLIM_* still apply)."""
     out: Dict[str, Any] = {}
     for key in ("pull", "pull_density", "exploration", "refresh_interval", "magnitude_weight",
-                "warmup_dense_steps", "warmup_decay_steps"):
+                "warmup_dense_steps", "warmup_decay_steps", "adam_variance"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     if args.momentum_correction is not None:
@@ -88,20 +92,21 @@ def slim_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
 _SLIM_FLAGS = {"pull": "--pull", "pull_density": "--pull-density", "exploration": "--exploration",
                "refresh_interval": "--refresh-interval", "magnitude_weight": "--magnitude-weight",
                "warmup_dense_steps": "--warmup-dense-steps",
-               "warmup_decay_steps": "--warmup-decay-steps"}
+               "warmup_decay_steps": "--warmup-decay-steps", "adam_variance": "--adam-variance"}
 
 
 def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:
     """This script's flags for one examples/sweep.py run spec (the convergence study runs
     ``--method horovod`` specs this way). Raises ValueError for what the flags cannot say."""
-    unsupported = {k: spec[k] for k in ("dense_warmup_steps", "optimizer", "lr_via")
-                   if spec.get(k) not in (None, 0, "sgd", "optimizer")}
+    unsupported = {k: spec[k] for k in ("dense_warmup_steps", "lr_via")
+                   if spec.get(k) not in (None, 0, "optimizer")}
     if unsupported:
         raise ValueError(f"examples/mnist.py cannot run {unsupported}; use examples/sweep.py")
     argv = ["--dataset", spec["dataset"], "--method", spec["method"],
             "--density", repr(float(spec.get("density", 1.0))), "--epochs", str(spec["epochs"]),
             "--batch-size", str(spec["batch_size"]), "--lr", repr(float(spec["lr"])),
-            "--lr-schedule", spec["schedule"], "--momentum", repr(float(spec.get("momentum", 0.9))),
+            "--lr-schedule", spec["schedule"], "--optimizer", spec.get("optimizer", "sgd"),
+            "--momentum", repr(float(spec.get("momentum", 0.9))),
             "--seed", str(spec["seed"]), "--evals-per-epoch", str(spec.get("evals_per_epoch", 1)),
             "--no-progress", "--json", json_path]
     if spec.get("train_subset"):
@@ -140,7 +145,7 @@ def main(argv: Optional[List[str]] = None, dataset: str = "mnist") -> int:
 
     torch.manual_seed(args.seed)  # rank 0's initial weights are broadcast to every rank
     model = make_model(args.dataset)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = make_inner(args.optimizer, model, args.lr, args.momentum)
     opt = wrap_optimizer(args.method, hvd, opt, model, args.density, slim_kwargs(args))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     if hasattr(opt, "synchronize"):  # the Horovod-protocol wrappers; topk has no state to sync

@@ -83,8 +83,11 @@ def test_mnist_runs_a_horovod_spec_with_the_same_settings():
     args = mnist.build_parser().parse_args(mnist.spec_argv(slim, "o.json"))
     assert mnist.slim_kwargs(args) == {"pull_density": 0.004, "momentum_correction": False,
                                        "warmup_dense_steps": 23, "warmup_decay_steps": 47}
+    adam = dict(slim, optimizer="adam", slim={"adam_variance": "live"})
+    args = mnist.build_parser().parse_args(mnist.spec_argv(adam, "o.json"))
+    assert args.optimizer == "adam" and mnist.slim_kwargs(args) == {"adam_variance": "live"}
     with pytest.raises(ValueError, match="sweep"):
-        mnist.spec_argv(dict(spec, optimizer="adam"), "o.json")
+        mnist.spec_argv(dict(spec, lr_via="loss"), "o.json")
     line = mnist.spec_result(spec, {"world_size": 4, "seconds": 9.0, "epochs": [{"epoch": 1}]})
     assert line["key"] == spec["key"] and line["records"] == [{"epoch": 1}]
 

@@ -123,6 +123,19 @@ def test_mnist_passes_only_the_slim_keywords_given():
     assert mnist.slim_kwargs(mnist.build_parser().parse_args([])) == {}
 
 
+def test_convergence_adam_group_compares_each_adam_setting_with_dense_adam():
+    conv = _load_convergence()
+    plan = conv.build_plan(["mnist"], ["adam"], [0], 4)
+    assert all(s["optimizer"] == "adam" and s["lr"] == 1e-3 for s in plan)
+    assert all(s["config"].endswith("adam") for s in plan)   # report: "dense adam" reference
+    by = {s["config"]: s for s in plan}
+    assert by["slim d=0.001 live-variance adam"]["slim"] == {"adam_variance": "live"}
+    assert by["slim d=0.01 adam"]["slim"] == {}
+    steps = 2 * math.ceil(15000 / 64)
+    assert by["slim d=0.01 warm-up 5% dense + 10% decay adam"]["slim"] == {
+        "warmup_dense_steps": int(0.05 * steps), "warmup_decay_steps": int(0.1 * steps)}
+
+
 def test_convergence_plan_is_the_issue_grid():
     conv = _load_convergence()
     plan = conv.build_plan(["mnist", "mnist1d"], ["grid"], [0, 1, 2], 4)

@@ -14,7 +14,10 @@ Groups of runs (each config x each seed x each dataset):
   for 4 steps, magnitude weight 0.1, a 4x denser pull, a dense warm-up over the first 10% of
   the steps (emulated outside hvd_slim: examples/training.py ``DenseWarmup``), hvd_slim's own
   warm-up (``warmup_dense_steps``: the first 10% dense; and 5% dense then a geometric decay over
-  the next 10%); and Adam, for dense and slim.
+  the next 10%).
+* ``adam``: dense Adam, and hvd_slim under Adam at both densities: the default
+  (``adam_variance="rescaled"``), Adam's own step on the bursts (``"live"``), and the default
+  after hvd_slim's warm-up (5% dense, 10% decay).
 * ``schedule``: dense and slim with a constant LR instead of the cosine decay, and with the
   cosine applied by scaling the loss instead of the LR (``training.Schedule``'s ``via``).
 * ``longer``: dense and slim trained for twice the epochs (MNIST: 4).
@@ -95,8 +98,17 @@ def configs(group: str) -> List[Config]:
                      ("warm-up 5% dense + 10% decay", {}, {"slim_warmup_fraction": (0.05, 0.1)})]
             out += [(f"slim d={d:g} {label}", "slim", d, slim, extra)
                     for label, slim, extra in knobs]
-        # Adam (momentum correction is SGD-only), against dense Adam ("... adam" rows).
-        return out + _paired("adam", {"optimizer": "adam", "lr": 1e-3})
+        return out
+    if group == "adam":  # against dense Adam (rows ending in "adam"; report.REFERENCE_TAGS)
+        adam: Dict[str, Any] = {"optimizer": "adam", "lr": 1e-3}
+        out = [("dense adam", "dense", 1.0, {}, adam)]
+        for d in (0.01, 0.001):
+            out += [(f"slim d={d:g} adam", "slim", d, {}, adam),   # adam_variance="rescaled"
+                    (f"slim d={d:g} live-variance adam", "slim", d, {"adam_variance": "live"},
+                     adam),
+                    (f"slim d={d:g} warm-up 5% dense + 10% decay adam", "slim", d, {},
+                     dict(adam, slim_warmup_fraction=(0.05, 0.1)))]
+        return out
     if group == "schedule":  # a constant LR instead of cosine; the cosine applied via the loss
         return (_paired("constant-LR", {"schedule": "constant"})
                 + _paired("cosine-in-loss", {"lr_via": "loss"}))
@@ -263,7 +275,7 @@ def main() -> None:
                    help="full: 3 seeds, both datasets; quick: seed 0, MNIST-1D only")
     p.add_argument("--datasets", default=None, help="comma-separated: mnist,mnist1d")
     p.add_argument("--groups", default="grid,baselines",
-                   help="comma-separated: grid,baselines,ablation,schedule,longer,time")
+                   help="comma-separated: grid,baselines,ablation,adam,schedule,longer,time")
     p.add_argument("--seeds", default=None, help="comma-separated, default 0,1,2")
     p.add_argument("--np", type=int, default=4, dest="np_")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "convergence"))

@@ -23,7 +23,7 @@ from time_to_accuracy import points as _points  # noqa: E402
 
 Runs = List[Dict[str, Any]]
 REFERENCE_TAGS = ("adam", "constant-LR", "cosine-in-loss", "4-epochs")  # rows whose dense reference differs in that way
-GROUP_ORDER = ("grid", "baselines", "ablation", "schedule", "longer")  # the study's row groups, in table order
+GROUP_ORDER = ("grid", "baselines", "ablation", "adam", "schedule", "longer")  # the study's row groups, in table order
 
 
 def _mean_std(xs: List[float]) -> tuple[float, float]:

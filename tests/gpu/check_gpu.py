@@ -3,7 +3,8 @@
 
 Per transport: replicas stay bitwise identical over 20 steps at density 0.01; ``density=1.0``
 equals the dense average (mpi4py's Allreduce on host copies, independent of hvd_slim) to 1e-5;
-``flush()`` zeroes every residual and lands on the closed form. On NCCL: no device-to-host copy
+``flush()`` zeroes every residual and lands on the closed form; Adam on sparse deliveries
+keeps replicas and its state identical. On NCCL: no device-to-host copy
 of payload size happens in a step (tests/gpu/host_copies.py counts them). Plus: ``auto`` picks NCCL for CUDA
 parameters, and mixed CPU/CUDA parameters or NCCL for CPU parameters are refused clearly.
 
@@ -128,6 +129,29 @@ def check_flush_lands_on_the_closed_form(transport: str) -> str:
     return f"max diff {diff:.2e}"
 
 
+def check_adam_on_sparse_deliveries(transport: str) -> str:
+    """Adam's compressed parameters stepped by hvd_slim/inner/adam.py on the device: replicas
+    and Adam's state stay bitwise equal, and the delivery clock lives on the parameters'
+    device."""
+    model = Net().to(device())
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                   named_parameters=model.named_parameters(),
+                                   transport=transport, min_compress_numel=1000, density=0.01)
+    assert opt._rescaled_params, "no parameter took the rescaled Adam path"
+    for t in range(15):
+        opt.zero_grad()
+        loss(model, t).backward()
+        opt.step()
+    state = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in model.parameters()])
+    both = torch.cat([flat(model), state.cpu()])
+    digests = hvd.allgather_object(hashlib.sha256(both.numpy().tobytes()).hexdigest())
+    assert len(set(digests)) == 1, f"replicas or Adam states differ: {digests}"
+    clocks = [opt.state[p]["last_delivery"] for p in model.parameters()
+              if "last_delivery" in opt.state[p]]
+    assert clocks and all(c.device == device() for c in clocks)
+    return f"{len(clocks)} tensors on the rescaled path"
+
+
 class WideNet(torch.nn.Module):
     """Payload sections far larger than any metadata read: 65k compressed coordinates, so a
     push carries about 650 values (2.6 KB) and their indices."""
@@ -200,7 +224,7 @@ def check_bad_device_combinations_are_refused(_: str) -> str:
 
 
 PER_TRANSPORT = [check_replicas_identical, check_density_one_is_the_dense_average,
-                 check_flush_lands_on_the_closed_form]
+                 check_flush_lands_on_the_closed_form, check_adam_on_sparse_deliveries]
 # Transports on which the device path keeps payloads off the host: NCCL (and Gloo on CPU tensors).
 DEVICE_RESIDENT = {"nccl", "gloo"} if ON_CPU else {"nccl"}
 

@@ -24,7 +24,7 @@ from mpi_launch import run_mpi, tail  # noqa: E402
 SCRIPT = ROOT / "tests" / "gpu" / "check_gpu.py"
 TIMEOUT = float(os.environ.get("HVD_SLIM_GPU_TIMEOUT", "150"))
 PER_TRANSPORT = ["check_replicas_identical", "check_density_one_is_the_dense_average",
-                 "check_flush_lands_on_the_closed_form"]
+                 "check_flush_lands_on_the_closed_form", "check_adam_on_sparse_deliveries"]
 HOST_COPIES = "check_no_payload_goes_through_the_host"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
 

@@ -82,6 +82,9 @@ def step(group: Dict[str, Any], params: Iterable[torch.Tensor],
     for p in params:
         if p.grad is None:
             continue
+        if p.is_complex():
+            raise ValueError("hvd_slim: adam_variance='rescaled' does not support complex "
+                             "parameters; pass adam_variance='live'")
         st = _state(p, state.setdefault(p, {}), amsgrad)
         raw = p.grad.neg() if group.get("maximize", False) else p.grad
         if isinstance(st["step"], torch.Tensor):
@@ -89,7 +92,9 @@ def step(group: Dict[str, Any], params: Iterable[torch.Tensor],
         else:
             st["step"] = st["step"] + 1
         t = _scalar(st["step"])
-        hit = raw.reshape(-1).nonzero().reshape(-1)     # the delivered coordinates
+        # The delivered coordinates, as per-dimension indices: the state may be laid out
+        # differently from the gradient (channels_last), so nothing is flattened.
+        hit = raw.nonzero(as_tuple=True)
         g = raw
         if wd:
             if decoupled:
@@ -98,11 +103,11 @@ def step(group: Dict[str, Any], params: Iterable[torch.Tensor],
                 g = raw.add(p, alpha=wd)
         st["exp_avg"].lerp_(g, 1 - beta1)
         # The second moment: each delivered coordinate as n steps of its per-step mean.
-        v, last = st["exp_avg_sq"].view(-1), st[LAST].view(-1)
+        v, last = st["exp_avg_sq"], st[LAST]
         n = (t - last[hit].to(torch.float64)).clamp_(min=1.0)
-        per_step = raw.reshape(-1)[hit].to(torch.float64) / n
+        per_step = raw[hit].to(torch.float64) / n
         if wd and not decoupled:
-            per_step += wd * p.reshape(-1)[hit].to(torch.float64)
+            per_step += wd * p[hit].to(torch.float64)
         keep = torch.pow(beta2, n)
         v[hit] = (keep * v[hit].to(torch.float64) + (1 - keep) * per_step.square()).to(v.dtype)
         last[hit] = int(t)

@@ -38,6 +38,23 @@ def test_a_coordinate_delivered_every_step_is_stepped_as_by_torch_adam(kw):
     assert torch.equal(ours.state[b][adam.LAST], torch.full((300,), 30, dtype=torch.int32))
 
 
+def test_state_laid_out_channels_last_is_updated_in_place():
+    """A conv weight in channels_last memory keeps Adam's state in that layout; the delivered
+    coordinates must be found and updated by position, not by memory order."""
+    torch.manual_seed(1)
+    w = torch.randn(4, 3, 5, 5).to(memory_format=torch.channels_last)
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    ref, ours = torch.optim.Adam([a], lr=0.01), torch.optim.Adam([b], lr=0.01)
+    for _ in range(5):
+        g = torch.randn(4, 3, 5, 5)
+        a.grad, b.grad = g.clone(), g.clone()
+        ref.step()
+        adam.step(ours.param_groups[0], [b], ours.state)
+    assert ours.state[b]["exp_avg_sq"].is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    assert torch.allclose(ref.state[a]["exp_avg_sq"], ours.state[b]["exp_avg_sq"], rtol=1e-5)
+
+
 def _movement(n: int, mode: str, lr: float = 0.01, lead: int = 2000, tail: int = 200) -> float:
     """How far one coordinate moves after ``lead`` steps of gradient 1.0 (Adam settled), when
     the next n gradients of 1.0 arrive one per step ("dense") or summed at the n-th step
@@ -69,9 +86,18 @@ def test_a_burst_of_n_steps_moves_a_parameter_as_far_as_n_dense_steps(n):
 
 
 # --- the wrapper -------------------------------------------------------------------------------
-def _net() -> torch.nn.Module:
-    torch.manual_seed(0)
+def _build() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Tanh(), torch.nn.Linear(60, 3))
+
+
+torch.manual_seed(0)
+_INIT = _build().state_dict()   # made once: simulated ranks are threads sharing the global RNG
+
+
+def _net() -> torch.nn.Module:
+    m = _build()
+    m.load_state_dict(_INIT)
+    return m
 
 
 def _loss(m: torch.nn.Module, rank: int, t: int) -> torch.Tensor:

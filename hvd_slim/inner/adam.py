@@ -39,9 +39,13 @@ def is_adam(optimizer: torch.optim.Optimizer) -> bool:
 def rescaled_parameters(optimizer: torch.optim.Optimizer, layout: "Layout",
                         config: "SlimConfig") -> Set[int]:
     """The ids of the parameters this module steps: the compressed ones when
-    ``config.adam_variance`` resolves to "rescaled" ("auto" does for Adam/AdamW), else none.
+    ``config.adam_variance`` resolves to "rescaled" ("auto" does for torch.optim.Adam and
+    AdamW themselves, not for subclasses, whose step may differ), else none.
     Dense buckets are delivered whole every step, so Adam's own step is right for them."""
     adam = is_adam(optimizer)
+    if config.adam_variance == "auto" and _user_class(optimizer) not in (torch.optim.Adam,
+                                                                         torch.optim.AdamW):
+        return set()   # a subclass may step differently: only an explicit "rescaled" replaces it
     if config.adam_variance == "rescaled" and not adam:
         raise ValueError(f"adam_variance='rescaled' needs torch.optim.Adam or AdamW, got "
                          f"{type(optimizer).__name__}{config.env_note('adam_variance')}. Leave "
@@ -49,6 +53,12 @@ def rescaled_parameters(optimizer: torch.optim.Optimizer, layout: "Layout",
     if not adam or config.adam_variance == "live":
         return set()
     return {id(p) for b in layout.sparse for p in b.params()}
+
+
+def _user_class(optimizer: torch.optim.Optimizer) -> type:
+    """The class the user wrapped (DistributedOptimizer's result subclasses it on the fly)."""
+    cls = type(optimizer)
+    return cls.__mro__[1] if getattr(optimizer, "_hvd_slim_wrapped", False) else cls
 
 
 def _state(p: torch.Tensor, st: Dict[str, Any], amsgrad: bool) -> Dict[str, Any]:

@@ -231,3 +231,18 @@ def test_rescaled_needs_adam_and_says_so():
         return opt._rescaled_params
 
     assert run_ranks(2, body) == [set(), set()]
+
+
+class _MyAdam(torch.optim.Adam):
+    """A user's Adam whose step may differ from torch's."""
+
+
+def test_auto_leaves_an_adam_subclass_alone_and_rescaled_opts_in():
+    def body(rank, tr):
+        auto = _wrap(_net(), tr, cls=_MyAdam)
+        explicit = _wrap(_net(), tr, cls=_MyAdam, adam_variance="rescaled")
+        plain = _wrap(_net(), tr, cls=torch.optim.AdamW)
+        return bool(auto._rescaled_params), bool(explicit._rescaled_params), \
+            bool(plain._rescaled_params)
+
+    assert run_ranks(2, body) == [(False, True, True)] * 2

@@ -66,6 +66,7 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
     s.add_argument("--pull-density", type=float, default=None)
     s.add_argument("--exploration", type=float, default=None)
     s.add_argument("--momentum-correction", choices=("on", "off"), default=None)
+    s.add_argument("--momentum-masking", choices=("on", "off"), default=None)
     s.add_argument("--refresh-interval", type=int, default=None)
     s.add_argument("--magnitude-weight", type=float, default=None)
     s.add_argument("--warmup-dense-steps", type=int, default=None,
@@ -84,8 +85,9 @@ def slim_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
                 "warmup_dense_steps", "warmup_decay_steps", "adam_variance"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
-    if args.momentum_correction is not None:
-        out["momentum_correction"] = args.momentum_correction == "on"
+    for key in ("momentum_correction", "momentum_masking"):
+        if getattr(args, key) is not None:
+            out[key] = getattr(args, key) == "on"
     return out
 
 
@@ -112,8 +114,8 @@ def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:
     if spec.get("train_subset"):
         argv += ["--train-subset", str(spec["train_subset"])]
     for key, value in spec.get("slim", {}).items():
-        if key == "momentum_correction":
-            argv += ["--momentum-correction", "on" if value else "off"]
+        if key in ("momentum_correction", "momentum_masking"):
+            argv += ["--" + key.replace("_", "-"), "on" if value else "off"]
         elif key in _SLIM_FLAGS:
             argv += [_SLIM_FLAGS[key], repr(value) if isinstance(value, float) else str(value)]
         else:

@@ -25,7 +25,7 @@ ENV_PREFIX = "HVD_SLIM_"
 ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
-                "warmup_decay_steps", "adam_variance")
+                "warmup_decay_steps", "adam_variance", "momentum_masking")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -94,6 +94,7 @@ class SlimConfig:
     warmup_decay_steps: int = 0        # then both densities decay geometrically to their targets
     # --- the wrapped optimizer -----------------------------------------------------------------
     momentum_correction: Optional[bool] = None  # None = on for SGD with momentum > 0
+    momentum_masking: bool = True      # DGC's: zero the local velocity where a coordinate is sent
     # Adam/AdamW: "rescaled" feeds exp_avg_sq each delivered value as per-step means of the steps
     # it sums (inner/adam.py); "live": Adam's own step on the bursts; "auto": rescaled for Adam
     adam_variance: str = "auto"
@@ -130,6 +131,9 @@ class SlimConfig:
             raise ConfigError("a warm-up (warmup_dense_steps/warmup_decay_steps) needs "
                               "refresh_interval=1: a cached core cannot outlive a slice size that "
                               "changes every step", "refresh_interval")
+        if not isinstance(self.momentum_masking, bool):
+            raise ConfigError(f"momentum_masking must be True or False, got "
+                              f"{self.momentum_masking!r}", "momentum_masking")
         if self.momentum_correction not in (None, True, False):
             raise ConfigError(f"momentum_correction must be True, False or None (auto), "
                               f"got {self.momentum_correction!r}", "momentum_correction")
@@ -228,15 +232,14 @@ def _parse_env(name: str, text: str) -> Any:
             return t.lower()
         if name == "timeout" and t.lower() in ("none", "off", "never", ""):
             return None
-        if name == "momentum_correction":
-            low = t.lower()
-            if low in ("auto", "none", ""):
-                return None
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError("expected true/false/auto")
+        if name == "momentum_correction" and t.lower() in ("auto", "none", ""):
+            return None
+        if name in ("momentum_correction", "momentum_masking"):
+            flags = {"1": True, "true": True, "yes": True, "on": True,
+                     "0": False, "false": False, "no": False, "off": False}
+            if t.lower() not in flags:
+                raise ValueError(f"{t!r} is none of these")
+            return flags[t.lower()]
         if name == "pull_density" and t.lower() in ("none", ""):
             return None
         if name in _INT_FIELDS:
@@ -262,7 +265,7 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "timeout": "seconds > 0, or 0/none to wait forever", "density": "a number in (0, 1]",
               "exploration": "a number in [0, 1]", "magnitude_weight": "a number >= 0",
               "warmup_dense_steps": "an integer >= 0", "warmup_decay_steps": "an integer >= 0",
-              "adam_variance": "auto, rescaled or live"}
+              "adam_variance": "auto, rescaled or live", "momentum_masking": "true or false"}
 
 
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None

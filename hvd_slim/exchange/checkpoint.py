@@ -18,7 +18,7 @@ from .describe import config_difference, param_difference, params_of
 
 # Config fields added after checkpoint version 2: a checkpoint without them is read as having
 # their defaults, so it still loads.
-NEW_FIELDS = ("adam_variance",)
+NEW_FIELDS = ("adam_variance", "momentum_masking")
 
 VERSION = 2
 FIX_RANK = ("Residuals are per rank: save every rank's optimizer.state_dict() (e.g. to "

@@ -99,7 +99,7 @@ class WorkerSide:
         self.stats.select_seconds += time.perf_counter() - t_sel
         wire = a[sel].to(b.wire_dtype)
         self._pending.append(Proposal(b.index, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype
-                                       else None, True, a, u_new, new_core))
+                                       else None, cfg.momentum_masking, a, u_new, new_core))
         if is_refresh(t, cfg.refresh_interval):
             sec = self.wire.section(wm.M_SLICE, wire, b.numel, indices=core)
         else:

@@ -115,7 +115,8 @@ class ResidualMemory:
         ``delivered`` are the values the receiver will actually see there (after lossy value
         compression such as fp16); what was lost in transit stays in the residual. None means
         delivered exactly. ``mask_velocity=False`` keeps the velocity (``flush`` and dense
-        warm-up steps send the residual, not the momentum).
+        warm-up steps send the residual, not the momentum; ``momentum_masking=False`` keeps it
+        on sparse steps too).
         """
         r = self.residual
         if sent is None:
@@ -130,7 +131,7 @@ class ResidualMemory:
             r.index_fill_(0, sent, 0)
         else:
             r.index_put_((sent,), r.index_select(0, sent) - delivered)
-        if self.velocity is not None:
+        if self.velocity is not None and mask_velocity:
             self.velocity.index_fill_(0, sent, 0)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:

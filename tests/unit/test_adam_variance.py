@@ -195,7 +195,7 @@ def test_checkpoint_resumes_bitwise_and_loads_from_weights_only_files():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_a_checkpoint_from_before_adam_variance_existed_still_loads():
+def test_a_checkpoint_from_before_the_new_config_fields_still_loads():
     def body(rank, tr):
         m = _net()
         opt = _wrap(m, tr, cls=torch.optim.SGD)
@@ -203,7 +203,8 @@ def test_a_checkpoint_from_before_adam_variance_existed_still_loads():
         _loss(m, rank, 0).backward()
         opt.step()
         sd = opt.state_dict()
-        del sd["hvd_slim"]["config"]["adam_variance"]   # as version 2 wrote it before
+        for key in ("adam_variance", "momentum_masking"):   # as version 2 wrote it before
+            del sd["hvd_slim"]["config"][key]
         opt.load_state_dict(sd)
         return True
 

@@ -79,10 +79,12 @@ def test_mnist_runs_a_horovod_spec_with_the_same_settings():
                                                  "/tmp/x.json")
     slim = dict(spec, method="slim", density=0.001,
                 slim={"pull_density": 0.004, "momentum_correction": False,
-                      "warmup_dense_steps": 23, "warmup_decay_steps": 47})
+                      "momentum_masking": False, "warmup_dense_steps": 23,
+                      "warmup_decay_steps": 47})
     args = mnist.build_parser().parse_args(mnist.spec_argv(slim, "o.json"))
     assert mnist.slim_kwargs(args) == {"pull_density": 0.004, "momentum_correction": False,
-                                       "warmup_dense_steps": 23, "warmup_decay_steps": 47}
+                                       "momentum_masking": False, "warmup_dense_steps": 23,
+                                       "warmup_decay_steps": 47}
     adam = dict(slim, optimizer="adam", slim={"adam_variance": "live"})
     args = mnist.build_parser().parse_args(mnist.spec_argv(adam, "o.json"))
     assert args.optimizer == "adam" and mnist.slim_kwargs(args) == {"adam_variance": "live"}

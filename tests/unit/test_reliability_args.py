@@ -124,6 +124,7 @@ BAD_ENV = [
     ("warmup_dense_steps", "-1"), ("warmup_dense_steps", "2.5"),
     ("warmup_decay_steps", "-2"), ("warmup_decay_steps", "later"),
     ("adam_variance", "frozen"),
+    ("momentum_masking", "auto"),
 ]
 
 
@@ -151,7 +152,7 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "momentum_correction": None, "pull": "union", "pull_density": 0.05,
             "min_compress_numel": 100, "server_rank": 1, "seed": 4, "nonfinite": "skip",
             "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
-            "adam_variance": "live"}[name]
+            "adam_variance": "live", "momentum_masking": False}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

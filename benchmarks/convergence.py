@@ -11,7 +11,7 @@ Groups of runs (each config x each seed x each dataset):
   exploration 0 and 0.1 (the issue's study).
 * ``baselines``: the top-k + error-feedback allgather baseline (examples/topk.py) at both densities.
 * ``ablation``: hvd_slim's defaults with one knob changed: momentum correction off, its
-  velocity kept where a coordinate is sent (``momentum_masking=False``), core fixed
+  velocity kept (``momentum_masking=False``) or halved (0.5) where a coordinate is sent, core fixed
   for 4 steps, magnitude weight 0.1, a 4x denser pull, a dense warm-up over the first 10% of
   the steps (emulated outside hvd_slim: examples/training.py ``DenseWarmup``), hvd_slim's own
   warm-up (``warmup_dense_steps``: the first 10% dense; and 5% dense then a geometric decay over
@@ -91,6 +91,7 @@ def configs(group: str) -> List[Config]:
         for d in (0.01, 0.001):
             knobs = [("mc=off", {"momentum_correction": False}, {}),
                      ("mc masking off", {"momentum_masking": False}, {}),
+                     ("mc masking 0.5", {"momentum_masking": 0.5}, {}),
                      ("q=4", {"refresh_interval": 4}, {}),
                      ("lambda=0.1", {"magnitude_weight": 0.1}, {}),
                      ("pull_density=4d", {"pull_density": 4 * d}, {}),

@@ -66,7 +66,8 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
     s.add_argument("--pull-density", type=float, default=None)
     s.add_argument("--exploration", type=float, default=None)
     s.add_argument("--momentum-correction", choices=("on", "off"), default=None)
-    s.add_argument("--momentum-masking", choices=("on", "off"), default=None)
+    s.add_argument("--momentum-masking", default=None, metavar="on|off|SHARE",
+                   help="share of the velocity dropped where sent (on = 1, off = 0)")
     s.add_argument("--refresh-interval", type=int, default=None)
     s.add_argument("--magnitude-weight", type=float, default=None)
     s.add_argument("--warmup-dense-steps", type=int, default=None,
@@ -85,16 +86,20 @@ def slim_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
                 "warmup_dense_steps", "warmup_decay_steps", "adam_variance"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
-    for key in ("momentum_correction", "momentum_masking"):
-        if getattr(args, key) is not None:
-            out[key] = getattr(args, key) == "on"
+    if args.momentum_correction is not None:
+        out["momentum_correction"] = args.momentum_correction == "on"
+    if args.momentum_masking is not None:
+        m = args.momentum_masking
+        out["momentum_masking"] = {"on": True, "off": False}.get(m) if m in ("on", "off") \
+            else float(m)
     return out
 
 
 _SLIM_FLAGS = {"pull": "--pull", "pull_density": "--pull-density", "exploration": "--exploration",
                "refresh_interval": "--refresh-interval", "magnitude_weight": "--magnitude-weight",
                "warmup_dense_steps": "--warmup-dense-steps",
-               "warmup_decay_steps": "--warmup-decay-steps", "adam_variance": "--adam-variance"}
+               "warmup_decay_steps": "--warmup-decay-steps", "adam_variance": "--adam-variance",
+               "momentum_masking": "--momentum-masking"}
 
 
 def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:
@@ -114,7 +119,8 @@ def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:
     if spec.get("train_subset"):
         argv += ["--train-subset", str(spec["train_subset"])]
     for key, value in spec.get("slim", {}).items():
-        if key in ("momentum_correction", "momentum_masking"):
+        if key == "momentum_correction" or (key == "momentum_masking"
+                                            and isinstance(value, bool)):
             argv += ["--" + key.replace("_", "-"), "on" if value else "off"]
         elif key in _SLIM_FLAGS:
             argv += [_SLIM_FLAGS[key], repr(value) if isinstance(value, float) else str(value)]

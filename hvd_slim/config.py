@@ -94,7 +94,9 @@ class SlimConfig:
     warmup_decay_steps: int = 0        # then both densities decay geometrically to their targets
     # --- the wrapped optimizer -----------------------------------------------------------------
     momentum_correction: Optional[bool] = None  # None = on for SGD with momentum > 0
-    momentum_masking: bool = True      # DGC's: zero the local velocity where a coordinate is sent
+    # Share of a rank's velocity dropped where a coordinate is sent: 1.0 (True) is DGC's momentum
+    # masking, 0.0 (False) keeps it all (what is delivered then sums to dense momentum SGD's)
+    momentum_masking: float = 1.0
     # Adam/AdamW: "rescaled" feeds exp_avg_sq each delivered value as per-step means of the steps
     # it sums (inner/adam.py); "live": Adam's own step on the bursts; "auto": rescaled for Adam
     adam_variance: str = "auto"
@@ -131,9 +133,9 @@ class SlimConfig:
             raise ConfigError("a warm-up (warmup_dense_steps/warmup_decay_steps) needs "
                               "refresh_interval=1: a cached core cannot outlive a slice size that "
                               "changes every step", "refresh_interval")
-        if not isinstance(self.momentum_masking, bool):
-            raise ConfigError(f"momentum_masking must be True or False, got "
-                              f"{self.momentum_masking!r}", "momentum_masking")
+        mm = self.momentum_masking
+        norm["momentum_masking"] = float(mm) if isinstance(mm, bool) else \
+            _check_fraction("momentum_masking", mm, low_open=False)
         if self.momentum_correction not in (None, True, False):
             raise ConfigError(f"momentum_correction must be True, False or None (auto), "
                               f"got {self.momentum_correction!r}", "momentum_correction")
@@ -234,9 +236,11 @@ def _parse_env(name: str, text: str) -> Any:
             return None
         if name == "momentum_correction" and t.lower() in ("auto", "none", ""):
             return None
-        if name in ("momentum_correction", "momentum_masking"):
-            flags = {"1": True, "true": True, "yes": True, "on": True,
-                     "0": False, "false": False, "no": False, "off": False}
+        flags = {"1": True, "true": True, "yes": True, "on": True,
+                 "0": False, "false": False, "no": False, "off": False}
+        if name == "momentum_masking" and t.lower() in flags:
+            return flags[t.lower()]
+        if name == "momentum_correction":
             if t.lower() not in flags:
                 raise ValueError(f"{t!r} is none of these")
             return flags[t.lower()]
@@ -265,7 +269,7 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "timeout": "seconds > 0, or 0/none to wait forever", "density": "a number in (0, 1]",
               "exploration": "a number in [0, 1]", "magnitude_weight": "a number >= 0",
               "warmup_dense_steps": "an integer >= 0", "warmup_decay_steps": "an integer >= 0",
-              "adam_variance": "auto, rescaled or live", "momentum_masking": "true or false"}
+              "adam_variance": "auto, rescaled or live", "momentum_masking": "true, false or a number in [0, 1]"}
 
 
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None

@@ -28,7 +28,7 @@ class Proposal:
     index: int
     sel: Optional[torch.Tensor]            # coordinates sent (None: all of them)
     delivered: Optional[torch.Tensor]      # what the receiver sees there, when lossy
-    mask_velocity: bool = True
+    mask_velocity: float = 1.0             # share of the velocity dropped at ``sel``
     a: Optional[torch.Tensor] = None       # proposed residual before forgetting ``sel``
     u_new: Optional[torch.Tensor] = None   # proposed velocity (momentum correction)
     core: Optional[torch.Tensor] = None    # a freshly selected core, cached once committed

@@ -95,7 +95,7 @@ class ResidualMemory:
 
     def commit(self, a: torch.Tensor, u_new: Optional[torch.Tensor],
                sent: Optional[torch.Tensor], delivered: Optional[torch.Tensor] = None,
-               mask_velocity: bool = True) -> torch.Tensor:
+               mask_velocity: float = 1.0) -> torch.Tensor:
         """Adopt a proposal: ``r = a`` and ``u = u_new``, then forget ``sent`` as :meth:`update`
         does (an empty ``sent`` keeps everything: a failed step loses nothing). Returns the old
         residual buffer, which the caller may reuse as scratch."""
@@ -109,14 +109,14 @@ class ResidualMemory:
         return old
 
     def update(self, sent: Optional[torch.Tensor], delivered: Optional[torch.Tensor] = None,
-               mask_velocity: bool = True) -> None:
+               mask_velocity: float = 1.0) -> None:
         """Forget the coordinates ``sent`` (int64 indices, or None for all of them).
 
         ``delivered`` are the values the receiver will actually see there (after lossy value
         compression such as fp16); what was lost in transit stays in the residual. None means
-        delivered exactly. ``mask_velocity=False`` keeps the velocity (``flush`` and dense
-        warm-up steps send the residual, not the momentum; ``momentum_masking=False`` keeps it
-        on sparse steps too).
+        delivered exactly. ``mask_velocity`` is the share of the velocity dropped at ``sent``
+        (True: all; False keeps it: ``flush`` and dense warm-up steps send the residual, not
+        the momentum; sparse steps pass the ``momentum_masking`` setting).
         """
         r = self.residual
         if sent is None:
@@ -124,15 +124,22 @@ class ResidualMemory:
                 r.zero_()
             else:
                 r.sub_(delivered)
-            if self.velocity is not None and mask_velocity:
+            if self.velocity is not None and mask_velocity == 1.0:
                 self.velocity.zero_()
+            elif self.velocity is not None and mask_velocity:
+                self.velocity.mul_(1.0 - mask_velocity)
             return
         if delivered is None:
             r.index_fill_(0, sent, 0)
         else:
             r.index_put_((sent,), r.index_select(0, sent) - delivered)
-        if self.velocity is not None and mask_velocity:
+        if self.velocity is None or not mask_velocity:
+            return
+        if mask_velocity == 1.0:
             self.velocity.index_fill_(0, sent, 0)
+        else:   # drop that share of the velocity there (momentum_masking between 0 and 1)
+            self.velocity.index_put_((sent,), self.velocity.index_select(0, sent)
+                                     * (1.0 - mask_velocity))
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         state = {"residual": self.residual.clone()}

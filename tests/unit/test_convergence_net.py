@@ -85,6 +85,9 @@ def test_mnist_runs_a_horovod_spec_with_the_same_settings():
     assert mnist.slim_kwargs(args) == {"pull_density": 0.004, "momentum_correction": False,
                                        "momentum_masking": False, "warmup_dense_steps": 23,
                                        "warmup_decay_steps": 47}
+    half = dict(slim, slim={"momentum_masking": 0.5})
+    args = mnist.build_parser().parse_args(mnist.spec_argv(half, "o.json"))
+    assert mnist.slim_kwargs(args) == {"momentum_masking": 0.5}
     adam = dict(slim, optimizer="adam", slim={"adam_variance": "live"})
     args = mnist.build_parser().parse_args(mnist.spec_argv(adam, "o.json"))
     assert args.optimizer == "adam" and mnist.slim_kwargs(args) == {"adam_variance": "live"}

@@ -1,14 +1,15 @@
-"""``momentum_masking`` (momentum correction's velocity reset where a coordinate is sent, as in
-DGC). Without it, everything delivered (pulls, then a flush) is exactly dense momentum SGD's
-displacement: the sum over ranks and steps of each rank's undisturbed velocity. With it, the
-velocity of every sent coordinate is dropped, so less arrives."""
+"""``momentum_masking`` (the share of momentum correction's velocity dropped where a coordinate is
+sent; 1.0 is DGC's masking). At 0, everything delivered (pulls, then a flush) is exactly dense
+momentum SGD's displacement: the sum over ranks and steps of each rank's undisturbed velocity.
+At 1 the velocity of every sent coordinate is dropped, so less arrives; 0.5 halves it there."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hvd_slim.config import SlimConfig
+from hvd_slim.config import ConfigError, SlimConfig, resolve_config
 from hvd_slim.exchange import Layout, SlimExchange
+from hvd_slim.memory import ResidualMemory
 from hvd_slim.transport import run_ranks
 
 from test_exchange import SHAPES, grad_for, make_params
@@ -73,3 +74,25 @@ def test_with_masking_the_velocity_of_sent_coordinates_is_dropped():
         want = _dense_momentum_displacement(2, name)
         lost = (want - got[name]).abs().sum() / want.abs().sum()
         assert lost > 0.01, (name, float(lost))   # a real share of the momentum never arrives
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_the_velocity_of_sent_coordinates_loses_exactly_the_masked_share(share):
+    mem = ResidualMemory(8, torch.float32, torch.device("cpu"), momentum=0.9)
+    a, u = mem.propose(torch.arange(1.0, 9.0))
+    sent = torch.tensor([1, 4])
+    mem.commit(a, u, sent, mask_velocity=share)
+    expected = torch.arange(1.0, 9.0)
+    expected[sent] *= 1.0 - share
+    assert torch.equal(mem.velocity, expected)
+    assert torch.equal(mem.residual[sent], torch.zeros(2))
+
+
+def test_momentum_masking_takes_booleans_and_shares_and_refuses_the_rest():
+    assert SlimConfig(momentum_masking=False).momentum_masking == 0.0
+    assert SlimConfig(momentum_masking=True).momentum_masking == 1.0
+    assert SlimConfig(momentum_masking=0.5).momentum_masking == 0.5
+    assert resolve_config({}, {"HVD_SLIM_MOMENTUM_MASKING": "off"}).momentum_masking == 0.0
+    assert resolve_config({}, {"HVD_SLIM_MOMENTUM_MASKING": "0.25"}).momentum_masking == 0.25
+    with pytest.raises(ConfigError, match="momentum_masking must be in \\[0, 1\\]"):
+        SlimConfig(momentum_masking=1.5)

@@ -16,6 +16,8 @@ from hvd_slim.config import ConfigError, SlimConfig, resolve_config
 from hvd_slim.inner import adam
 from hvd_slim.transport import run_ranks
 
+from test_warmup import _batch, _mlp as _net   # one tanh MLP, its initial weights made once
+
 ADAM_KWARGS = [dict(), dict(weight_decay=0.1), dict(weight_decay=0.1, decoupled_weight_decay=True),
                dict(maximize=True), dict(amsgrad=True), dict(betas=(0.8, 0.99), eps=1e-6)]
 
@@ -86,23 +88,8 @@ def test_a_burst_of_n_steps_moves_a_parameter_as_far_as_n_dense_steps(n):
 
 
 # --- the wrapper -------------------------------------------------------------------------------
-def _build() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Tanh(), torch.nn.Linear(60, 3))
-
-
-torch.manual_seed(0)
-_INIT = _build().state_dict()   # made once: simulated ranks are threads sharing the global RNG
-
-
-def _net() -> torch.nn.Module:
-    m = _build()
-    m.load_state_dict(_INIT)
-    return m
-
-
 def _loss(m: torch.nn.Module, rank: int, t: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 * rank + t)
-    x, y = torch.randn(16, 40, generator=g), torch.randint(0, 3, (16,), generator=g)
+    x, y = _batch(rank, t)
     return torch.nn.functional.cross_entropy(m(x), y)
 
 

@@ -42,16 +42,14 @@ def rescaled_parameters(optimizer: torch.optim.Optimizer, layout: "Layout",
     ``config.adam_variance`` resolves to "rescaled" ("auto" does for torch.optim.Adam and
     AdamW themselves, not for subclasses, whose step may differ), else none.
     Dense buckets are delivered whole every step, so Adam's own step is right for them."""
-    adam = is_adam(optimizer)
-    if config.adam_variance == "auto" and _user_class(optimizer) not in (torch.optim.Adam,
-                                                                         torch.optim.AdamW):
-        return set()   # a subclass may step differently: only an explicit "rescaled" replaces it
-    if config.adam_variance == "rescaled" and not adam:
+    mode = config.adam_variance
+    if mode == "rescaled" and not is_adam(optimizer):
         raise ValueError(f"adam_variance='rescaled' needs torch.optim.Adam or AdamW, got "
                          f"{type(optimizer).__name__}{config.env_note('adam_variance')}. Leave "
                          "it 'auto'")
-    if not adam or config.adam_variance == "live":
-        return set()
+    if mode == "live" or (mode == "auto" and _user_class(optimizer) not in (torch.optim.Adam,
+                                                                           torch.optim.AdamW)):
+        return set()   # "auto" leaves subclasses alone: their step may differ from Adam's
     return {id(p) for b in layout.sparse for p in b.params()}
 
 

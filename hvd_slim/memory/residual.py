@@ -124,22 +124,26 @@ class ResidualMemory:
                 r.zero_()
             else:
                 r.sub_(delivered)
-            if self.velocity is not None and mask_velocity == 1.0:
-                self.velocity.zero_()
-            elif self.velocity is not None and mask_velocity:
-                self.velocity.mul_(1.0 - mask_velocity)
-            return
-        if delivered is None:
+        elif delivered is None:
             r.index_fill_(0, sent, 0)
         else:
             r.index_put_((sent,), r.index_select(0, sent) - delivered)
-        if self.velocity is None or not mask_velocity:
+        self._mask_velocity(sent, float(mask_velocity))
+
+    def _mask_velocity(self, sent: Optional[torch.Tensor], share: float) -> None:
+        """Drop ``share`` of the velocity at ``sent`` (None: everywhere); 1.0 zeroes it there."""
+        u = self.velocity
+        if u is None or share == 0.0:
             return
-        if mask_velocity == 1.0:
-            self.velocity.index_fill_(0, sent, 0)
-        else:   # drop that share of the velocity there (momentum_masking between 0 and 1)
-            self.velocity.index_put_((sent,), self.velocity.index_select(0, sent)
-                                     * (1.0 - mask_velocity))
+        if sent is None:
+            if share == 1.0:
+                u.zero_()
+            else:
+                u.mul_(1.0 - share)
+        elif share == 1.0:
+            u.index_fill_(0, sent, 0)
+        else:
+            u.index_put_((sent,), u.index_select(0, sent) * (1.0 - share))
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         state = {"residual": self.residual.clone()}

@@ -195,12 +195,22 @@ def _worker_deadline(rank: int, size: int) -> str:
         return first + " | then: " + str(exc).split(" (")[0].split(": ", 1)[1]
 
 
-if __name__ == "__main__":
+def worker_main(scenarios: Dict[str, object], with_traceback: bool = False) -> None:
+    """A launched worker: run ``_worker_<argv[1]>`` from ``scenarios`` (a module's globals) as
+    rank RANK of WORLD_SIZE and print its one-line result (or its exception) for the test."""
     scenario = sys.argv[1]
     me, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        line = globals()[f"_worker_{scenario}"](me, world)
+        line = scenarios[f"_worker_{scenario}"](me, world)
     except Exception as exc:  # noqa: BLE001 - reported to the test, which checks the message
-        line = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        line = f"{type(exc).__name__}: {exc}"
+        if with_traceback:
+            import traceback
+            line += f" {traceback.format_exc()[-800:]}"
+        line = line.replace("\n", " ")
     print(f"worker {scenario} rank {me}: {line}", flush=True)
     os._exit(0)  # skip interpreter teardown: a half-built process group may block at exit
+
+
+if __name__ == "__main__":
+    worker_main(globals())

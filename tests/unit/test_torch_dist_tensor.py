@@ -6,8 +6,6 @@ takes for CPU parameters) gives bitwise the host path's result with no payload t
 from __future__ import annotations
 
 import hashlib
-import os
-import sys
 from typing import Dict, List
 
 import numpy as np
@@ -15,7 +13,7 @@ import pytest
 import torch
 
 from test_torch_dist_launch import launch as launch_workers
-from test_torch_dist_launch import result
+from test_torch_dist_launch import result, worker_main
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),
@@ -131,12 +129,4 @@ def _worker_exchange_paths(rank: int, size: int) -> str:
 
 
 if __name__ == "__main__":
-    scenario = sys.argv[1]
-    me, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:
-        line = globals()[f"_worker_{scenario}"](me, world)
-    except Exception as exc:  # noqa: BLE001 - reported to the test, which checks the message
-        import traceback
-        line = f"{type(exc).__name__}: {exc} {traceback.format_exc()[-800:]}".replace("\n", " ")
-    print(f"worker {scenario} rank {me}: {line}", flush=True)
-    os._exit(0)  # skip interpreter teardown: a half-built process group may block at exit
+    worker_main(globals(), with_traceback=True)

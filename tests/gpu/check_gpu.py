@@ -70,6 +70,12 @@ def host_mean(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(buf / COMM.Get_size())
 
 
+def assert_same_on_every_rank(t: torch.Tensor, what: str) -> None:
+    """``t`` (on the host) hashes the same on every rank."""
+    digests = hvd.allgather_object(hashlib.sha256(t.numpy().tobytes()).hexdigest())
+    assert len(set(digests)) == 1, f"{what} differ: {digests}"
+
+
 def loss(model, step):
     x, y = batch(step)
     return torch.nn.functional.cross_entropy(model(x), y)
@@ -84,8 +90,7 @@ def check_replicas_identical(transport: str) -> str:
         opt.step()
     stats = opt.comm_stats()
     assert stats["transport"] == transport, stats
-    digests = hvd.allgather_object(hashlib.sha256(flat(model).numpy().tobytes()).hexdigest())
-    assert len(set(digests)) == 1, f"replicas differ: {digests}"
+    assert_same_on_every_rank(flat(model), "replicas")
     assert all(p.device == device() for p in model.parameters())
     return f"pushed {stats['bytes_pushed']} B vs dense {stats['dense_bytes']} B"
 
@@ -144,8 +149,7 @@ def check_adam_on_sparse_deliveries(transport: str) -> str:
         opt.step()
     state = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in model.parameters()])
     both = torch.cat([flat(model), state.cpu()])
-    digests = hvd.allgather_object(hashlib.sha256(both.numpy().tobytes()).hexdigest())
-    assert len(set(digests)) == 1, f"replicas or Adam states differ: {digests}"
+    assert_same_on_every_rank(both, "replicas or Adam states")
     clocks = [opt.state[p]["last_delivery"] for p in model.parameters()
               if "last_delivery" in opt.state[p]]
     assert clocks and all(c.device == device() for c in clocks)

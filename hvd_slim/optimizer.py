@@ -115,12 +115,13 @@ class _SlimOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Exchange (unless inside ``skip_synchronize``), then the wrapped optimizer's step."""
-        if _called_by_horovod_state_init():
+        if not self.state and _called_by_horovod_state_init():
             # Horovod's broadcast_optimizer_state creates a fresh optimizer's state with a step
             # on zero gradients, and for its own DistributedOptimizer calls the parent class's
             # step() so no allreduce runs. It recognises only its own class, so do the same
             # here: no exchange, nothing counted, the exchange's step counter untouched. Every
-            # rank in that call takes this path; it communicates nothing, as in Horovod.
+            # rank in that call takes this path; it communicates nothing, as in Horovod. (It
+            # steps only an optimizer with no state, so other steps skip the stack walk.)
             return super(self.__class__, self).step(closure)
         if self._should_synchronize:
             if self._synchronized:

@@ -166,16 +166,10 @@ def plot(runs: Runs, out: str) -> List[str]:
                 if x_key is not None:  # dense sits decades to the right of the sparse runs
                     ax.set_xscale("log")
                     ax.xaxis.set_minor_formatter(NullFormatter())
-                ax.set_title(f"{ds}, density {d:g} (mean ± std over seeds)")
-                ax.set_xlabel(xlabel)
-                ax.set_ylabel("test accuracy (%)")
-                ax.grid(alpha=0.3)
-                ax.legend(fontsize=7)
-            path = os.path.join(out, f"{ds}_accuracy_vs_{suffix}.png")
-            fig.tight_layout()
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            written.append(path)
+                tta.label_accuracy_axes(ax, f"{ds}, density {d:g} (mean ± std over seeds)",
+                                        xlabel)
+            written.append(tta.save_figure(fig, os.path.join(out,
+                                                             f"{ds}_accuracy_vs_{suffix}.png")))
     return written
 
 

@@ -142,14 +142,25 @@ def plot(runs: List[Run], targets: Dict[str, float], out: str) -> List[str]:
             colours[r["config"]] = line.get_color()
         ax.axhline(targets[ds], color="grey", linestyle=":", label=f"{targets[ds]:g}%")
         ax.set_ylim(max(90.0, targets[ds] - 6), 100)
-        ax.set_title(f"{ds} on {net}: every seed")
-        ax.set_xlabel("rank 0's training seconds (evaluations excluded)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        path = os.path.join(out, f"{ds}_accuracy_vs_seconds_{net}.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        label_accuracy_axes(ax, f"{ds} on {net}: every seed",
+                            "rank 0's training seconds (evaluations excluded)")
+        written.append(save_figure(fig, os.path.join(out, f"{ds}_accuracy_vs_seconds_{net}.png")))
     return written
+
+
+def label_accuracy_axes(ax: Any, title: str, xlabel: str) -> None:
+    """Title, axis labels, grid and legend of a test-accuracy panel (report.py's too)."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def save_figure(fig: Any, path: str) -> str:
+    """Write ``fig`` to ``path`` as the study's PNGs are written, close it; returns ``path``."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Iterable, Tuple
+from typing import Callable, Iterable, Tuple
 
 import torch
 import torch.nn as nn
@@ -18,6 +19,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for `data` when run by path
 from data import load_mnist, load_mnist1d  # noqa: E402
+import lm  # noqa: E402  (examples/lm.py: the language-model task)
 
 TestSet = Tuple[torch.Tensor, torch.Tensor]
 
@@ -60,19 +62,52 @@ class MLP1D(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
-def make_model(dataset: str) -> nn.Module:
-    """The example model for ``dataset`` ("mnist" or "mnist1d")."""
-    return Net() if dataset == "mnist" else MLP1D()
+class HorovodNet(nn.Module):
+    """The CNN of Horovod's own PyTorch MNIST example, the script a user starts from: two 5x5
+    convolutions (10 and 20 channels, no padding), 2-D dropout, a 320 -> 50 -> 10 head with
+    dropout, log-softmax output (about 21.8k weights; conv2 and fc1 are compressed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
+        self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
+        self.conv2_drop = nn.Dropout2d()
+        self.fc1 = nn.Linear(320, 50)
+        self.fc2 = nn.Linear(50, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
+        x = F.dropout(F.relu(self.fc1(x.flatten(1))), training=self.training)
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+MODELS = {"net": Net, "mlp1d": MLP1D, "horovod-cnn": HorovodNet, "byte-lm": lm.ByteLM}
+DEFAULT_MODEL = {"mnist": "net", "mnist1d": "mlp1d", "pystdlib": "byte-lm"}
+LM_CONTEXT = 128      # bytes of context of the language model
+LM_VAL_WINDOWS = 512  # validation windows (64k bytes) scored at every evaluation
+
+
+def make_model(dataset: str, name: str | None = None) -> nn.Module:
+    """The model ``name`` (see ``MODELS``), by default the example model for ``dataset``:
+    ``Net`` for "mnist", ``MLP1D`` for "mnist1d", ``ByteLM`` for "pystdlib"."""
+    if name is None:
+        name = DEFAULT_MODEL[dataset]
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    return MODELS[name]()
 
 
 def load_dataset(dataset: str, train_subset: int | None = None,
                  data_seed: int = 0) -> Tuple[Dataset, TestSet]:
-    """``(train set, (x_test, y_test))`` for "mnist" (60k/10k real MNIST) or "mnist1d".
+    """``(train set, (x_test, y_test))`` for "mnist" (60k/10k real MNIST), "mnist1d" or
+    "pystdlib" (byte windows of the standard library's sources, examples/lm.py).
 
-    ``train_subset`` keeps the first N training examples. MNIST-1D is generated from
-    ``data_seed`` (the same data for every training seed, so seeds vary only the training).
-    MNIST-1D uses 12000 samples (9600 train / 2400 test) rather than the published 5000: a
-    2400-image test set halves the sampling noise of a 1000-image one.
+    ``train_subset`` keeps the first N training examples (for "pystdlib": N windows drawn from
+    the whole training corpus by ``data_seed``, so a short run still sees every file). MNIST-1D
+    is generated from ``data_seed`` (the same data for every training seed, so seeds vary only
+    the training). MNIST-1D uses 12000 samples (9600 train / 2400 test) rather than the
+    published 5000: a 2400-image test set halves the sampling noise of a 1000-image one.
     """
     if dataset == "mnist":
         train: Dataset = TensorDataset(*load_mnist("train"))
@@ -80,8 +115,16 @@ def load_dataset(dataset: str, train_subset: int | None = None,
     elif dataset == "mnist1d":
         (xt, yt), test = load_mnist1d(seed=data_seed, num_samples=12000)
         train = TensorDataset(xt, yt)
+    elif dataset == "pystdlib":
+        corpus = lm.load_corpus()
+        train = lm.Windows(corpus.train, LM_CONTEXT)
+        test = lm.validation_windows(corpus.val, LM_CONTEXT, LM_VAL_WINDOWS)
+        if train_subset is not None:
+            g = torch.Generator().manual_seed(data_seed)
+            pick = torch.randperm(len(train), generator=g)[:train_subset].sort().values
+            return Subset(train, pick.tolist()), test
     else:
-        raise ValueError(f"dataset must be 'mnist' or 'mnist1d', got {dataset!r}")
+        raise ValueError(f"dataset must be 'mnist', 'mnist1d' or 'pystdlib', got {dataset!r}")
     if train_subset is not None:
         train = Subset(train, range(min(train_subset, len(train))))
     return train, test
@@ -99,6 +142,32 @@ def evaluate(hvd: ModuleType, model: nn.Module, x: torch.Tensor, y: torch.Tensor
     counts = hvd.allreduce(torch.tensor([float(correct), float(len(ys))]), op=hvd.Sum)
     model.train()
     return 100.0 * float(counts[0]) / float(counts[1])
+
+
+def classification_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the model's class scores."""
+    return F.cross_entropy(model(x), y)
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a dataset's training minimises and how its model is scored (``metric`` and
+    ``flushed`` name the score's keys in the training records)."""
+
+    metric: str
+    flushed: str
+    higher_is_better: bool
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    score: Callable[[ModuleType, nn.Module, torch.Tensor, torch.Tensor], float]
+
+
+CLASSIFICATION = Task("test_accuracy", "flushed_accuracy", True, classification_loss, evaluate)
+LANGUAGE = Task("val_bpb", "flushed_val_bpb", False, lm.lm_loss, lm.evaluate_bpb)
+
+
+def task_of(dataset: str) -> Task:
+    """The task of ``dataset``: next-byte prediction for "pystdlib", else classification."""
+    return LANGUAGE if dataset == "pystdlib" else CLASSIFICATION
 
 
 def progress(iterable: Iterable, desc: str, enabled: bool) -> Iterable:

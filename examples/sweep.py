@@ -29,15 +29,17 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_dataset, make_model  # noqa: E402
+from common import load_dataset, make_model, task_of  # noqa: E402
 from training import DenseWarmup, Schedule, fit, make_inner, wrap_optimizer  # noqa: E402
 
 
 def run_one(hvd: Any, spec: Dict[str, Any], data: Tuple[Any, Any]) -> Dict[str, Any]:
     """Train the run ``spec`` describes and return the spec with its records."""
     torch.manual_seed(spec["seed"])  # rank 0's initial weights are broadcast to every rank
-    model = make_model(spec["dataset"])
-    inner = make_inner(spec.get("optimizer", "sgd"), model, spec["lr"], spec.get("momentum", 0.9))
+    model = make_model(spec["dataset"], spec.get("model"))
+    inner = make_inner(spec.get("optimizer", "sgd"), model, spec["lr"], spec.get("momentum", 0.9),
+                       nesterov=bool(spec.get("nesterov", False)),
+                       weight_decay=float(spec.get("weight_decay", 0.0)))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(inner, root_rank=0)
 
@@ -62,11 +64,13 @@ def run_one(hvd: Any, spec: Dict[str, Any], data: Tuple[Any, Any]) -> Dict[str, 
 def _fit(hvd: Any, spec: Dict[str, Any], model: Any, opt: Any, data: Tuple[Any, Any]
          ) -> List[Dict[str, Any]]:
     """``training.fit`` with the spec's settings."""
-    schedule = Schedule(spec["lr"], spec["schedule"], via=spec.get("lr_via", "optimizer"))
+    schedule = Schedule(spec["lr"], spec["schedule"], via=spec.get("lr_via", "optimizer"),
+                        warmup_steps=int(spec.get("lr_warmup_steps", 0)))
     return fit(hvd, spec["method"], model, opt, data[0], data[1], epochs=spec["epochs"],
                batch_size=spec["batch_size"], schedule=schedule, seed=spec["seed"],
                name=spec["key"], show_progress=False,
-               evals_per_epoch=int(spec.get("evals_per_epoch", 1)))
+               evals_per_epoch=int(spec.get("evals_per_epoch", 1)),
+               task=task_of(spec["dataset"]))
 
 
 def source_digest() -> str:
@@ -113,9 +117,10 @@ def main(plan_path: str, results_path: str) -> None:
             if result.get("diverged"):
                 outcome = f"DIVERGED: {result['diverged'][:120]}"
             else:
-                last = result["records"][-1]
-                outcome = (f"{last['test_accuracy']:.2f}% (flushed "
-                           f"{last['flushed_accuracy']:.2f}%)")
+                last, task = result["records"][-1], task_of(spec["dataset"])
+                unit = "%" if task.higher_is_better else ""
+                outcome = (f"{task.metric} {last[task.metric]:.4g}{unit} (flushed "
+                           f"{last[task.flushed]:.4g}{unit})")
             print(f"sweep [{i + 1}/{len(todo)}] {spec['key']}: {outcome}, "
                   f"{result['seconds']:.1f}s", flush=True)
             with open(results_path, "a", encoding="utf-8") as f:

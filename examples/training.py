@@ -22,12 +22,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import TestSet, evaluate, progress  # noqa: E402
+from common import CLASSIFICATION, Task, TestSet, progress  # noqa: E402
 from topk import TopKOptimizer  # noqa: E402
 
 METHODS = ("dense", "slim", "horovod", "topk")
@@ -67,13 +66,18 @@ def wrap_optimizer(method: str, hvd: ModuleType, opt: torch.optim.Optimizer, mod
     return TopKOptimizer(opt, named, density, hvd)
 
 
-def make_inner(name: str, model: nn.Module, lr: float, momentum: float) -> torch.optim.Optimizer:
-    """The optimizer being wrapped: "sgd" (with ``momentum``) or "adam"."""
+def make_inner(name: str, model: nn.Module, lr: float, momentum: float, nesterov: bool = False,
+               weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """The optimizer being wrapped: "sgd" (with ``momentum``, ``nesterov``), "adam" or "adamw";
+    ``weight_decay`` is each optimizer's own (L2 for SGD and Adam, decoupled for AdamW)."""
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=nesterov,
+                               weight_decay=weight_decay)
     if name == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr)
-    raise ValueError(f"optimizer must be 'sgd' or 'adam', got {name!r}")
+        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"optimizer must be 'sgd', 'adam' or 'adamw', got {name!r}")
 
 
 class DenseWarmup:
@@ -163,8 +167,13 @@ class Schedule:
 def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dataset,
         test: TestSet, *, epochs: int, batch_size: int, schedule: Schedule, seed: int,
         name: str = "", on_epoch: Optional[Callable[[Dict[str, Any]], None]] = None,
-        show_progress: bool = True, evals_per_epoch: int = 1) -> List[Dict[str, Any]]:
+        show_progress: bool = True, evals_per_epoch: int = 1,
+        task: Task = CLASSIFICATION) -> List[Dict[str, Any]]:
     """Train ``model`` with ``opt`` and return one record per epoch (the last also after flush).
+
+    ``task`` gives the loss and the score (common.CLASSIFICATION: cross-entropy and test
+    accuracy; common.LANGUAGE: next-byte loss and validation bits per byte under ``val_bpb``).
+    Below, ``test_accuracy`` and ``flushed_accuracy`` stand for the task's two score keys.
 
     Each record: ``epoch``, ``lr``, ``train_loss`` (mean over the epoch and the ranks),
     ``test_accuracy`` (of the model as it stands), ``epoch_seconds`` and ``wall_seconds``
@@ -200,7 +209,7 @@ def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dat
                 lr, scale = schedule.lr, lr / schedule.lr
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss = F.cross_entropy(model(xb), yb)
+            loss = task.loss(model, xb, yb)
             (loss * scale if scale != 1.0 else loss).backward()
             opt.step()
             opt.zero_grad()
@@ -211,7 +220,7 @@ def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dat
                 t0 = time.perf_counter()
                 point = {"epoch": epoch + batches / per_epoch, "steps": step,
                          "wall_seconds": wall + t0 - start - paused,
-                         "test_accuracy": evaluate(hvd, model, *test),
+                         task.metric: task.score(hvd, model, *test),
                          **comm_totals(method, opt, step, model, hvd.size())}
                 paused += time.perf_counter() - t0
                 curve.append(dict(point, eval_seconds=evals + paused))
@@ -222,7 +231,7 @@ def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dat
         record: Dict[str, Any] = {
             "epoch": epoch + 1, "lr": lr, "steps": step,
             "train_loss": float(hvd.allreduce(torch.tensor([loss_sum / max(batches, 1)]))),
-            "test_accuracy": evaluate(hvd, model, *test),
+            task.metric: task.score(hvd, model, *test),
             "epoch_seconds": seconds, "wall_seconds": wall, **totals,
             **{f"epoch_{k}": v - previous[k] for k, v in totals.items()}}
         evals += time.perf_counter() - t0
@@ -233,7 +242,7 @@ def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dat
         if epoch == epochs - 1:
             if hasattr(opt, "flush"):  # apply every pending residual: the exact final model
                 opt.flush()
-            record["flushed_accuracy"] = evaluate(hvd, model, *test)
+            record[task.flushed] = task.score(hvd, model, *test)
         records.append(record)
         if on_epoch is not None:
             on_epoch(record)

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import math
 import numbers
-import os
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -25,7 +24,9 @@ ENV_PREFIX = "HVD_SLIM_"
 ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
-                "warmup_decay_steps", "adam_variance", "momentum_masking")
+                "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
+                "warmup_start_density")
+VALUE_BITS = (8, 16, 32)
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -33,17 +34,19 @@ RESUMABLE_FIELDS = ("timeout", "nonfinite")
 DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's NCCL default, long enough for an evaluation
 
 
-# The default pull slice: never below the push, and at least PULL_FLOOR of the coordinates while
-# that is at most 4x the push. Measured (README "Accuracy", MNIST, 4 ranks, 3 seeds): at density
-# 0.001 a pull of 0.001 trails dense by 0.68 points and a pull of 0.004 by 0.32, for 37% more
-# pulled bytes; at 0.01 a 4x pull changes nothing (98.44 vs 98.47) for 2.6x the pulled bytes.
-PULL_FLOOR, PULL_MAX_RATIO = 0.004, 4.0
+# The default pull slice: twice the push, and 4x it (but at most PULL_FLOOR) at low densities,
+# where a second compression at the server delays most (docs/accuracy.md).
+PULL_RATIO, PULL_MAX_RATIO, PULL_FLOOR = 2.0, 4.0, 0.004
+# The automatic warm-up (see SlimConfig.densities_at): the push starts WARMUP_BOOST x denser and
+# falls geometrically to the target over about 1/density steps, the time error feedback takes to
+# fill its residuals (an average coordinate is first sent after ~1/density steps).
+WARMUP_BOOST = 8.0
 
 
 def default_pull_density(density: float) -> float:
-    """The pull density used when ``pull_density`` is not given: ``max(density,
-    min(4 * density, 0.004))``, i.e. the push density from 0.004 up, 4x the push below 0.001."""
-    return max(density, min(PULL_MAX_RATIO * density, PULL_FLOOR))
+    """The pull density used when ``pull_density`` is not given: ``max(2 * density,
+    min(4 * density, 0.004))``, at most 1 (0.04 at the default density, 0.004 at 0.001)."""
+    return min(1.0, max(PULL_RATIO * density, min(PULL_MAX_RATIO * density, PULL_FLOOR)))
 
 
 class ConfigError(ValueError):
@@ -82,21 +85,25 @@ class SlimConfig:
     """Validated Slim-DP settings (see DESIGN §2 for what each one does)."""
 
     # --- slice sizes -------------------------------------------------------------------------
-    density: float = 0.01              # k/d: fraction of compressed coordinates a worker pushes
+    density: float = 0.02              # k/d: fraction of compressed coordinates a worker pushes
     pull_density: Optional[float] = None  # k_pull/d for pull="slim"; None: see default_pull_density
     min_compress_numel: int = 4096     # tensors smaller than this are fused and sent dense
     # --- selection ---------------------------------------------------------------------------
     exploration: float = 0.1           # epsilon: share of each slice given to random exploration
     magnitude_weight: float = 0.0      # lambda in |a| + lambda*|w|; 0 = gradient magnitude only
     refresh_interval: int = 1          # q: re-select the core every q steps (q > 1 is expert-only)
-    # --- warm-up (DGC-style; see densities_at) ------------------------------------------------
+    value_bits: int = 8                # bits of each sliced value: 8 (scaled fp8), 16 (bf16), 32
+    # --- warm-up (see densities_at) -----------------------------------------------------------
     warmup_dense_steps: int = 0        # the first exchange steps are an exact dense average
-    warmup_decay_steps: int = 0        # then both densities decay geometrically to their targets
+    # Then the densities decay geometrically from warmup_start_density to their targets over
+    # warmup_decay_steps; None: automatic (8x the density, over ceil(1/density) steps)
+    warmup_decay_steps: Optional[int] = None
+    warmup_start_density: Optional[float] = None
     # --- the wrapped optimizer -----------------------------------------------------------------
     momentum_correction: Optional[bool] = None  # None = on for SGD with momentum > 0
     # Share of a rank's velocity dropped where a coordinate is sent: 1.0 (True) is DGC's momentum
     # masking, 0.0 (False) keeps it all (what is delivered then sums to dense momentum SGD's)
-    momentum_masking: float = 1.0
+    momentum_masking: float = 0.0
     # Adam/AdamW: "rescaled" feeds exp_avg_sq each delivered value as per-step means of the steps
     # it sums (inner/adam.py); "live": Adam's own step on the bursts; "auto": rescaled for Adam
     adam_variance: str = "auto"
@@ -127,9 +134,24 @@ class SlimConfig:
         norm["magnitude_weight"] = float(w)
         for name, low in (("refresh_interval", 1), ("min_compress_numel", 0),
                           ("server_rank", 0), ("backward_passes_per_step", 1), ("seed", 0),
-                          ("warmup_dense_steps", 0), ("warmup_decay_steps", 0)):
+                          ("warmup_dense_steps", 0)):
             norm[name] = _check_int(name, getattr(self, name), low)
-        if norm["refresh_interval"] > 1 and norm["warmup_dense_steps"] + norm["warmup_decay_steps"]:
+        if self.warmup_decay_steps is not None:
+            norm["warmup_decay_steps"] = _check_int("warmup_decay_steps",
+                                                    self.warmup_decay_steps, 0)
+        if self.value_bits not in VALUE_BITS or isinstance(self.value_bits, bool):
+            raise ConfigError(f"value_bits must be one of {VALUE_BITS}, got {self.value_bits!r}",
+                              "value_bits")
+        norm["value_bits"] = int(self.value_bits)
+        if self.warmup_start_density is not None:
+            start = _check_fraction("warmup_start_density", self.warmup_start_density, True)
+            if start < norm["density"]:
+                raise ConfigError(f"warmup_start_density ({start!r}) must not be below density "
+                                  f"({norm['density']!r}): the warm-up falls from it to density",
+                                  "warmup_start_density")
+            norm["warmup_start_density"] = start
+        explicit = norm["warmup_dense_steps"] + (norm.get("warmup_decay_steps") or 0)
+        if norm["refresh_interval"] > 1 and explicit:
             raise ConfigError("a warm-up (warmup_dense_steps/warmup_decay_steps) needs "
                               "refresh_interval=1: a cached core cannot outlive a slice size that "
                               "changes every step", "refresh_interval")
@@ -164,23 +186,43 @@ class SlimConfig:
             else self.pull_density
 
     @property
+    def effective_warmup_decay_steps(self) -> int:
+        """The decay's steps: as given, or (None) ``ceil(1 / density)`` when the core is
+        re-selected every step and the warm-up starts above the target; 0 otherwise."""
+        if self.warmup_decay_steps is not None:
+            return self.warmup_decay_steps
+        if self.refresh_interval > 1 or self.effective_warmup_start_density <= self.density:
+            return 0
+        return math.ceil(1.0 / self.density)
+
+    @property
+    def effective_warmup_start_density(self) -> float:
+        """The density the decay starts from: as given, or ``min(1, 8 * density)``."""
+        return min(1.0, WARMUP_BOOST * self.density) if self.warmup_start_density is None \
+            else self.warmup_start_density
+
+    @property
     def warmup_steps(self) -> int:
-        return self.warmup_dense_steps + self.warmup_decay_steps
+        return self.warmup_dense_steps + self.effective_warmup_decay_steps
 
     def densities_at(self, step: int) -> Optional[Tuple[float, float]]:
         """``(push, pull)`` densities of exchange step ``step`` during the warm-up, else None.
 
-        Steps ``[0, D)`` are dense (1.0); step ``D + i`` of the ``S`` decay steps uses
-        ``density ** ((i + 1) / (S + 1))`` (and the same power of the pull density, never below
-        the push), a geometric path from dense to the targets, which step ``D + S`` reaches."""
-        dense, decay = self.warmup_dense_steps, self.warmup_decay_steps
+        Steps ``[0, D)`` are dense (1.0). Step ``D + i`` of the ``S`` decay steps pushes
+        ``start * (density / start) ** ((i + 1) / (S + 1))``, a geometric path from the start
+        density to the target, which step ``D + S`` reaches; the pull follows the same path from
+        ``min(1, start * pull / density)`` (never below the push). With ``start = 1`` this is
+        the decay from dense, ``density ** ((i + 1) / (S + 1))``."""
+        dense, decay = self.warmup_dense_steps, self.effective_warmup_decay_steps
         if step >= dense + decay:
             return None
         if step < dense:
             return 1.0, 1.0
         x = (step - dense + 1) / (decay + 1)
-        push = self.density ** x
-        return push, max(push, self.effective_pull_density ** x)
+        start, pull = self.effective_warmup_start_density, self.effective_pull_density
+        pull_start = min(1.0, start * pull / self.density)
+        push = start * (self.density / start) ** x
+        return push, max(push, pull_start * (pull / pull_start) ** x)
 
     def check_world(self, size: int) -> None:
         """Checks that need the world size: the server must be one of the ranks."""
@@ -197,9 +239,20 @@ class SlimConfig:
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def effective_dict(self) -> Dict[str, Any]:
+        """:meth:`to_dict` with every automatic field (None) replaced by the value in force, the
+        warm-up's start density by None when there is no decay: what a checkpoint compares, so a
+        changed default can never resume silently."""
+        out = self.to_dict()
+        decay = self.effective_warmup_decay_steps
+        out.update(pull_density=self.effective_pull_density, warmup_decay_steps=decay,
+                   warmup_start_density=self.effective_warmup_start_density if decay else None)
+        return out
+
     def shared_dict(self) -> Dict[str, Any]:
-        """The fields every rank must agree on (all but the per-rank ``LOCAL_FIELDS``)."""
-        return {k: v for k, v in self.to_dict().items() if k not in LOCAL_FIELDS}
+        """The settings every rank must agree on (all but the per-rank ``LOCAL_FIELDS``), with
+        automatic fields resolved: ranks that differ only in spelling a default agree."""
+        return {k: v for k, v in self.effective_dict().items() if k not in LOCAL_FIELDS}
 
     def digest(self) -> str:
         """A short hash of the shared fields, equal on ranks that agree on the config."""
@@ -223,80 +276,3 @@ def _check_timeout(value: Any) -> Optional[float]:
         raise ConfigError(f"timeout must be a number of seconds > 0, or 0/None to wait forever, "
                           f"got {value!r}", "timeout")
     return None if value == 0 else float(value)
-
-
-def _parse_env(name: str, text: str) -> Any:
-    """Parse HVD_SLIM_<NAME> by the field's type; errors name the variable."""
-    var = ENV_PREFIX + name.upper()
-    t = text.strip()
-    try:
-        if name in ("pull", "nonfinite", "adam_variance"):
-            return t.lower()
-        if name == "timeout" and t.lower() in ("none", "off", "never", ""):
-            return None
-        if name == "momentum_correction" and t.lower() in ("auto", "none", ""):
-            return None
-        flags = {"1": True, "true": True, "yes": True, "on": True,
-                 "0": False, "false": False, "no": False, "off": False}
-        if name == "momentum_masking" and t.lower() in flags:
-            return flags[t.lower()]
-        if name == "momentum_correction":
-            if t.lower() not in flags:
-                raise ValueError(f"{t!r} is none of these")
-            return flags[t.lower()]
-        if name == "pull_density" and t.lower() in ("none", ""):
-            return None
-        if name in _INT_FIELDS:
-            try:
-                return int(t)
-            except ValueError:
-                x = float(t)          # "1e3" or "4.0" is an integer too; "2.5" is not
-                if not x.is_integer():
-                    raise ValueError(f"{t!r} is not an integer") from None
-                return int(x)
-        return float(t)
-    except ValueError as exc:
-        raise ConfigError(f"environment variable {var}={text!r} is not a valid value for "
-                          f"{name} ({_ENV_FORMS.get(name, 'a number')}): {exc}", name) from None
-
-
-_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed",
-               "warmup_dense_steps", "warmup_decay_steps")
-# What each variable accepts, for parse errors.
-_ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a number in (0, 1] "
-              "or none", "refresh_interval": "an integer >= 1", "min_compress_numel":
-              "an integer >= 0", "server_rank": "an integer rank", "seed": "an integer >= 0",
-              "timeout": "seconds > 0, or 0/none to wait forever", "density": "a number in (0, 1]",
-              "exploration": "a number in [0, 1]", "magnitude_weight": "a number >= 0",
-              "warmup_dense_steps": "an integer >= 0", "warmup_decay_steps": "an integer >= 0",
-              "adam_variance": "auto, rescaled or live", "momentum_masking": "true, false or a number in [0, 1]"}
-
-
-def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None
-                   ) -> SlimConfig:
-    """Build a config from explicitly passed keywords, then ``HVD_SLIM_*`` variables, then defaults.
-
-    A validation error caused by a value from the environment names the variable.
-    """
-    environ = os.environ if environ is None else environ
-    values: Dict[str, Any] = {}
-    from_env: Dict[str, str] = {}
-    for name in ENV_KEYWORDS:
-        if name in explicit:
-            continue
-        var = ENV_PREFIX + name.upper()
-        if var in environ:
-            values[name] = _parse_env(name, environ[var])
-            from_env[name] = var
-    values.update(explicit)
-    try:
-        config = SlimConfig(**values)
-    except ConfigError as exc:
-        if exc.field in from_env:
-            raise ConfigError(f"{exc} (from environment variable {from_env[exc.field]})",
-                              exc.field) from None
-        raise
-    # Remembered (outside the dataclass fields, so not in the digest) for later checks that
-    # need the world size or the optimizer, so their errors can name the variable too.
-    object.__setattr__(config, "_env_sources", dict(from_env))
-    return config

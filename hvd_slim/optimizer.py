@@ -269,10 +269,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     Horovod's arguments keep Horovod's meaning (``groups``/``num_groups`` are accepted and have no
     effect: the exchange is always one fused message per step; sparse gradients are densified).
-    Slim-DP keywords: ``density``, ``exploration``, ``refresh_interval``, ``magnitude_weight``,
-    ``momentum_correction``, ``momentum_masking``, ``pull``, ``pull_density``,
-    ``min_compress_numel``, ``server_rank``, ``seed``, ``warmup_dense_steps`` and
-    ``warmup_decay_steps`` (dense first steps, then a geometric decay to the densities),
+    Slim-DP keywords: ``density``, ``value_bits`` (8, 16 or 32: the precision of sliced values;
+    what rounding loses stays in the residual), ``exploration``, ``refresh_interval``,
+    ``magnitude_weight``, ``momentum_correction``, ``momentum_masking``, ``pull``,
+    ``pull_density``, ``min_compress_numel``, ``server_rank``, ``seed``, ``warmup_dense_steps``,
+    ``warmup_decay_steps`` and ``warmup_start_density`` (dense first steps, then a geometric
+    decay from the start density to the targets; by default 8x denser over 1/density steps),
     ``adam_variance`` ("auto" | "rescaled" | "live": for Adam and AdamW, feed the second moment
     per-step values, inner/adam.py), ``nonfinite`` ("raise" | "skip" | "propagate": what a
     NaN/Inf gradient does) and ``timeout`` (seconds a rank waits in the exchange before

@@ -7,7 +7,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .config import ENV_KEYWORDS, SlimConfig, resolve_config
+from .config import ENV_KEYWORDS, SlimConfig
+from .config_env import resolve_config
 from .exchange.layout import Layout
 from .transport.base import Transport
 

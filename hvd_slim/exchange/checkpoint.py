@@ -16,11 +16,12 @@ import torch
 from ..config import RESUMABLE_FIELDS
 from .describe import config_difference, param_difference, params_of
 
-# Config fields added after checkpoint version 2: a checkpoint without them is read as having
-# their defaults, so it still loads.
-NEW_FIELDS = ("adam_variance", "momentum_masking")
+# What fields added later meant before they existed: a checkpoint without one was made with
+# that behaviour (values at full precision, DGC's masking, decays from dense).
+OLD_FIELDS = {"adam_variance": "auto", "momentum_masking": 1.0, "value_bits": 32,
+              "warmup_start_density": 1.0}
 
-VERSION = 2
+VERSION = 3   # 3: adds "effective", the settings in force (automatic fields resolved)
 FIX_RANK = ("Residuals are per rank: save every rank's optimizer.state_dict() (e.g. to "
             "f'ckpt-{hvd.rank()}.pt') and load each rank's own; for one shared file, call "
             "optimizer.flush() and drop the 'hvd_slim' entry before saving")
@@ -33,7 +34,8 @@ def _where(keys: list) -> str:
 def state_of(ex: Any) -> dict:
     """This rank's exchange state (see :meth:`SlimExchange.state_dict`)."""
     return {"version": VERSION, "rank": ex.rank, "size": ex.size, "step": ex.step_count,
-            "digest": ex.digest, "config": ex.cfg.to_dict(), "layout": ex.layout.description(),
+            "digest": ex.digest, "config": ex.cfg.to_dict(),
+            "effective": ex.cfg.effective_dict(), "layout": ex.layout.description(),
             "memory": {i: m.state_dict() for i, m in ex.memory.items()},
             "selector": {i: s.state_dict() for i, s in ex.selector.items()},
             "core": {i: c.clone() for i, c in ex.core.items()},
@@ -45,7 +47,7 @@ def state_of(ex: Any) -> dict:
 def validate(ex: Any, state: Any) -> None:
     """Raise ValueError (naming what differs and how to fix it) unless ``state`` can be loaded
     into ``ex`` completely. Reads only."""
-    if not isinstance(state, dict) or state.get("version") not in (1, VERSION):
+    if not isinstance(state, dict) or state.get("version") not in (1, 2, VERSION):
         got = state.get("version") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"hvd_slim checkpoint: unknown format version {got!r}; expected the "
                          "'hvd_slim' entry of an hvd_slim optimizer.state_dict()")
@@ -56,6 +58,9 @@ def validate(ex: Any, state: Any) -> None:
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"hvd_slim checkpoint: step must be an integer >= 0, got {step!r}")
+    # Cores cached at the last step taken have that step's sizes (a warm-up changes them; it
+    # needs refresh_interval=1, so the last step re-selected every core).
+    sizes = {c.index: c for c in ex.layout.at_step(max(step - 1, 0))}
     for b in ex.layout.sparse:
         mem = _entry(state, "memory", b.index)
         _tensor(mem, "residual", (b.numel,), b.dtype, b.index)
@@ -66,10 +71,11 @@ def validate(ex: Any, state: Any) -> None:
                              "velocity but this optimizer has none: load it with the same "
                              "optimizer (SGD momentum) and momentum_correction setting")
         _threshold(_entry(state, "selector", b.index), b.index)
-        _core(state.get("core"), b.index, _size(ex, b.k_core), b.numel, "core")
-        _core(state.get("pull_core"), b.index, _size(ex, b.k_pull_core), b.numel, "pull core")
+        at = sizes[b.index]
+        _core(state.get("core"), b.index, at.k_core, b.numel, "core")
+        _core(state.get("pull_core"), b.index, at.k_pull_core, b.numel, "pull core")
     if ex.server is not None:
-        _check_server(ex, state.get("server"))
+        _check_server(ex, state.get("server"), sizes)
     if not isinstance(state.get("stats", {}), dict):
         raise ValueError("hvd_slim checkpoint: 'stats' must be a dict")
 
@@ -90,12 +96,8 @@ def load(ex: Any, state: dict) -> None:
 # --- checks ------------------------------------------------------------------------------------
 def _check_same_exchange(ex: Any, state: dict) -> None:
     """Same model (by layout description when saved, else by digest) and same settings."""
-    saved_cfg = state.get("config")
-    if isinstance(saved_cfg, dict):
-        # Fields added since the checkpoint was written hold their defaults, as they did then.
-        saved_cfg = {**{k: v for k, v in type(ex.cfg)().to_dict().items() if k in NEW_FIELDS},
-                     **saved_cfg}
-    cfg_diff = config_difference({"in the checkpoint": saved_cfg, "now": ex.cfg.to_dict()},
+    saved_cfg = _saved_effective(state)
+    cfg_diff = config_difference({"in the checkpoint": saved_cfg, "now": ex.cfg.effective_dict()},
                                  _where, ignore=RESUMABLE_FIELDS)
     if cfg_diff:
         raise ValueError(f"hvd_slim checkpoint was made with other Slim-DP settings: {cfg_diff}. "
@@ -114,6 +116,23 @@ def _check_same_exchange(ex: Any, state: dict) -> None:
     elif state.get("digest") != ex.digest:
         raise ValueError("hvd_slim checkpoint was made with a different model or Slim-DP "
                          f"config: saved {saved_cfg}, now {ex.cfg.to_dict()}")
+
+
+def _saved_effective(state: dict) -> Any:
+    """The settings in force when ``state`` was saved (automatic fields resolved as they were
+    then: before version 3 a default pull was ``max(d, min(4d, 0.004))``)."""
+    if isinstance(state.get("effective"), dict):
+        return state["effective"]
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        return saved
+    out = {**OLD_FIELDS, **saved}
+    d = out.get("density")
+    if out.get("pull_density") is None and isinstance(d, (int, float)):
+        out["pull_density"] = max(d, min(4 * d, 0.004))
+    if not out.get("warmup_decay_steps"):
+        out["warmup_start_density"] = None
+    return out
 
 
 def _entry(state: dict, key: str, index: int) -> Dict[str, Any]:
@@ -138,14 +157,8 @@ def _threshold(d: dict, index: int) -> None:
                          "not a finite number")
 
 
-def _size(ex: Any, k: int) -> Optional[int]:
-    """A cached core's size: the bucket's ``k``, or any (None) when a warm-up changes it."""
-    return None if ex.cfg.warmup_steps else k
-
-
 def _core(table: Any, index: int, k: Optional[int], d: int, what: str) -> None:
-    """An optional cached core: k sorted, distinct int64 indices in [0, d) (any k when None:
-    during a warm-up a core's size follows its step's density)."""
+    """An optional cached core: k sorted, distinct int64 indices in [0, d) (any k when None)."""
     if not isinstance(table, dict):
         raise ValueError(f"hvd_slim checkpoint: the {what} table is missing")
     c: Optional[torch.Tensor] = table.get(index)
@@ -160,7 +173,7 @@ def _core(table: Any, index: int, k: Optional[int], d: int, what: str) -> None:
                          f"{'' if k is None else f'{k} '}sorted distinct indices in [0, {d})")
 
 
-def _check_server(ex: Any, srv: Any) -> None:
+def _check_server(ex: Any, srv: Any, sizes: Dict[int, Any]) -> None:
     if not isinstance(srv, dict):
         raise ValueError(f"rank {ex.rank} is the server but its checkpoint has no server state: "
                          "was server_rank changed?")
@@ -171,8 +184,7 @@ def _check_server(ex: Any, srv: Any) -> None:
     for b in ex.layout.sparse:
         _tensor(_entry(srv, "memory", b.index), "residual", (b.numel,), b.dtype, b.index)
         _threshold(_entry(srv, "selector", b.index), b.index)
-        _core(srv.get("pull_core"), b.index, _size(ex, b.k_pull_core), b.numel,
-              "server pull core")
+        at = sizes[b.index]
+        _core(srv.get("pull_core"), b.index, at.k_pull_core, b.numel, "server pull core")
         for j, table in enumerate(cores):
-            _core(table, b.index, _size(ex, b.k_core), b.numel,
-                  f"server's copy of rank {j}'s core")
+            _core(table, b.index, at.k_core, b.numel, f"server's copy of rank {j}'s core")

@@ -9,6 +9,7 @@ import torch
 
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
+from ..wire.values import FP8, dequantize
 from .layout import DENSE, Bucket, slice_is_smaller, sent_whole
 
 
@@ -42,6 +43,25 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+SLICED = (wm.M_SLICE, wm.M_SLICE_CACHED)
+
+
+def itemsizes(buckets: List[Bucket], sections: List[wm.Section]) -> List[int]:
+    """Bytes per value of each section: the slice dtype's for slices, the wire dtype's else."""
+    return [b.slice_bytes if s.mode in SLICED else b.value_bytes
+            for b, s in zip(buckets, sections)]
+
+
+def section_values(sec: wm.Section, b: Bucket) -> torch.Tensor:
+    """What a decoded section's values stand for, in the bucket's dtype on its device: a slice
+    in the bucket's slice dtype (value_bits) times ``2**exp``, anything else in its wire
+    dtype."""
+    if sec.mode in SLICED:
+        raw = from_bytes(sec.values, b.slice_dtype).to(b.device)
+        return dequantize(raw, sec.exp, b.dtype)
+    return from_bytes(sec.values, b.wire_dtype, like=b)
+
+
 def indices_on(idx: Any, b: Bucket) -> torch.Tensor:
     """Decoded int64 indices (numpy, or a tensor in the device path) on the bucket's device."""
     t = idx if isinstance(idx, torch.Tensor) else torch.from_numpy(idx)
@@ -55,7 +75,7 @@ def is_refresh(step: int, refresh_interval: int) -> bool:
 
 def pull_is_dense(b: Bucket) -> bool:
     """Whether a ``pull="slim"`` slice of ``b`` would not be smaller than ``b`` sent dense."""
-    return not slice_is_smaller(b.numel, b.k_pull, b.k_pull_core, b.value_bytes)
+    return not slice_is_smaller(b.numel, b.k_pull, b.k_pull_core, b.slice_bytes, b.value_bytes)
 
 
 Modes = Dict[int, Optional[Tuple[int, int]]]
@@ -124,7 +144,9 @@ def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes
         else:
             modes = sparse(b)
         most = most_explicit(b) if None in modes.values() else None
-        out.append(BoundedExpect(b.numel, b.value_bytes, modes, most))
+        sliced = any(m in SLICED for m in modes)
+        out.append(BoundedExpect(b.numel, b.slice_bytes if sliced else b.value_bytes, modes,
+                                 sliced and b.slice_dtype == FP8, most))
     return out
 
 

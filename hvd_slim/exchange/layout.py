@@ -18,6 +18,7 @@ import torch
 
 from ..config import SlimConfig
 from ..wire.indices import index_bytes_bound
+from ..wire.values import slice_dtype
 
 DENSE = "dense"
 SPARSE = "sparse"
@@ -40,7 +41,7 @@ class Bucket:
     index: int
     kind: str                 # DENSE or SPARSE
     dtype: torch.dtype
-    wire_dtype: torch.dtype   # dtype of values on the wire (fp16 with Compression.fp16)
+    wire_dtype: torch.dtype   # dtype of dense values on the wire (fp16 with Compression.fp16)
     segments: List[Segment]
     numel: int
     device: torch.device = torch.device("cpu")  # where the bucket's residual and buffers live
@@ -50,10 +51,21 @@ class Bucket:
     k_pull: int = 0           # pull slice size (pull="slim")
     k_pull_core: int = 0
     k_pull_explore: int = 0
+    slice_dtype: Optional[torch.dtype] = None  # sliced values (value_bits); None: wire_dtype
+
+    def __post_init__(self) -> None:
+        if self.slice_dtype is None:
+            self.slice_dtype = self.wire_dtype
 
     @property
     def value_bytes(self) -> int:
-        return torch.empty((), dtype=self.wire_dtype).element_size()
+        """Bytes of one dense value (dense sections and the exact union pull)."""
+        return self.wire_dtype.itemsize
+
+    @property
+    def slice_bytes(self) -> int:
+        """Bytes of one sliced value (pushes, and the server's ``pull="slim"`` slice)."""
+        return self.slice_dtype.itemsize
 
     def params(self) -> List[torch.Tensor]:
         return [s.param for s in self.segments]
@@ -70,15 +82,18 @@ def slice_sizes(d: int, density: float, exploration: float) -> Tuple[int, int, i
     return k, k - k_e, k_e
 
 
-def slice_is_smaller(d: int, k: int, k_core: int, value_bytes: int) -> bool:
-    """True when k values plus the worst-case core index encoding beat sending all d values."""
-    return k * value_bytes + index_bytes_bound(d, k_core) < d * value_bytes
+def slice_is_smaller(d: int, k: int, k_core: int, slice_bytes: int, value_bytes: int) -> bool:
+    """True when a slice of k < d values of ``slice_bytes`` plus the worst-case core index
+    encoding beats sending all d values of ``value_bytes``. A slice of every coordinate is never
+    smaller: all d go dense, exactly (``density=1.0`` is a dense average at any value_bits)."""
+    return k < d and k * slice_bytes + index_bytes_bound(d, k_core) < d * value_bytes
 
 
 def sent_whole(b: Bucket) -> bool:
     """A compressed bucket whose push slice (at a warm-up step's size) would not be smaller than
     all of it: that step sends it whole, the residual included (see the worker)."""
-    return b.kind == SPARSE and not slice_is_smaller(b.numel, b.k, b.k_core, b.value_bytes)
+    return b.kind == SPARSE and not slice_is_smaller(b.numel, b.k, b.k_core, b.slice_bytes,
+                                                     b.value_bytes)
 
 
 class Layout:
@@ -107,13 +122,17 @@ class Layout:
             for name, p in groups[(kind, dtype, device)]:
                 segs.append(Segment(name, p, off, p.numel()))
                 off += p.numel()
-            b = Bucket(len(self.buckets), kind, dtype, wire_dtype_of(dtype), segs, off, device=device)
+            wire = wire_dtype_of(dtype)
+            b = Bucket(len(self.buckets), kind, dtype, wire, segs, off, device=device,
+                       slice_dtype=slice_dtype(config.value_bits, wire) if kind == SPARSE
+                       else wire)
             if kind == SPARSE:
                 b.k, b.k_core, b.k_explore = slice_sizes(off, config.density, config.exploration)
                 b.k_pull, b.k_pull_core, b.k_pull_explore = slice_sizes(
                     off, config.effective_pull_density, config.exploration)
-                if not slice_is_smaller(off, b.k, b.k_core, b.value_bytes):
+                if not slice_is_smaller(off, b.k, b.k_core, b.slice_bytes, b.value_bytes):
                     b.kind = DENSE  # dense fallback: no residual, exactly a dense average
+                    b.slice_dtype = wire
             self.buckets.append(b)
         self.names = [n for n, _ in ordered]
         self._config = config
@@ -148,7 +167,8 @@ class Layout:
         h = hashlib.sha256()
         for b in self.buckets:
             # The device type is deliberately left out: a CPU and a CUDA replica may interoperate.
-            h.update(f"{b.kind}|{b.dtype}|{b.wire_dtype}|{b.numel}|{b.k}|{b.k_pull}\n".encode())
+            h.update(f"{b.kind}|{b.dtype}|{b.wire_dtype}|{b.slice_dtype}|{b.numel}|{b.k}|"
+                     f"{b.k_pull}\n".encode())
             for s in b.segments:
                 h.update(f"{s.name}|{tuple(s.param.shape)}\n".encode())
         return int.from_bytes(h.digest()[:8], "little")

@@ -21,7 +21,9 @@ from ..selection import CoreSelector, explore
 from ..wire import control
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
-from .codec import from_bytes, indices_on, is_refresh, pull_expect, pull_is_dense, push_expect
+from ..wire.values import quantize
+from .codec import (indices_on, is_refresh, itemsizes, pull_expect, pull_is_dense, push_expect,
+                    section_values)
 from .finite import describe, nonfinite_sent
 from .layout import DENSE, Bucket, Layout
 from .wirepath import HostPath
@@ -109,7 +111,7 @@ class Server:
             return self._verdict([(self.rank, text)], step, digest, limit)
         adopted = plan.commit(self)
         out = self.wire.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,
-                               sections, [b.value_bytes for b in buckets])[0]
+                               sections, itemsizes(buckets, sections))[0]
         # encode() copied every section: the aggregate buffers are free again. A residual that
         # adopted a bucket's aggregate handed back its old buffer instead.
         for b in buckets:
@@ -151,7 +153,7 @@ class Server:
     def _push_slice(self, b: Bucket, j: int, sec: wm.Section, step: int, plan: "_Plan"
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """The coordinates (core, then exploration) and values of rank ``j``'s sliced push."""
-        vals = from_bytes(sec.values, b.wire_dtype, like=b)
+        vals = section_values(sec, b)
         if sec.mode == wm.M_SLICE:
             core = indices_on(sec.indices, b)
             plan.worker_cores[(j, b.index)] = core
@@ -171,7 +173,7 @@ class Server:
         if sec.mode == wm.M_EMPTY:
             return
         if sec.mode == wm.M_DENSE:
-            total.add_(from_bytes(sec.values, b.wire_dtype, like=b))
+            total.add_(section_values(sec, b))
             if touched is not None:
                 touched.fill_(True)
             return
@@ -186,20 +188,22 @@ class Server:
         if b.kind == DENSE:
             if flush:
                 return self.wire.empty()
-            return self._sent(b, total.to(b.wire_dtype), None, plan, wm.M_DENSE)
+            return self._sent(b, total, None, plan, wm.M_DENSE)
         if self.cfg.pull == "union" and not flush:
+            # The exact aggregate: at the wire dtype (not value_bits), as nothing keeps a
+            # rounding error here.
             idx = touched.nonzero().reshape(-1)
             n = idx.numel()
             if n * b.value_bytes + index_bytes_bound(b.numel, n) < b.numel * b.value_bytes:
-                return self._sent(b, total[idx].to(b.wire_dtype), idx, plan, wm.M_EXPLICIT, idx)
-            return self._sent(b, total.to(b.wire_dtype), None, plan, wm.M_DENSE)
+                return self._sent(b, total[idx], idx, plan, wm.M_EXPLICIT, idx)
+            return self._sent(b, total, None, plan, wm.M_DENSE)
         # A flush, or a pull slice no smaller than dense (a sliced pull goes _slim_section).
         mem = self.memory[b.index]
         v = total.add_(mem.residual)   # e + G, proposed: e itself changes only at commit
-        wire = v.to(b.wire_dtype, copy=True)  # a copy: commit zeroes v's buffer
-        delivered = wire.to(b.dtype) if b.wire_dtype != b.dtype else None
+        # Sent as a copy, since commit zeroes v's buffer.
+        wire, _, delivered = quantize(v.clone() if v.dtype == b.wire_dtype else v, b.wire_dtype)
         plan.memory.append((mem, v, None, delivered))
-        return self._sent(b, wire, None, plan, wm.M_DENSE)
+        return self._checked(b, wire, delivered, None, plan, wm.M_DENSE)
 
     def _slice_pull(self, b: Bucket, v: torch.Tensor, step: int, plan: "_Plan") -> wm.Section:
         """The pull slice of ``v`` (= e + G, the residual itself): its core by |v| plus
@@ -214,20 +218,29 @@ class Server:
         sel = torch.cat([core, explore(b.numel, core, b.k_pull_explore,
                                        (self.cfg.seed, ROLE_PULL, self.rank, step, b.index)
                                        ).to(b.device)])
-        wire = v[sel].to(b.wire_dtype)
-        plan.forget.append((mem, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype else None))
+        # value_bits: what rounding loses stays in the server's residual (forgotten: delivered).
+        wire, exp, delivered = quantize(v[sel], b.slice_dtype)
+        plan.forget.append((mem, sel, delivered))
         mode = wm.M_SLICE if refresh else wm.M_SLICE_CACHED
-        return self._sent(b, wire, sel, plan, mode, core if refresh else None)
+        return self._checked(b, wire, delivered, sel, plan, mode, core if refresh else None, exp)
 
-    def _sent(self, b: Bucket, wire: torch.Tensor, sel: Optional[torch.Tensor], plan: "_Plan",
+    def _sent(self, b: Bucket, values: torch.Tensor, sel: Optional[torch.Tensor], plan: "_Plan",
               mode: int, indices: Optional[torch.Tensor] = None) -> wm.Section:
-        """The section for ``wire``; a lossy wire dtype is checked for overflow (cheaply)."""
-        if wire.dtype != b.dtype and self.cfg.nonfinite != "propagate":
-            bad = nonfinite_sent(b, wire, sel)
+        """The section carrying ``values`` in the bucket's wire dtype (dense, or the union)."""
+        wire, _, delivered = quantize(values, b.wire_dtype)
+        return self._checked(b, wire, delivered, sel, plan, mode, indices)
+
+    def _checked(self, b: Bucket, wire: torch.Tensor, delivered: Optional[torch.Tensor],
+                 sel: Optional[torch.Tensor], plan: "_Plan", mode: int,
+                 indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
+        """The section for ``wire``; what a lossy wire dtype delivers is checked for overflow
+        (cheaply)."""
+        if delivered is not None and self.cfg.nonfinite != "propagate":
+            bad = nonfinite_sent(b, delivered, sel)
             if bad:
                 plan.overflow += bad
                 plan.wire_dtype = wire.dtype
-        return self.wire.section(mode, wire, b.numel, indices)
+        return self.wire.section(mode, wire, b.numel, indices, exp)
 
     # --- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -18,13 +18,16 @@ class ExchangeStats:
     FIELDS = ("steps", "skipped_steps", "flushes", "bytes_pushed", "bytes_pulled", "dense_bytes",
               "ring_allreduce_bytes", "push_header_bytes", "push_dense_value_bytes",
               "push_sparse_value_bytes", "push_index_bytes", "pull_header_bytes",
-              "pull_value_bytes", "pull_index_bytes", "select_seconds", "exchange_seconds")
+              "pull_value_bytes", "pull_dense_value_bytes", "pull_sparse_value_bytes",
+              "pull_index_bytes", "compressed_dense_bytes", "select_seconds", "exchange_seconds")
 
     def __init__(self, layout: Layout, size: int) -> None:
         self._layout = layout
         grad_bytes = sum(b.numel * torch.empty((), dtype=b.dtype).element_size()
                          for b in layout.buckets)
         self.grad_bytes = grad_bytes
+        # The compressed tensors' share of it: what their slices are measured against.
+        self.compressed_grad_bytes = sum(b.numel * b.dtype.itemsize for b in layout.sparse)
         # What a bandwidth-optimal ring allreduce sends per rank for the same gradients.
         self.ring_bytes = int(round(2 * (size - 1) / size * grad_bytes)) if size > 1 else 0
         for f in self.FIELDS:
@@ -47,17 +50,23 @@ class ExchangeStats:
 
     def record_pull(self, buf: np.ndarray, sections: List[wm.Section]) -> None:
         values = sum(len(s.values) for s in sections)
+        dense = sum(len(s.values) for b, s in zip(self._layout.buckets, sections)
+                    if b.kind != SPARSE)
         index = sum(len(s.idx_bytes) for s in sections)
         header = len(buf) - values - index
         self.pull_header_bytes += header
         self.pull_value_bytes += values
+        self.pull_dense_value_bytes += dense
+        self.pull_sparse_value_bytes += values - dense
         self.pull_index_bytes += index
         self.last.update(pull_header_bytes=header, pull_value_bytes=values,
+                         pull_dense_value_bytes=dense, pull_sparse_value_bytes=values - dense,
                          pull_index_bytes=index)
 
     def finish_step(self, seconds: float) -> None:
         self.steps += 1
         self.dense_bytes += self.grad_bytes
+        self.compressed_dense_bytes += self.compressed_grad_bytes
         self.ring_allreduce_bytes += self.ring_bytes
         self.exchange_seconds += seconds
 

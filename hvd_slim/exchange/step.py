@@ -26,7 +26,7 @@ from ..transport.base import Transport, TransportTimeout
 from ..wire import control
 from ..wire import message as wm
 from . import checkpoint, handshake
-from .codec import from_bytes, indices_on, message_bound, pull_expect, push_expect
+from .codec import indices_on, itemsizes, message_bound, pull_expect, push_expect, section_values
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
 from .layout import DENSE, Bucket, Layout
 from .server import ROLE_PULL, Server, decode_pull
@@ -134,7 +134,7 @@ class SlimExchange(WorkerSide):
                                           flush=flush))
         if report is None:
             buf, sizes = self.wire.encode(kind, self.rank, t, self.digest, sections,
-                                          [b.value_bytes for b in self.layout.buckets])
+                                          itemsizes(self.layout.at_step(t), sections))
             self.stats.record_push(sections, sizes)
         else:   # a NaN/Inf: report it instead of pushing; the server decides for every rank
             buf = self.wire.from_host(control.encode_text(wm.NONFINITE, self.rank, t,
@@ -198,7 +198,7 @@ class SlimExchange(WorkerSide):
         for b, sec in zip(self.layout.at_step(t), sections):
             if sec.mode == wm.M_EMPTY:
                 continue
-            vals = from_bytes(sec.values, b.wire_dtype, like=b)
+            vals = section_values(sec, b)
             if sec.mode == wm.M_DENSE:
                 self.layout.write_grads(b, vals)
                 continue

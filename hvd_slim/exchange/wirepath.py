@@ -31,10 +31,11 @@ class HostPath:
     device_payloads = False
 
     def section(self, mode: int, wire: torch.Tensor, d: int,
-                indices: Optional[torch.Tensor] = None) -> wm.Section:
-        """The section carrying ``wire`` (and, for M_SLICE / M_EXPLICIT, ``indices``)."""
+                indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
+        """The section carrying ``wire`` (standing for ``wire * 2**exp``) and, for M_SLICE /
+        M_EXPLICIT, ``indices``."""
         idx = None if indices is None else indices.detach().cpu().numpy()
-        return wm.make_section(mode, to_bytes(wire), d, indices=idx)
+        return wm.make_section(mode, to_bytes(wire), d, indices=idx, exp=exp)
 
     def empty(self, mode: int = wm.M_EMPTY) -> wm.Section:
         return wm.make_section(mode, np.empty(0, np.uint8), 0)
@@ -78,8 +79,8 @@ class DevicePath(HostPath):
         self.device = torch.device(device)
 
     def section(self, mode: int, wire: torch.Tensor, d: int,
-                indices: Optional[torch.Tensor] = None) -> wm.Section:
-        return wt.make_section(mode, wire, d, indices)
+                indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
+        return wt.make_section(mode, wire, d, indices, exp)
 
     def empty(self, mode: int = wm.M_EMPTY) -> wm.Section:
         return wt.empty_section(mode, self.device)

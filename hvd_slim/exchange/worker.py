@@ -15,10 +15,19 @@ import torch
 
 from ..selection import explore, significance
 from ..wire import message as wm
+from ..wire.values import quantize
 from .codec import is_refresh
 from .finite import describe, nonfinite_params, nonfinite_sent
 from .layout import DENSE, Bucket, sent_whole
 from .server import ROLE_PUSH
+
+
+# The values a lossy wire dtype delivers, and that dtype (for an overflow report).
+Lossy = Tuple[torch.Tensor, torch.dtype]
+
+
+def _lossy(delivered: Optional[torch.Tensor], wire: torch.Tensor) -> Optional[Lossy]:
+    return None if delivered is None else (delivered, wire.dtype)
 
 
 @dataclass
@@ -54,10 +63,10 @@ class WorkerSide:
             return [], describe(bad, overflow=False)
         sections, overflow, wire_dtype = [], [], None
         for b, (x, u_new) in zip(buckets, folded):
-            sec, wire, sel = self._compensate_and_select(b, t, x, u_new)
-            if check and wire.dtype != b.dtype:
-                found = nonfinite_sent(b, wire, sel)
-                overflow, wire_dtype = overflow + found, (wire.dtype if found else wire_dtype)
+            sec, lossy, sel = self._compensate_and_select(b, t, x, u_new)
+            if check and lossy is not None:   # what a lossy wire dtype made of the values
+                found = nonfinite_sent(b, lossy[0], sel)
+                overflow, wire_dtype = overflow + found, (lossy[1] if found else wire_dtype)
             sections.append(sec)
         if overflow:
             return [], describe(overflow, overflow=True, wire_dtype=wire_dtype)
@@ -77,18 +86,19 @@ class WorkerSide:
 
     def _compensate_and_select(self, b: Bucket, t: int, a: torch.Tensor,
                                u_new: Optional[torch.Tensor]
-                               ) -> Tuple[wm.Section, torch.Tensor, Optional[torch.Tensor]]:
+                               ) -> Tuple[wm.Section, Optional[Lossy], Optional[torch.Tensor]]:
+        """This bucket's section; the values a lossy wire dtype delivers (and that dtype), for
+        the overflow check; and the coordinates sent (None: all)."""
         cfg = self.cfg
         if b.kind == DENSE:
-            wire = a.to(b.wire_dtype)
-            return self.wire.section(wm.M_DENSE, wire, b.numel), wire, None
+            wire, _, delivered = quantize(a, b.wire_dtype)
+            return self.wire.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
         if sent_whole(b):
             # A dense warm-up step: all of a goes, and the velocity is not masked (masking every
             # coordinate every step would cancel the momentum): dense momentum SGD exactly.
-            wire = a.to(b.wire_dtype)
-            self._pending.append(Proposal(b.index, None, wire.to(b.dtype)
-                                           if b.wire_dtype != b.dtype else None, False, a, u_new))
-            return self.wire.section(wm.M_DENSE, wire, b.numel), wire, None
+            wire, _, delivered = quantize(a, b.wire_dtype)
+            self._pending.append(Proposal(b.index, None, delivered, False, a, u_new))
+            return self.wire.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
         t_sel = time.perf_counter()
         new_core = None
         if is_refresh(t, cfg.refresh_interval) or b.index not in self.core:
@@ -97,14 +107,16 @@ class WorkerSide:
         sel = torch.cat([core, explore(b.numel, core, b.k_explore,
                                        (cfg.seed, ROLE_PUSH, self.rank, t, b.index)).to(b.device)])
         self.stats.select_seconds += time.perf_counter() - t_sel
-        wire = a[sel].to(b.wire_dtype)
-        self._pending.append(Proposal(b.index, sel, wire.to(b.dtype) if b.wire_dtype != b.dtype
-                                       else None, cfg.momentum_masking, a, u_new, new_core))
+        # value_bits: the values travel in the slice dtype; what rounding lost stays in the
+        # residual (``delivered`` is what the server decodes), to be sent later.
+        wire, exp, delivered = quantize(a[sel], b.slice_dtype)
+        self._pending.append(Proposal(b.index, sel, delivered, cfg.momentum_masking, a, u_new,
+                                      new_core))
         if is_refresh(t, cfg.refresh_interval):
-            sec = self.wire.section(wm.M_SLICE, wire, b.numel, indices=core)
+            sec = self.wire.section(wm.M_SLICE, wire, b.numel, indices=core, exp=exp)
         else:
-            sec = self.wire.section(wm.M_SLICE_CACHED, wire, b.numel)
-        return sec, wire, sel
+            sec = self.wire.section(wm.M_SLICE_CACHED, wire, b.numel, exp=exp)
+        return sec, _lossy(delivered, wire), sel
 
     def _select_core(self, b: Bucket, a: torch.Tensor) -> torch.Tensor:
         """The ``k_core`` most significant coordinates of ``a`` (DESIGN §2)."""

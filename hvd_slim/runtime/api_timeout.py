@@ -15,7 +15,8 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Mapping, Optional
 
-from ..config import DEFAULT_TIMEOUT, ENV_PREFIX, resolve_config
+from ..config import DEFAULT_TIMEOUT, ENV_PREFIX
+from ..config_env import resolve_config
 from ..transport.base import TransportTimeout
 from . import abort
 

@@ -7,7 +7,9 @@ A message is one contiguous byte buffer::
 Header: magic ``HVSL``, version, kind, bucket count, sender rank, step, layout digest, and a
 last field that is zero, except in text messages (ERROR and the control kinds of control.py),
 where it is the length of the UTF-8 body that follows the header; an ERROR's bucket count holds
-its ``E_*`` code. Table entry per bucket: mode, index encoding, count of values, count of indices, index bytes.
+its ``E_*`` code. Table entry per bucket: mode, index encoding, the values' power-of-two scale
+exponent (nonzero only for sections whose receiver expects scaled 8-bit values: the value
+``v`` stands for ``v * 2**exp``), count of values, count of indices, index bytes.
 Values come first, in bucket order (widest dtype first), so each value section stays aligned for
 its dtype; explored indices never travel (the receiver regenerates them from the seed).
 
@@ -27,9 +29,10 @@ from .errors import WireError
 from .indices import decode_indices, encode_indices, encoded_size
 
 MAGIC = b"HVSL"
-VERSION = 1
+VERSION = 2   # 2: the table's third field is a scale exponent (was reserved, always 0)
 HEADER = struct.Struct("<4sBBHIQQI")
-ENTRY = struct.Struct("<BBHIII")
+ENTRY = struct.Struct("<BBhIII")
+MAX_EXP = 1100  # |scale exponent|: beyond what any finite float64 value can need
 assert HEADER.size == 32 and ENTRY.size == 16
 
 # Message kinds. Data: PUSH, PULL and their flush variants (header, table, sections).
@@ -75,26 +78,30 @@ class Section:
     indices: Optional[np.ndarray] = None   # int64, sorted; core (M_SLICE) or explicit indices
     idx_kind: int = 0
     idx_bytes: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
+    exp: int = 0                           # the values stand for values * 2**exp
 
 
 @dataclass(frozen=True)
 class Expect:
     """What the receiver accepts for one bucket: ``modes`` maps mode -> (values, core indices);
-    None means "any count up to d" (explicit indices)."""
+    None means "any count up to d" (explicit indices). ``scaled``: the sliced modes' values
+    carry a scale exponent (8-bit values); otherwise every exponent must be 0."""
 
     d: int
     itemsize: int
     modes: Dict[int, Optional[tuple]]
+    scaled: bool = False
 
 
 def make_section(mode: int, values: np.ndarray, d: int,
-                 indices: Optional[np.ndarray] = None) -> Section:
-    """Build a section from raw value bytes and (for M_SLICE / M_EXPLICIT) sorted indices."""
+                 indices: Optional[np.ndarray] = None, exp: int = 0) -> Section:
+    """Build a section from raw value bytes (standing for ``values * 2**exp``) and (for
+    M_SLICE / M_EXPLICIT) sorted indices."""
     vals = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
     if indices is None:
-        return Section(mode, vals, count=-1)
+        return Section(mode, vals, count=-1, exp=exp)
     kind, enc = encode_indices(np.asarray(indices, dtype=np.int64), d)
-    return Section(mode, vals, count=-1, indices=indices, idx_kind=kind, idx_bytes=enc)
+    return Section(mode, vals, count=-1, indices=indices, idx_kind=kind, idx_bytes=enc, exp=exp)
 
 
 def head_and_table(kind: int, sender: int, step: int, digest: int, sections: Sequence[Any],
@@ -106,7 +113,8 @@ def head_and_table(kind: int, sender: int, step: int, digest: int, sections: Seq
         if len(s.values) % isz:
             raise ValueError(f"value bytes {len(s.values)} are not a multiple of itemsize {isz}")
         n_idx = 0 if s.indices is None else len(s.indices)
-        table += ENTRY.pack(s.mode, s.idx_kind, 0, len(s.values) // isz, n_idx, len(s.idx_bytes))
+        table += ENTRY.pack(s.mode, s.idx_kind, s.exp, len(s.values) // isz, n_idx,
+                            len(s.idx_bytes))
     return head + bytes(table)
 
 
@@ -217,9 +225,7 @@ def read_table(meta: np.ndarray, length: int, *, kind: int, sender: int, step: i
         raise WireError(f"{who}: truncated: {length} bytes, the table needs {table_end}")
     entries = [ENTRY.unpack_from(meta, HEADER.size + i * ENTRY.size) for i in range(nb)]
     total = table_end
-    for i, ((mode, ikind, pad, count, n_idx, nbytes), ex) in enumerate(zip(entries, expect)):
-        if pad != 0:
-            raise WireError(f"{who}: bucket {i}: reserved table field is {pad}, expected 0")
+    for i, ((mode, ikind, exp, count, n_idx, nbytes), ex) in enumerate(zip(entries, expect)):
         if mode not in ex.modes:
             allowed = ", ".join(MODE_NAMES.get(m, str(m)) for m in ex.modes)
             raise WireError(f"{who}: bucket {i} has mode {MODE_NAMES.get(mode, mode)}, "
@@ -236,6 +242,13 @@ def read_table(meta: np.ndarray, length: int, *, kind: int, sender: int, step: i
         elif (count, n_idx) != tuple(want):
             raise WireError(f"{who}: bucket {i} ({MODE_NAMES[mode]}): {count} values and {n_idx} "
                             f"indices, expected {want[0]} and {want[1]}")
+        scaled = getattr(ex, "scaled", False) and mode in (M_SLICE, M_SLICE_CACHED)
+        if exp != 0 and not scaled:
+            raise WireError(f"{who}: bucket {i} ({MODE_NAMES[mode]}): scale exponent {exp}, "
+                            "expected 0 (these values are not scaled)")
+        if abs(exp) > MAX_EXP:
+            raise WireError(f"{who}: bucket {i}: scale exponent {exp} is out of range "
+                            f"(at most {MAX_EXP} in magnitude)")
         if mode in (M_SLICE, M_EXPLICIT):
             try:
                 need = encoded_size(ikind, ex.d, n_idx)
@@ -271,11 +284,12 @@ def split_sections(buf: Any, entries: List[tuple], expect: Sequence[Expect], who
     """Sections over the checked message ``buf`` (a numpy array or a tensor: views, no copies),
     their indices decoded with ``decode_idx`` (the numpy or the torch codec)."""
     out, pos = [], table_size(len(entries))
-    for (mode, ikind, _pad, count, n_idx, _nb), ex in zip(entries, expect):
+    for (mode, ikind, exp, count, n_idx, _nb), ex in zip(entries, expect):
         n = count * ex.itemsize
-        out.append(Section(mode, buf[pos:pos + n], count, idx_kind=ikind))
+        out.append(Section(mode, buf[pos:pos + n], count, idx_kind=ikind, exp=exp))
         pos += n
-    for i, ((mode, ikind, _pad, count, n_idx, nbytes), ex, s) in enumerate(zip(entries, expect, out)):
+    for i, ((mode, ikind, _exp, count, n_idx, nbytes), ex, s) in enumerate(zip(entries, expect,
+                                                                               out)):
         s.idx_bytes = buf[pos:pos + nbytes]
         pos += nbytes
         if mode in (M_SLICE, M_EXPLICIT):

@@ -24,14 +24,15 @@ __all__ = ["make_section", "empty_section", "encode", "decode", "peek", "host_te
 
 
 def make_section(mode: int, values: torch.Tensor, d: int,
-                 indices: Optional[torch.Tensor] = None) -> Section:
-    """A section over ``values`` (any dtype: its raw bytes, no copy when contiguous) and, for
-    M_SLICE / M_EXPLICIT, the sorted ``indices``, encoded on their device."""
+                 indices: Optional[torch.Tensor] = None, exp: int = 0) -> Section:
+    """A section over ``values`` (any dtype: its raw bytes, no copy when contiguous; they
+    stand for ``values * 2**exp``) and, for M_SLICE / M_EXPLICIT, the sorted ``indices``,
+    encoded on their device."""
     vals = values.detach().contiguous().view(-1).view(torch.uint8)
     if indices is None:
-        return Section(mode, vals, count=-1, idx_bytes=vals.new_empty(0))
+        return Section(mode, vals, count=-1, idx_bytes=vals.new_empty(0), exp=exp)
     kind, enc = indices_torch.encode_indices(indices, d)
-    return Section(mode, vals, count=-1, indices=indices, idx_kind=kind, idx_bytes=enc)
+    return Section(mode, vals, count=-1, indices=indices, idx_kind=kind, idx_bytes=enc, exp=exp)
 
 
 def empty_section(mode: int, device: torch.device) -> Section:

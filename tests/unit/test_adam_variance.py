@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hvd_slim
-from hvd_slim.config import ConfigError, SlimConfig, resolve_config
+from hvd_slim.config import ConfigError, SlimConfig
+from hvd_slim.config_env import resolve_config
 from hvd_slim.inner import adam
 from hvd_slim.transport import run_ranks
 

@@ -81,16 +81,17 @@ def test_hvd_slim_counted_bytes_match_closed_form(result, density, pull):
     k = math.ceil(density * d)
     k_core = k - round(EXPLORATION * k)
     p = result["peers"][f"hvd_slim-{pull}@{density:g}"]
-    # 8-byte length word, 32-byte header, a 16-byte table entry per bucket (dense + compressed).
-    fixed = 8 + 32 + 2 * 16 + 4 * dense + 4 * k
+    # 8-byte length word, 32-byte header, a 16-byte table entry per bucket (dense + compressed);
+    # dense values are float32, sliced ones one byte each (value_bits=8, the default).
+    fixed = 8 + 32 + 2 * 16 + 4 * dense + k
     for rank, (counts, last) in enumerate(zip(p["per_rank_per_step"], p["last_step"])):
         idx = last["push_index_bytes"]
         assert 0 < idx <= _ef_or_bitmap_bound(d, k_core), (rank, idx)
-        assert last["push_sparse_value_bytes"] == 4 * k
+        assert last["push_sparse_value_bytes"] == k
         assert last["push_dense_value_bytes"] == 4 * dense
         assert counts["handed_sent"] == fixed + idx, (rank, counts, fixed, idx)
         if pull == "slim":   # the server's pull: a slice of the default pull density
             k_pull = math.ceil(default_pull_density(density) * d)
-            assert counts["handed_recv"] == fixed - 4 * k + 4 * k_pull + last["pull_index_bytes"]
+            assert counts["handed_recv"] == fixed - k + k_pull + last["pull_index_bytes"]
     ring = 2 * (2 - 1) / 2 * (d + dense) * 4
     assert p["ring_allreduce_bytes_per_step"] == pytest.approx(ring)

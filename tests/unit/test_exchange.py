@@ -138,15 +138,17 @@ def test_determinism_same_seed_same_result_other_seed_differs():
     assert same and differs
 
 
-@pytest.mark.parametrize("q", [1, 4])
-def test_wire_size_values_plus_core_indices_only(q):
+@pytest.mark.parametrize("q, bits", [(1, 8), (4, 8), (1, 16), (1, 32)])
+def test_wire_size_values_plus_core_indices_only(q, bits):
     steps = 6
-    res = simulate(2, steps, density=0.01, refresh_interval=q)
+    res = simulate(2, steps, density=0.01, refresh_interval=q, value_bits=bits,
+                   warmup_decay_steps=0)
     ex = res[1][2]
     (b,) = ex.layout.sparse
     k = b.k
     stats = ex.stats
-    assert stats.push_sparse_value_bytes == steps * k * 4
+    assert b.slice_bytes == bits // 8
+    assert stats.push_sparse_value_bytes == steps * k * bits // 8
     refreshes = sum(1 for t in range(steps) if t % q == 0)
     assert stats.push_index_bytes <= refreshes * index_bytes_bound(b.numel, b.k_core)
     assert stats.push_index_bytes > 0
@@ -161,14 +163,17 @@ def test_wire_size_values_plus_core_indices_only(q):
 
 
 def test_index_bytes_stay_under_two_per_core_index_at_one_percent():
-    res = simulate(2, 3, density=0.01, exploration=0.0)
+    res = simulate(2, 3, density=0.01, exploration=0.0, warmup_decay_steps=0)
     ex = res[1][2]
     (b,) = ex.layout.sparse
     assert ex.stats.push_index_bytes <= 3 * 2 * b.k_core
 
 
-def test_fp16_values_keep_their_rounding_error_in_the_residual():
-    config = SlimConfig(density=0.02, op="sum", min_compress_numel=1000)
+@pytest.mark.parametrize("bits", [32, 8])
+def test_lossy_values_keep_their_rounding_error_in_the_residual(bits):
+    """Compression.fp16 (value_bits=32: slices in the wire dtype, fp16) and value_bits=8
+    (scaled fp8): what the wire rounds away stays in the senders' residuals."""
+    config = SlimConfig(density=0.02, op="sum", min_compress_numel=1000, value_bits=bits)
 
     def rank_fn(rank, transport):
         named = make_params()
@@ -184,7 +189,9 @@ def test_fp16_values_keep_their_rounding_error_in_the_residual():
         return fed, pulled, ex
 
     res = run_ranks(2, rank_fn)
-    assert res[0][2].stats.push_sparse_value_bytes == 4 * res[0][2].layout.sparse[0].k * 2
+    (b,) = res[0][2].layout.sparse
+    ks = [res[0][2].layout.at_step(t)[b.index].k for t in range(4)]
+    assert res[0][2].stats.push_sparse_value_bytes == sum(ks) * (2 if bits == 32 else 1)
     fed = total(d for r in res for d in r[0])
     got = total(res[0][1])
     srv = residual_by_name(res[0][2], "server")
@@ -267,3 +274,54 @@ def test_checkpoint_of_another_rank_is_refused():
     exs = run_ranks(2, rank_fn)
     with pytest.raises(ValueError, match="rank 0 of 2.*rank 1 of 2"):
         exs[1].load_state_dict(exs[0].state_dict())
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_resume_mid_warmup_at_low_value_bits_continues_identically(bits):
+    """The shipped defaults: 8-bit values and the automatic warm-up (here 50 steps at density
+    0.02); a checkpoint taken in the middle of the decay resumes bit for bit."""
+    config = SlimConfig(min_compress_numel=1000, value_bits=bits)
+    assert config.warmup_steps == 50
+    assert_resumes_identically(config, size=3, steps=6, split=3)
+
+
+def _saved_state(config):
+    def rank_fn(rank, transport):
+        named = make_params()
+        ex = SlimExchange(Layout(named, config, lambda dt: dt), config, transport)
+        for name, p in named:
+            p.grad = grad_for(rank, 0, name, p.shape)
+        ex.step()
+        return ex.state_dict()
+    return run_ranks(1, rank_fn)[0]
+
+
+def _loader(config):
+    def rank_fn(rank, transport):
+        return SlimExchange(Layout(make_params(), config, lambda dt: dt), config, transport)
+    return run_ranks(1, rank_fn)[0]
+
+
+def test_a_checkpoint_of_other_value_bits_is_refused():
+    state = _saved_state(SlimConfig(min_compress_numel=1000, value_bits=8))
+    with pytest.raises(ValueError, match=r"config field 'value_bits': 8 in the checkpoint vs. "
+                                         r"16 now"):
+        _loader(SlimConfig(min_compress_numel=1000, value_bits=16)).load_state_dict(state)
+
+
+def test_a_checkpoint_from_before_the_new_defaults_resumes_only_with_its_settings():
+    """A version-2 checkpoint has no value_bits, start density or effective settings: it was
+    made at full precision, decaying from dense, with the pull max(d, min(4d, 0.004)). Loaded
+    under the new defaults it is refused naming what differs; with those settings it loads."""
+    old = SlimConfig(min_compress_numel=1000, density=0.01, value_bits=32,
+                     warmup_decay_steps=0, momentum_masking=1.0, pull_density=0.01)
+    state = _saved_state(old)
+    config = {k: v for k, v in state["config"].items()
+              if k not in ("value_bits", "warmup_start_density")}
+    state = dict(state, version=2, config=dict(config, pull_density=None))
+    del state["effective"]
+    # The first field in force that differs: the pull a default meant then (0.01) and now.
+    with pytest.raises(ValueError, match="config field 'pull_density': 0.01 in the "
+                                         "checkpoint vs. 0.02 now"):
+        _loader(SlimConfig(min_compress_numel=1000, density=0.01)).load_state_dict(state)
+    _loader(old).load_state_dict(state)

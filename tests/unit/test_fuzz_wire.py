@@ -14,12 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hvd_slim.config import SlimConfig
-from hvd_slim.exchange.codec import push_expect
+from hvd_slim.exchange.codec import itemsizes, push_expect
 from hvd_slim.exchange.layout import Layout
 from hvd_slim.exchange.server import Server
 from hvd_slim.wire import WireError, control
 from hvd_slim.wire import message as wm
 from hvd_slim.wire.indices import IDX_BITMAP, IDX_EF, decode_indices, encode_as, encoded_size
+from hvd_slim.wire.values import quantize
 
 def fuzz(examples):
     """Hypothesis settings of one fuzz test: no deadline, no example database in the tree."""
@@ -101,8 +102,11 @@ def message(seed):
     rng = np.random.default_rng(seed)
     sections, expect, sizes = [], [], []
     for _ in range(int(rng.integers(1, 5))):
-        isz, d = int(rng.choice([2, 4, 8])), int(rng.integers(1, 2001))
+        isz, d = int(rng.choice([1, 2, 4, 8])), int(rng.integers(1, 2001))
         mode = int(rng.choice(list(wm.MODE_NAMES)))
+        # Slices of one-byte values may be scaled (value_bits=8): a power-of-two exponent.
+        scaled = isz == 1 and mode in (wm.M_SLICE, wm.M_SLICE_CACHED) and bool(rng.integers(2))
+        exp = int(rng.integers(-40, 41)) if scaled else 0
         k = int(rng.integers(1, min(d, 150) + 1))
         kc = int(rng.integers(0, k + 1))
         count, idx, modes = {
@@ -114,8 +118,8 @@ def message(seed):
             wm.M_EMPTY: (0, None, {wm.M_EMPTY: (0, 0)}),
         }[mode]
         values = rng.integers(0, 256, count * isz, dtype=np.uint8)
-        sections.append(wm.make_section(mode, values, d, indices=idx))
-        expect.append(wm.Expect(d, isz, modes))
+        sections.append(wm.make_section(mode, values, d, indices=idx, exp=exp))
+        expect.append(wm.Expect(d, isz, modes, scaled))
         sizes.append(isz)
     buf, _ = wm.encode(wm.PUSH, 2, 17, 0xC0FFEE, sections, sizes)
     return buf, expect, sizes
@@ -229,7 +233,7 @@ def test_control_messages_on_damaged_input(which, raw, flips, keep):
 
 # --- the server: a malformed push can neither crash it nor change it --------------------------
 def _server_setup():
-    cfg = SlimConfig(density=0.05, min_compress_numel=500, seed=3)
+    cfg = SlimConfig(density=0.05, min_compress_numel=500, seed=3, warmup_decay_steps=0)
     named = [("w", torch.nn.Parameter(torch.zeros(40, 30))), ("b", torch.nn.Parameter(
         torch.zeros(30)))]
     layout = Layout(named, cfg, lambda dt: dt)
@@ -247,10 +251,13 @@ def _push(rank, seed):
         if b.kind == "dense":
             sections.append(wm.make_section(wm.M_DENSE, rng.standard_normal(b.numel)
                                             .astype(np.float32), b.numel))
-        else:
-            sections.append(wm.make_section(wm.M_SLICE, rng.standard_normal(b.k).astype(
-                np.float32), b.numel, indices=_sorted_sample(rng, b.numel, b.k_core)))
-    return wm.encode(wm.PUSH, rank, 0, DIGEST, sections, [b.value_bytes for b in LAYOUT.buckets])[0]
+        else:   # a slice as a worker sends it: scaled float8 values (value_bits=8)
+            wire, exp, _ = quantize(torch.from_numpy(rng.standard_normal(b.k).astype(
+                np.float32)), b.slice_dtype)
+            sections.append(wm.make_section(wm.M_SLICE, wire.view(torch.uint8).numpy(),
+                                            b.numel, exp=exp,
+                                            indices=_sorted_sample(rng, b.numel, b.k_core)))
+    return wm.encode(wm.PUSH, rank, 0, DIGEST, sections, itemsizes(LAYOUT.buckets, sections))[0]
 
 
 def _server_state(server):
@@ -281,5 +288,14 @@ def test_a_malformed_push_leaves_the_server_untouched(seed, positions, cut):
     # It decoded: then rank 1's bytes were a valid push, and the pull is well formed.
     expect = push_expect(LAYOUT.buckets, 0, 1)
     out = wm.decode(bad, kind=wm.PUSH, sender=1, step=0, digest=DIGEST, expect=expect, who="x")
-    assert np.array_equal(_reencode(out, expect, [4] * len(expect), 1, 0, DIGEST), bad)
+    assert np.array_equal(_reencode(out, expect, itemsizes(LAYOUT.buckets, out), 1, 0, DIGEST),
+                          bad)
     assert wm.peek(reply, "pull") == wm.PULL
+
+
+def test_undamaged_pushes_are_served():
+    """The fuzzed pushes are real ones: undamaged, the server takes them and pulls."""
+    _, _, server = _server_setup()
+    reply = server.serve([_push(0, 1), _push(1, 2)], 0, DIGEST, limit=None)
+    assert wm.peek(reply, "pull") == wm.PULL
+    assert any(float(m.residual.abs().sum()) > 0 for m in server.memory.values())

@@ -42,7 +42,7 @@ def outcome(decode, buf, expect):
             s.indices.numpy() if isinstance(s.indices, torch.Tensor) else s.indices).tolist()
         vals = s.values.numpy() if isinstance(s.values, torch.Tensor) else s.values
         ib = s.idx_bytes.numpy() if isinstance(s.idx_bytes, torch.Tensor) else s.idx_bytes
-        rows.append((s.mode, s.count, s.idx_kind, bytes(vals), bytes(ib), idx))
+        rows.append((s.mode, s.count, s.idx_kind, s.exp, bytes(vals), bytes(ib), idx))
     return ("ok", rows)
 
 
@@ -54,7 +54,7 @@ def tensor_message(seed):
     for s, ex in zip(out, expect):
         vals = torch.from_numpy(s.values.copy())
         idx = None if s.indices is None else torch.from_numpy(s.indices.copy())
-        secs.append(wt.make_section(s.mode, vals, ex.d, idx) if s.mode != wm.M_EMPTY
+        secs.append(wt.make_section(s.mode, vals, ex.d, idx, s.exp) if s.mode != wm.M_EMPTY
                     else wt.empty_section(wm.M_EMPTY, torch.device("cpu")))
     tbuf, sizes_t = wt.encode(wm.PUSH, 2, 17, 0xC0FFEE, secs, sizes, torch.device("cpu"))
     return buf, tbuf, expect, sizes_t

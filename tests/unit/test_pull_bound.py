@@ -122,7 +122,11 @@ def test_push_and_pull_expectations_keep_their_shape():
     def modes(expect, sparse):   # dense buckets always travel dense outside a flush
         want = [sparse if b is s else {wm.M_DENSE: (b.numel, 0)} for b in layout.buckets]
         assert [ex.modes for ex in expect] == want
-        assert [(ex.d, ex.itemsize) for ex in expect] == [(b.numel, 4) for b in layout.buckets]
+        # Slices travel as scaled 8-bit values (value_bits=8); dense and explicit as float32.
+        sliced = any(m in (wm.M_SLICE, wm.M_SLICE_CACHED) for m in sparse)
+        assert [(ex.d, ex.itemsize, ex.scaled) for ex in expect] == [
+            (b.numel, 1, True) if b is s and sliced else (b.numel, 4, False)
+            for b in layout.buckets]
 
     modes(push_expect(layout.buckets, 0, 2), {wm.M_SLICE: (s.k, s.k_core)})
     modes(push_expect(layout.buckets, 1, 2), {wm.M_SLICE_CACHED: (s.k, 0)})
@@ -160,10 +164,11 @@ class PaddingTransport(FakeTransport):
         return out
 
 
-def run_union(size, steps, transport_cls, density=0.01):
+def run_union(size, steps, transport_cls, density=0.01, warmup=0):
     """``steps`` union exchanges on ``size`` simulated ranks, each over ``transport_cls``; per
-    rank: the pulled gradients, the transport and the layout."""
-    config = SlimConfig(density=density, pull="union", min_compress_numel=1000, seed=3)
+    rank: the pulled gradients, the transport and the layout. ``warmup``: decay steps."""
+    config = SlimConfig(density=density, pull="union", min_compress_numel=1000, seed=3,
+                        warmup_decay_steps=warmup)
 
     def body(rank, fake):
         tr = transport_cls(fake._c, rank)   # the same simulated cluster, another endpoint class
@@ -191,6 +196,18 @@ def test_every_union_pull_fits_the_tight_bound(size):
         assert tr.pulls and all(n <= tight for _, n in tr.pulls), (tight, tr.pulls)
         assert max(n for _, n in tr.pulls) > 0.8 * tight, (tight, tr.pulls)
     assert tight < 0.1 * dense_bound(layout)
+
+
+def test_during_a_warmup_every_union_pull_fits_its_steps_bound():
+    """The slices shrink step by step; each pull's bound follows its step's slice sizes."""
+    res = run_union(3, 4, PaddingTransport, warmup=6)
+    layout = res[0][2]
+    want = [message_bound(pull_expect(layout.at_step(t), t, 1, "union", size=3))
+            for t in range(4)]
+    assert want == sorted(want, reverse=True) and want[0] > want[-1]
+    for _, tr, _ in res:
+        assert [bound for bound, _ in tr.pulls] == want
+        assert all(n <= bound for bound, n in tr.pulls), tr.pulls
 
 
 @pytest.mark.parametrize("size", [2, 3])

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import hvd_slim
-from hvd_slim.config import ENV_KEYWORDS, ConfigError, SlimConfig, resolve_config
+from hvd_slim.config import ENV_KEYWORDS, ConfigError, SlimConfig
+from hvd_slim.config_env import resolve_config
 from hvd_slim.transport import FakeCluster
 
 
@@ -57,6 +58,12 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
     (dict(server_rank=-1), r"^server_rank must be >= 0"),
     (dict(min_compress_numel=-1), r"^min_compress_numel must be >= 0"),
     (dict(pull="both"), r"^pull must be one of \('slim', 'union'\), got 'both'"),
+    (dict(value_bits=4), r"^value_bits must be one of \(8, 16, 32\), got 4"),
+    (dict(value_bits=True), r"^value_bits must be one of \(8, 16, 32\), got True"),
+    (dict(value_bits=8.5), r"^value_bits must be one of \(8, 16, 32\), got 8.5"),
+    (dict(warmup_start_density=0.001, density=0.01),
+     r"^warmup_start_density \(0.001\) must not be below density \(0.01\)"),
+    (dict(warmup_decay_steps=-1), r"^warmup_decay_steps must be >= 0"),
     (dict(transport="carrier-pigeon"), r"transport='carrier-pigeon' is not a transport"),
     (dict(op=hvd_slim.collectives.Sum, gradient_predivide_factor=2.0),
      r"gradient_predivide_factor not supported with op != Average"),
@@ -125,6 +132,8 @@ BAD_ENV = [
     ("warmup_decay_steps", "-2"), ("warmup_decay_steps", "later"),
     ("adam_variance", "frozen"),
     ("momentum_masking", "auto"),
+    ("value_bits", "4"), ("value_bits", "eight"),
+    ("warmup_start_density", "0"), ("warmup_start_density", "dense"),
 ]
 
 
@@ -152,7 +161,8 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "momentum_correction": None, "pull": "union", "pull_density": 0.05,
             "min_compress_numel": 100, "server_rank": 1, "seed": 4, "nonfinite": "skip",
             "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
-            "adam_variance": "live", "momentum_masking": False}[name]
+            "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
+            "warmup_start_density": 0.5}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

@@ -74,6 +74,30 @@ def test_a_different_density_names_the_config_field():
     assert "HVD_SLIM_" in msg  # says how to fix it
 
 
+@pytest.mark.parametrize("field, mine, theirs, shown", [
+    ("value_bits", 8, 16, ("8", "16")),
+    ("warmup_start_density", 0.08, 0.5, ("0.08", "0.5")),
+    ("warmup_decay_steps", None, 7, ("100", "7")),   # automatic: 1/density steps
+])
+def test_new_keywords_are_compared_by_the_handshake(field, mine, theirs, shown):
+    """value_bits and the warm-up's settings change the wire or its slice sizes: a rank that
+    differs is named, with the values in force (an automatic one resolved)."""
+    def make(rank):
+        return params(), SlimConfig(min_compress_numel=1000, density=0.01,
+                                    **{field: theirs if rank == 1 else mine}), SAME
+    msg = same_everywhere(first_step_error(3, make))
+    assert (f"Config field '{field}': {shown[0]} on ranks 0, 2 vs. {shown[1]} on rank 1."
+            in msg), msg
+
+
+def test_an_automatic_value_spelt_out_agrees_with_it():
+    """Ranks compare the settings in force: spelling out the automatic warm-up is no mismatch."""
+    def make(rank):
+        explicit = dict(warmup_decay_steps=100, warmup_start_density=0.08) if rank else {}
+        return params(), SlimConfig(min_compress_numel=1000, density=0.01, **explicit), SAME
+    assert first_step_error(2, make) == [None, None]
+
+
 def test_a_different_server_rank_is_caught_instead_of_waiting_on_two_roots():
     def make(rank):
         return params(), SlimConfig(server_rank=1 if rank == 1 else 0,

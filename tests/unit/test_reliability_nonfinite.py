@@ -207,12 +207,28 @@ def test_fp16_overflow_on_the_wire_is_caught(mode):
     replica and -Inf into the sender's residual."""
     def body(rank, tr):
         m = model()
-        opt = wrap(m, tr, nonfinite=mode, compression=hvd_slim.Compression.fp16)
+        opt = wrap(m, tr, nonfinite=mode, compression=hvd_slim.Compression.fp16, value_bits=32)
         opt.zero_grad()
         backward(m, rank, 0, ("1.weight", 1e6) if rank == 1 else None)
         return refused_step(m, opt)
 
     assert_refused(run_ranks(2, body, timeout=60), mode, "'1.weight' overflow float16 on the wire")
+
+
+def test_scaled_8bit_slices_carry_what_float16_cannot():
+    """With value_bits=8 a slice travels as float8 times a power of two, whatever
+    Compression.fp16 does to dense values: 1e6 arrives (rounded), nothing is refused, and the
+    replicas stay identical."""
+    def body(rank, tr):
+        m = model()
+        opt = wrap(m, tr, compression=hvd_slim.Compression.fp16, value_bits=8)
+        opt.zero_grad()
+        backward(m, rank, 0, ("1.weight", 1e6) if rank == 1 else None)
+        opt.step()
+        return flat(m)
+
+    res = run_ranks(2, body, timeout=60)
+    assert torch.isfinite(res[0]).all() and torch.equal(res[0], res[1])
 
 
 def test_the_servers_aggregate_overflowing_fp16_is_caught():
@@ -238,7 +254,7 @@ def test_the_servers_sliced_aggregate_overflowing_fp16_restores_its_residual(mod
     def body(rank, tr):
         m = model()
         opt = wrap(m, tr, op=hvd_slim.Sum, nonfinite=mode,
-                   compression=hvd_slim.Compression.fp16)
+                   compression=hvd_slim.Compression.fp16, value_bits=32)
         for t in range(3):   # ordinary steps first: non-zero residuals everywhere
             opt.zero_grad()
             backward(m, rank, t)

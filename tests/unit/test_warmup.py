@@ -7,14 +7,15 @@ import pytest
 import torch
 
 import hvd_slim
-from hvd_slim.config import ConfigError, SlimConfig, resolve_config
+from hvd_slim.config import ConfigError, SlimConfig
+from hvd_slim.config_env import resolve_config
 from hvd_slim.exchange import Layout, SlimExchange
 from hvd_slim.transport import run_ranks
 
 from test_exchange import (SHAPES, assert_resumes_identically, grad_for, make_params,
                            simulate, total)
 
-WARM = dict(warmup_dense_steps=2, warmup_decay_steps=4)
+WARM = dict(warmup_dense_steps=2, warmup_decay_steps=4, warmup_start_density=1.0)
 
 
 def test_schedule_is_dense_then_geometric_down_to_the_targets():
@@ -22,9 +23,21 @@ def test_schedule_is_dense_then_geometric_down_to_the_targets():
     assert [c.densities_at(t) for t in (0, 1)] == [(1.0, 1.0), (1.0, 1.0)]
     pushes = [c.densities_at(t)[0] for t in range(2, 6)]
     assert pushes == pytest.approx([0.01 ** (i / 5) for i in range(1, 5)])
+    pulls = [c.densities_at(t)[1] for t in range(2, 6)]
+    assert pulls == pytest.approx([0.04 ** (i / 5) for i in range(1, 5)])
     assert all(c.densities_at(t)[1] >= c.densities_at(t)[0] for t in range(6))
     assert c.densities_at(6) is None and c.warmup_steps == 6
-    assert SlimConfig().densities_at(0) is None
+    assert SlimConfig(warmup_decay_steps=0).densities_at(0) is None
+
+
+def test_decay_from_a_start_density_keeps_the_pull_ratio():
+    c = SlimConfig(density=0.01, pull_density=0.03, warmup_decay_steps=9,
+                   warmup_start_density=0.1)
+    for t in range(9):
+        push, pull = c.densities_at(t)
+        assert push == pytest.approx(0.1 * 0.1 ** ((t + 1) / 10))
+        assert pull == pytest.approx(3 * push)
+    assert c.densities_at(9) is None
 
 
 def test_bad_warmup_settings_are_refused_naming_the_field():
@@ -33,6 +46,14 @@ def test_bad_warmup_settings_are_refused_naming_the_field():
     assert info.value.field == "refresh_interval"
     with pytest.raises(ConfigError, match="warmup_decay_steps must be >= 0"):
         SlimConfig(warmup_decay_steps=-1)
+    with pytest.raises(ConfigError, match="warmup_start_density .* must not be below density"):
+        SlimConfig(density=0.01, warmup_start_density=0.005)
+    with pytest.raises(ConfigError, match=r"warmup_start_density must be in \(0, 1\]"):
+        SlimConfig(warmup_start_density=1.5)
+    with pytest.raises(ConfigError, match="HVD_SLIM_WARMUP_START_DENSITY"):
+        resolve_config({}, {"HVD_SLIM_WARMUP_START_DENSITY": "lots"})
+    assert resolve_config({}, {"HVD_SLIM_WARMUP_DECAY_STEPS": "auto",
+                               "HVD_SLIM_WARMUP_START_DENSITY": "0.5"}).warmup_start_density == 0.5
     with pytest.raises(ConfigError, match="HVD_SLIM_WARMUP_DENSE_STEPS"):
         resolve_config({}, {"HVD_SLIM_WARMUP_DENSE_STEPS": "2.5"})
     assert resolve_config({}, {"HVD_SLIM_WARMUP_DENSE_STEPS": "100"}).warmup_dense_steps == 100

@@ -42,11 +42,12 @@ test-horovod: install
 test-gpu: install
 	bash tests/gpu/run.sh
 
-## make demo: dense vs Slim-DP (density 0.01) on real MNIST, 4 ranks
+## make demo: dense vs Slim-DP (hvd_slim's defaults) on real MNIST, 4 ranks
 demo: install
 	timeout 600 mpirun -np $(NP) --oversubscribe --bind-to none $(PY) examples/demo.py
 
-## make convergence: dense vs Slim-DP (density 0.01/0.001, pull slim/union, exploration 0/0.1)
+## make convergence: the untuned battery (Horovod's MNIST CNN: dense, the defaults, 0.001) and the
+## language model with their peers, then dense vs Slim-DP (pull slim/union, exploration 0/0.1)
 ## on MNIST and MNIST-1D, 4 ranks, 3 seeds; PRESET=quick: 1 seed, MNIST-1D only. Each mpirun
 ## has a hard timeout inside; finished runs are kept, so a rerun resumes. CONVERGENCE_ARGS adds
 ## flags, e.g. --groups ablation

@@ -179,8 +179,11 @@ class Slim(Peer):
         hvd_slim.init()
         self.name = f"hvd_slim-{pull}@{density:g}"
         self.density, self.pull = density, pull
+        # The steady state is what a step costs: the automatic warm-up (denser slices for the
+        # first 1/density steps of training) is switched off here.
         self.opt = hvd_slim.DistributedOptimizer(self.opt, named_parameters=work.named,
-                                                 density=density, pull=pull)
+                                                 density=density, pull=pull,
+                                                 warmup_decay_steps=0)
         self.basis = {"handed": "counted", "wire": "counted",
                       "note": "opt.comm_stats(): bytes_pushed (payload + 8-byte length word "
                               "handed to Gatherv) and bytes_pulled (received from Bcast), counted "

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--density", type=float, default=0.01, help="density of the Slim-DP run")
+    p.add_argument("--density", type=float, default=None,
+                   help="density of the Slim-DP run (default: hvd_slim's own defaults)")
     p.add_argument("--train-subset", type=int, default=None, metavar="N",
                    help="train on the first N training images only (default: all 60000)")
     p.add_argument("--seed", type=int, default=42)
@@ -48,14 +50,16 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def train_once(name: str, density: float, args: argparse.Namespace,
+def train_once(name: str, density: Optional[float], args: argparse.Namespace,
                train_set: TensorDataset | Subset, test: tuple[torch.Tensor, torch.Tensor]) -> dict:
     """Train a fresh model from ``args.seed`` at ``density`` and return its figures."""
     torch.manual_seed(args.seed)  # same initial weights for both runs (and rank 0 broadcasts them)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # density None: no Slim-DP keyword at all, hvd_slim's shipped defaults.
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   density=density)
+                                   **({} if density is None else {"density": density}))
+    density = opt.slim_config.density
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 

@@ -43,7 +43,8 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", choices=sorted(DEFAULTS), default=dataset)
     p.add_argument("--method", choices=METHODS, default="slim")
-    p.add_argument("--density", type=float, default=0.01, help="for slim and topk")
+    p.add_argument("--density", type=float, default=None,
+                   help="for slim (default: hvd_slim's, or HVD_SLIM_DENSITY) and topk (0.02)")
     p.add_argument("--epochs", type=int, default=None, help=f"default {d['epochs']}")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"per rank; default {d['batch_size']}")
@@ -74,6 +75,10 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
                    help="first optimizer steps exchanged dense (exactly dense momentum SGD)")
     s.add_argument("--warmup-decay-steps", type=int, default=None,
                    help="then the densities fall geometrically to --density over this many steps")
+    s.add_argument("--warmup-start-density", type=float, default=None,
+                   help="the density that fall starts from (1 = dense)")
+    s.add_argument("--value-bits", type=int, choices=(8, 16, 32), default=None,
+                   help="precision of sliced values (what rounding loses stays in the residual)")
     s.add_argument("--adam-variance", choices=("auto", "rescaled", "live"), default=None,
                    help="with --optimizer adam: how Adam's second moment sees sparse deliveries")
     return p
@@ -83,7 +88,8 @@ def slim_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """Only the Slim-DP keywords given on the command line (so HVD_SLIM_* still apply)."""
     out: Dict[str, Any] = {}
     for key in ("pull", "pull_density", "exploration", "refresh_interval", "magnitude_weight",
-                "warmup_dense_steps", "warmup_decay_steps", "adam_variance"):
+                "warmup_dense_steps", "warmup_decay_steps", "warmup_start_density",
+                "value_bits", "adam_variance"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     if args.momentum_correction is not None:
@@ -99,7 +105,8 @@ _SLIM_FLAGS = {"pull": "--pull", "pull_density": "--pull-density", "exploration"
                "refresh_interval": "--refresh-interval", "magnitude_weight": "--magnitude-weight",
                "warmup_dense_steps": "--warmup-dense-steps",
                "warmup_decay_steps": "--warmup-decay-steps", "adam_variance": "--adam-variance",
-               "momentum_masking": "--momentum-masking"}
+               "momentum_masking": "--momentum-masking", "value_bits": "--value-bits",
+               "warmup_start_density": "--warmup-start-density"}
 
 
 def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:
@@ -110,7 +117,7 @@ def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:
     if unsupported:
         raise ValueError(f"examples/mnist.py cannot run {unsupported}; use examples/sweep.py")
     argv = ["--dataset", spec["dataset"], "--method", spec["method"],
-            "--density", repr(float(spec.get("density", 1.0))), "--epochs", str(spec["epochs"]),
+            "--density", repr(float(spec.get("density") or 1.0)), "--epochs", str(spec["epochs"]),
             "--batch-size", str(spec["batch_size"]), "--lr", repr(float(spec["lr"])),
             "--lr-schedule", spec["schedule"], "--optimizer", spec.get("optimizer", "sgd"),
             "--momentum", repr(float(spec.get("momentum", 0.9))),
@@ -170,7 +177,8 @@ def main(argv: Optional[List[str]] = None, dataset: str = "mnist") -> int:
                   f"(dense {r['epoch_dense_bytes'] / 1e6:.2f} MB)"
                   + (f"; after flush {flushed:.2f}%" if flushed is not None else ""), flush=True)
 
-    label = args.method if args.method != "slim" else f"slim d={args.density:g}"
+    label = args.method if args.method != "slim" else \
+        f"slim d={opt.slim_config.density:g}"
     start = time.perf_counter()
     records = fit(hvd, args.method, model, opt, train_set, test, epochs=args.epochs,
                   batch_size=args.batch_size, schedule=Schedule(args.lr, args.lr_schedule),

@@ -10,7 +10,7 @@ starting the interpreters, importing torch and loading the data (once per datase
 
 A spec: ``key`` (unique), ``dataset`` ("mnist"/"mnist1d"), ``method`` (dense, slim or topk;
 see training.py),
-``density``, ``slim`` (Slim-DP keywords), ``seed``, ``epochs``, ``batch_size``, ``lr``,
+``density`` (None or absent: hvd_slim's default), ``slim`` (Slim-DP keywords), ``seed``, ``epochs``, ``batch_size``, ``lr``,
 ``schedule`` ("constant"/"cosine"/"step"), and optionally ``optimizer`` ("sgd"/"adam"),
 ``momentum`` (0.9), ``train_subset``, ``dense_warmup_steps`` (see ``training.DenseWarmup``),
 ``evals_per_epoch`` (1), ``lr_via`` ("optimizer" or "loss": see ``training.Schedule``),
@@ -44,19 +44,23 @@ def run_one(hvd: Any, spec: Dict[str, Any], data: Tuple[Any, Any]) -> Dict[str, 
     hvd.broadcast_optimizer_state(inner, root_rank=0)
 
     def build() -> Any:
-        return wrap_optimizer(spec["method"], hvd, inner, model, spec.get("density", 1.0),
-                              spec.get("slim", {}))
+        return wrap_optimizer(spec["method"], hvd, inner, model, spec.get("density"),
+                              spec.get("slim", {}), int(spec.get("powersgd_rank", 1)))
 
     warm = int(spec.get("dense_warmup_steps", 0))
     opt = DenseWarmup(inner, model, hvd, warm, build) if warm > 0 else build()
     start, load0 = time.perf_counter(), os.getloadavg()[0]  # the load: for reading the times
     try:
-        records = _fit(hvd, spec, model, opt, data)
+        # PowerSGD trains through its DDP module, whose backward runs the hook.
+        records = _fit(hvd, spec, getattr(opt, "module", model), opt, data)
     except FloatingPointError as exc:
         # hvd_slim raises the same NonFiniteGradientError on every rank with nothing changed,
         # so the job can go on to the next run; a diverged run is a result too.
         return dict(spec, world_size=hvd.size(), seconds=time.perf_counter() - start,
                     records=[], diverged=str(exc)[:500])
+    finally:
+        if hasattr(opt, "close"):
+            opt.close()
     return dict(spec, world_size=hvd.size(), seconds=time.perf_counter() - start,
                 records=records, loadavg=[load0, os.getloadavg()[0]])
 

@@ -8,6 +8,8 @@ Methods (``--method``):
 * ``horovod``: ``horovod.torch``'s own DistributedOptimizer (dense ring allreduce); bytes are
   modelled as a ring allreduce, since Horovod does not count them.
 * ``topk``: the top-k + error-feedback allgather baseline in examples/topk.py.
+* ``powersgd``: torch DDP with its PowerSGD hook (examples/powersgd.py); train through the
+  optimizer's ``.module``.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import CLASSIFICATION, Task, TestSet, progress  # noqa: E402
 from topk import TopKOptimizer  # noqa: E402
 
-METHODS = ("dense", "slim", "horovod", "topk")
+METHODS = ("dense", "slim", "horovod", "topk", "powersgd")
 HOROVOD_MISSING = (
     "--method horovod needs Horovod (horovod.torch), which is not installed in this Python "
     "({python}): {error}. Install it with `make install-horovod` (scripts/install_horovod.sh), "
@@ -53,17 +55,24 @@ def runtime_for(method: str) -> ModuleType:
 
 
 def wrap_optimizer(method: str, hvd: ModuleType, opt: torch.optim.Optimizer, model: nn.Module,
-                   density: float, slim_kwargs: Optional[Dict[str, Any]] = None) -> Any:
-    """Wrap ``opt`` for ``method`` (see the module docstring)."""
+                   density: Optional[float], slim_kwargs: Optional[Dict[str, Any]] = None,
+                   powersgd_rank: int = 1) -> Any:
+    """Wrap ``opt`` for ``method`` (see the module docstring). ``density`` None: hvd_slim's
+    default (or ``HVD_SLIM_DENSITY``) for slim, 0.02 for topk."""
     named = list(model.named_parameters())
     if method == "dense":
         return hvd.DistributedOptimizer(opt, named_parameters=named, density=1.0)
     if method == "slim":
-        return hvd.DistributedOptimizer(opt, named_parameters=named, density=density,
-                                        **(slim_kwargs or {}))
+        kwargs = dict(slim_kwargs or {})
+        if density is not None:
+            kwargs["density"] = density
+        return hvd.DistributedOptimizer(opt, named_parameters=named, **kwargs)
     if method == "horovod":
         return hvd.DistributedOptimizer(opt, named_parameters=named)
-    return TopKOptimizer(opt, named, density, hvd)
+    if method == "powersgd":
+        from powersgd import PowerSGDOptimizer  # examples/powersgd.py: needs torch.distributed
+        return PowerSGDOptimizer(opt, model, powersgd_rank, hvd.size())
+    return TopKOptimizer(opt, named, 0.02 if density is None else density, hvd)
 
 
 def make_inner(name: str, model: nn.Module, lr: float, momentum: float, nesterov: bool = False,
@@ -133,6 +142,20 @@ def comm_totals(method: str, opt: Any, steps: int, model: nn.Module, size: int) 
                 "dense_bytes": float(steps * grad)}
     s = opt.comm_stats()
     return {k: float(s[k]) for k in ("bytes_pushed", "bytes_pulled", "dense_bytes")}
+
+
+COMPRESSED_KEYS = ("push_sparse_value_bytes", "push_index_bytes", "pull_sparse_value_bytes",
+                   "pull_index_bytes", "compressed_dense_bytes", "push_dense_value_bytes",
+                   "pull_dense_value_bytes", "push_header_bytes", "pull_header_bytes")
+
+
+def compressed_totals(opt: Any) -> Optional[Dict[str, float]]:
+    """hvd_slim's cumulative breakdown (the compressed tensors' slices apart from the dense
+    small tensors and headers), or None for an optimizer that does not count it."""
+    stats = opt.comm_stats() if hasattr(opt, "comm_stats") else {}
+    if "compressed_dense_bytes" not in stats:
+        return None
+    return {k: float(stats[k]) for k in COMPRESSED_KEYS}
 
 
 @dataclass
@@ -229,7 +252,7 @@ def fit(hvd: ModuleType, method: str, model: nn.Module, opt: Any, train_set: Dat
         totals = comm_totals(method, opt, step, model, hvd.size())
         t0 = time.perf_counter()
         record: Dict[str, Any] = {
-            "epoch": epoch + 1, "lr": lr, "steps": step,
+            "epoch": epoch + 1, "lr": lr, "steps": step, "breakdown": compressed_totals(opt),
             "train_loss": float(hvd.allreduce(torch.tensor([loss_sum / max(batches, 1)]))),
             task.metric: task.score(hvd, model, *test),
             "epoch_seconds": seconds, "wall_seconds": wall, **totals,

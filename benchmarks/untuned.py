@@ -1,0 +1,271 @@
+"""The untuned battery and the language model: hvd_slim's defaults on scripts nobody tuned.
+
+Each battery case is a Horovod-style MNIST script as a user writes it (Horovod's own example
+CNN, batch 64 per rank, 4 ranks, 3 epochs, its own optimizer settings), run three ways: dense
+(``density=1.0``), hvd_slim with no keyword at all (the shipped defaults), and with
+``HVD_SLIM_DENSITY=0.001``. The language model is a ~1.3M-parameter byte-level transformer on
+the standard library's sources (examples/lm.py), AdamW with a warm-up and cosine decay.
+Peers for the accuracy-against-bytes plots: top-k with error feedback and PowerSGD (rank 1 and
+4, torch DDP's hook), on the main battery case and on the language model.
+
+``configs(group)`` gives the study's run configurations (benchmarks/convergence.py plans and
+runs them); ``report(runs, out)`` writes ``untuned.md`` and the plots from the results.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+# (name, method, density, Slim-DP keywords, other spec fields): as convergence.Config
+Config = Tuple[str, str, float, Dict[str, Any], Dict[str, Any]]
+
+CNN = {"dataset": "mnist", "model": "horovod-cnn", "batch_size": 64, "epochs": 3,
+       "lr": 0.04, "schedule": "constant", "evals_per_epoch": 1}
+# The cases: what a user's script sets (lr 0.01 x 4 ranks, as Horovod's example scales it).
+CASES: "OrderedDict[str, Dict[str, Any]]" = OrderedDict([
+    ("sgd", {"momentum": 0.0}),
+    ("sgd-m0.5", {"momentum": 0.5}),   # Horovod's pytorch_mnist.py as it ships
+    ("nesterov-step", {"momentum": 0.9, "nesterov": True, "schedule": "step"}),
+    ("adamw-warmup", {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.01,
+                      "lr_warmup_steps": 100}),
+    ("sgd-m0.5 1-epoch", {"momentum": 0.5, "epochs": 1}),
+    ("sgd-m0.5 8-epochs", {"momentum": 0.5, "epochs": 8}),
+])
+PLOTTED = ("sgd-m0.5", "lm")   # the cases whose accuracy-against-bytes plot has the peers
+LM = {"dataset": "pystdlib", "batch_size": 8, "epochs": 1, "train_subset": 38400,
+      "optimizer": "adamw", "lr": 2e-3, "weight_decay": 0.1, "schedule": "cosine",
+      "lr_warmup_steps": 100, "evals_per_epoch": 6}
+TARGETS = {"end": {"default": 0.3, "0.001": 0.5}, "epoch 1": {"default": 1.0},
+           "lm": {"default": 0.01, "0.001": 0.02}, "bytes": {"default": 40, "0.001": 150}}
+VARIANTS = (("dense", "dense", 1.0, {}), ("default", "slim", None, {}),
+            ("0.001", "slim", 0.001, {}))
+PEERS = (("top-k 0.02", "topk", 0.02, {}), ("top-k 0.001", "topk", 0.001, {}),
+         ("PowerSGD r1", "powersgd", 1.0, {"powersgd_rank": 1}),
+         ("PowerSGD r4", "powersgd", 1.0, {"powersgd_rank": 4}))
+DEFAULT_DENSITY = 0.02  # hvd_slim's; a "default" run passes no keyword, this is for the table
+
+
+def _config(case: str, variant: Tuple[str, str, Optional[float], Dict[str, Any]],
+            base: Dict[str, Any]) -> Config:
+    label, method, density, extra = variant
+    # density None: no keyword at all, the shipped defaults (the table shows DEFAULT_DENSITY).
+    return (f"{case} {label}", method, density, {}, dict(base, case=case, variant=label,
+                                                        **extra))
+
+
+def configs(group: str) -> List[Config]:
+    """``untuned``: every case x (dense, default, 0.001); ``untuned-peers``: the peers on the
+    plotted case; ``lm`` and ``lm-peers``: the same for the language model."""
+    if group == "untuned":
+        return [_config(case, v, {**CNN, **over}) for case, over in CASES.items()
+                for v in VARIANTS]
+    if group == "untuned-peers":
+        return [_config("sgd-m0.5", p, {**CNN, **CASES["sgd-m0.5"]}) for p in PEERS]
+    if group in ("lm", "lm-peers"):
+        return [_config("lm", v, dict(LM)) for v in (VARIANTS if group == "lm" else PEERS)]
+    raise ValueError(f"unknown group {group!r}")
+
+
+GROUPS = ("untuned", "untuned-peers", "lm", "lm-peers")
+
+
+# --- the report ------------------------------------------------------------------------------
+def _mean(xs: List[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def _metric(run: Dict[str, Any]) -> str:
+    return "val_bpb" if run["dataset"] == "pystdlib" else "test_accuracy"
+
+
+def compressed_ratios(run: Dict[str, Any]) -> Tuple[Optional[float], Optional[float]]:
+    """The compressed tensors' dense bytes over their pushed and pulled bytes (values and
+    indices; the dense small tensors and headers apart), over the whole run."""
+    b = run["records"][-1].get("breakdown")
+    if not b:
+        return None, None
+    push = b["push_sparse_value_bytes"] + b["push_index_bytes"]
+    pull = b["pull_sparse_value_bytes"] + b["pull_index_bytes"]
+    dense = b["compressed_dense_bytes"]
+    return (dense / push if push else None), (dense / pull if pull else None)
+
+
+def summarise(runs: List[Dict[str, Any]]) -> "OrderedDict[Tuple[str, str], Dict[str, Any]]":
+    """Per (case, variant): seeds, metric after epoch 1 and at the end (means), the final metric
+    after flush, the compressed bytes ratios and the dense small tensors' share of a push."""
+    groups: "OrderedDict[Tuple[str, str], List[Dict[str, Any]]]" = OrderedDict()
+    for r in runs:
+        if r.get("case") and not r.get("diverged") and r.get("records"):
+            groups.setdefault((r["case"], r["variant"]), []).append(r)
+    out: "OrderedDict[Tuple[str, str], Dict[str, Any]]" = OrderedDict()
+    for key, rs in groups.items():
+        m = _metric(rs[0])
+        ratios = [compressed_ratios(r) for r in rs]
+        last = [r["records"][-1] for r in rs]
+        out[key] = {
+            "seeds": len(rs), "metric": m, "epoch1": _mean([r["records"][0][m] for r in rs]),
+            "end": _mean([x[m] for x in last]),
+            "flushed": _mean([x.get("flushed_accuracy", x.get("flushed_val_bpb", float("nan")))
+                              for x in last]),
+            "push_ratio": _mean([p for p, _ in ratios if p]) if any(p for p, _ in ratios)
+            else None,
+            "pull_ratio": _mean([q for _, q in ratios if q]) if any(q for _, q in ratios)
+            else None,
+            "pushed": _mean([x["bytes_pushed"] / max(x["steps"], 1) for x in last]),
+            "pulled": _mean([x["bytes_pulled"] / max(x["steps"], 1) for x in last]),
+            "dense": _mean([x["dense_bytes"] / max(x["steps"], 1) for x in last]),
+            "seconds": _mean([r["seconds"] for r in rs]),
+            "load": _mean([r.get("loadavg", [float("nan")])[0] for r in rs])}
+    return out
+
+
+def _gap(row: Optional[Dict[str, Any]], ref: Optional[Dict[str, Any]], key: str) -> str:
+    if row is None or ref is None:
+        return ""
+    return f"{row[key] - ref[key]:+.2f}"
+
+
+def _verdict(gap: float, target: float) -> str:
+    return "met" if -gap <= target + 1e-9 else f"missed by {-gap - target:.2f}"
+
+
+def battery_table(rows: "OrderedDict[Tuple[str, str], Dict[str, Any]]") -> str:
+    """Test accuracy (%) per case: dense, the defaults and 0.001, with the gaps and verdicts."""
+    out = ["| script | seeds | dense, epoch 1 | dense, end | defaults, epoch 1 | Δ | defaults, "
+           "end | Δ | 0.001, end | Δ | targets (epoch 1 ≤ 1.0, end ≤ 0.3 / ≤ 0.5) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for case in CASES:
+        dense, dflt, low = (rows.get((case, v)) for v in ("dense", "default", "0.001"))
+        if dense is None:
+            continue
+        verdicts = []
+        if dflt is not None:
+            verdicts.append("epoch 1 " + _verdict(dflt["epoch1"] - dense["epoch1"], 1.0))
+            verdicts.append("end " + _verdict(dflt["end"] - dense["end"], 0.3))
+        if low is not None:
+            verdicts.append("0.001 " + _verdict(low["end"] - dense["end"], 0.5))
+        seeds = "/".join(str(r["seeds"]) for r in (dense, dflt, low) if r is not None)
+        cell = lambda r, k: "" if r is None else f"{r[k]:.2f}"  # noqa: E731
+        out.append(f"| {case} | {seeds} | {dense['epoch1']:.2f} | {dense['end']:.2f} "
+                   f"| {cell(dflt, 'epoch1')} | {_gap(dflt, dense, 'epoch1')} "
+                   f"| {cell(dflt, 'end')} | {_gap(dflt, dense, 'end')} | {cell(low, 'end')} "
+                   f"| {_gap(low, dense, 'end')} | {'; '.join(verdicts)} |")
+    return "\n".join(out) + "\n"
+
+
+def bytes_table(rows: "OrderedDict[Tuple[str, str], Dict[str, Any]]") -> str:
+    """The compressed tensors' dense bytes over what hvd_slim pushed and pulled for them, whole
+    runs (the warm-up included); the dense small tensors travel apart and are shown apart."""
+    out = ["| script | defaults: dense/pushed | dense/pulled | 0.001: dense/pushed | dense/pulled "
+           "| all pushed B/step (defaults) | of which dense small tensors + headers |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    ratio = lambda r, k: "" if r is None or r[k] is None else f"{r[k]:.0f}x"  # noqa: E731
+    for case in list(CASES) + ["lm"]:
+        dflt, low = rows.get((case, "default")), rows.get((case, "0.001"))
+        if dflt is None:
+            continue
+        small = dflt["pushed"] - dflt["dense"] / dflt["push_ratio"] if dflt["push_ratio"] else 0
+        out.append(f"| {case} | {ratio(dflt, 'push_ratio')} | {ratio(dflt, 'pull_ratio')} "
+                   f"| {ratio(low, 'push_ratio')} | {ratio(low, 'pull_ratio')} "
+                   f"| {dflt['pushed']:,.0f} | {small:,.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def lm_table(rows: "OrderedDict[Tuple[str, str], Dict[str, Any]]") -> str:
+    """Validation bits per byte of the language model (lower is better) and the peers."""
+    dense = rows.get(("lm", "dense"))
+    if dense is None:
+        return ""
+    out = ["| run | seeds | val bits/byte | vs dense | after flush | pushed B/step "
+           "| pulled B/step | target |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for (case, variant), r in rows.items():
+        if case != "lm":
+            continue
+        rel = r["end"] / dense["end"] - 1
+        target = TARGETS["lm"].get(variant)
+        verdict = "" if target is None else ("met" if rel <= target + 1e-12 else
+                                             f"missed by {100 * (rel - target):.2f}%")
+        out.append(f"| {variant} | {r['seeds']} | {r['end']:.4f} | {100 * rel:+.2f}% "
+                   f"| {r['flushed']:.4f} | {r['pushed']:,.0f} | {r['pulled']:,.0f} "
+                   f"| {verdict} |")
+    return "\n".join(out) + "\n"
+
+
+def peers_table(rows: "OrderedDict[Tuple[str, str], Dict[str, Any]]", case: str) -> str:
+    """Every run of ``case`` (hvd_slim and the peers): the final metric and bytes a step."""
+    sub = [(v, r) for (c, v), r in rows.items() if c == case]
+    if not sub:
+        return ""
+    name = "val bits/byte" if sub[0][1]["metric"] == "val_bpb" else "test accuracy %"
+    out = [f"| {case} | seeds | {name} | pushed B/step | pulled B/step | dense B/step |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for v, r in sub:
+        out.append(f"| {v} | {r['seeds']} | {r['end']:.4g} | {r['pushed']:,.0f} "
+                   f"| {r['pulled']:,.0f} | {r['dense']:,.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(runs: List[Dict[str, Any]], out: str) -> List[str]:
+    """Accuracy (bits per byte for the LM) against the MB each rank pushed and pulled, one
+    panel per plotted case: a curve per run variant through its evaluation points, seed means."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    from time_to_accuracy import points, save_figure  # examples/time_to_accuracy.py
+    written = []
+    for case in PLOTTED:
+        by: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
+        for r in runs:
+            if r.get("case") == case and r.get("records") and not r.get("diverged"):
+                by.setdefault(r["variant"], []).append(r)
+        if not by:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for variant, rs in by.items():
+            m = _metric(rs[0])
+            pts = [points(r) for r in rs]
+            n = min(len(p) for p in pts)
+            xs = [_mean([(p[i]["bytes_pushed"] + p[i]["bytes_pulled"]) / 1e6 for p in pts])
+                  for i in range(n)]
+            ys = [_mean([p[i][m] for p in pts]) for i in range(n)]
+            style = {"color": "black", "linewidth": 2} if variant == "dense" else \
+                {"linestyle": "--"} if variant.startswith(("top-k", "PowerSGD")) else {}
+            ax.plot(xs, ys, marker="o", markersize=3, label=variant, **style)
+        ax.set_xscale("log")
+        ax.set_xlabel("MB pushed + pulled by rank 0 (cumulative)")
+        ax.set_ylabel("validation bits per byte" if case == "lm" else "test accuracy (%)")
+        ax.set_title(f"{case}: mean over seeds, 4 ranks")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(save_figure(fig, os.path.join(out, f"untuned_{case}_vs_bytes.png")))
+    return written
+
+
+def report(runs: List[Dict[str, Any]], out: str) -> str:
+    """Write ``untuned.md`` (every table above) and the plots into ``out``; return the text."""
+    rows = summarise(runs)
+    if not rows:
+        return ""
+    parts = ["## Untuned scripts (Horovod's MNIST example CNN, 4 ranks)\n",
+             battery_table(rows), "\n**Bytes** (the compressed tensors only, whole run)\n",
+             bytes_table(rows)]
+    if any(c == "lm" for c, _ in rows):
+        parts += ["\n## Language model (byte-level transformer, standard library sources)\n",
+                  lm_table(rows)]
+    for case in PLOTTED:
+        parts += [f"\n**{case}: hvd_slim and its peers**\n", peers_table(rows, case)]
+    loads = [r["load"] for r in rows.values() if r["load"] == r["load"]]
+    if loads:
+        parts.append(f"\nMachine load (1-minute average at the start of the runs): "
+                     f"{min(loads):.1f} to {max(loads):.1f}.\n")
+    text = "".join(parts)
+    with open(os.path.join(out, "untuned.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    for path in plot(runs, out):
+        text += f"\nwrote {path}"
+    return text

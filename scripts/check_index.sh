@@ -17,10 +17,11 @@ apt)
     if log=$(apt-get update -q 2>&1) && ! grep -qE '^(W|E): (Failed to fetch|Some index files)' <<<"$log"; then
         exit 0
     fi
-    # Err lines name the source and the reason, e.g. "Err:1 http://deb.debian.org/debian
-    # bookworm InRelease  Temporary failure resolving 'deb.debian.org'".
-    why=$(grep -m1 -E '^(Err:|E:|W: Failed to fetch)' <<<"$log" | tr -s ' ' || true)
-    echo "image build: cannot reach the Debian package mirror (${why:-apt-get update failed}): the build installs Python, make and Open MPI from it; give the build network access (scripts/image.sh builds with --network host) or a reachable mirror in the base image's apt sources" >&2
+    # apt names the source on an "Err:1 http://deb.debian.org/debian bookworm InRelease" line
+    # and the reason on the next ("  Temporary failure resolving 'deb.debian.org'").
+    why=$(awk '/^Err:/ { getline reason; sub(/^[ \t]+/, "", reason); print $2 " (" reason ")"; exit }' <<<"$log")
+    [ -n "$why" ] || why="($(grep -m1 -E '^(E|W):' <<<"$log" || echo "apt-get update failed"))"
+    echo "image build: cannot reach the Debian package mirror $why: the build installs Python, make and Open MPI from it; give the build network access (scripts/image.sh builds with --network host) or a reachable mirror in the base image's apt sources" >&2
     exit 1
     ;;
 pip)

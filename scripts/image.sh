@@ -49,13 +49,14 @@ docker_problem() {  # empty when docker can build, else why not
     command -v docker >/dev/null 2>&1 || { echo "no docker command"; return; }
     local err
     err=$(timeout 20 docker info 2>&1 >/dev/null) && return
-    echo "the docker client is installed but no Docker engine answers ($(grep -m1 -v '^\s*$' <<<"$err" | sed 's/^ERROR: //'))"
+    echo "the docker client is installed, yet no Docker engine answers ($(grep -m1 -v '^\s*$' <<<"$err" | sed 's/^ERROR: //'))"
 }
 
 pick_engine() {  # sets ENGINE
     if [ -n "${ENGINE:-}" ]; then
         case "$ENGINE" in docker | podman) ;; *) die "ENGINE must be docker or podman, not '$ENGINE'" ;; esac
         command -v "$ENGINE" >/dev/null 2>&1 || die "ENGINE=$ENGINE, but $ENGINE is not installed"
+        if [ "$ENGINE" = docker ] && [ -n "$(docker_problem)" ]; then die "ENGINE=docker: $(docker_problem)"; fi
         return
     fi
     local why_not_docker

@@ -21,7 +21,7 @@ apt)
     # and the reason on the next ("  Temporary failure resolving 'deb.debian.org'").
     why=$(awk '/^Err:/ { getline reason; sub(/^[ \t]+/, "", reason); print $2 " (" reason ")"; exit }' <<<"$log")
     [ -n "$why" ] || why="($(grep -m1 -E '^(E|W):' <<<"$log" || echo "apt-get update failed"))"
-    echo "image build: cannot reach the Debian package mirror $why: the build installs Python, make and Open MPI from it; give the build network access (scripts/image.sh builds with --network host) or a reachable mirror in the base image's apt sources" >&2
+    echo "image build: cannot reach the Debian package mirror $why: the build installs Python, make and Open MPI from it; give the build network access, or a reachable mirror in the base image's apt sources" >&2
     exit 1
     ;;
 pip)
@@ -41,9 +41,9 @@ except (OSError, ssl.SSLError) as exc:
     print(f"image build: the CA bundle {cafile} (PIP_CERT) cannot be read ({exc}): mount it "
           "readable into the build, or leave PIP_CERT unset", file=sys.stderr)
     sys.exit(1)
-urls = [os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple"]
-urls += os.environ.get("PIP_EXTRA_INDEX_URL", "").split()
-for url in urls:
+main = os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple"
+extra = os.environ.get("PIP_EXTRA_INDEX_URL", "").split()  # the Dockerfile's TORCH_INDEX_URL
+for url in [main] + extra:
     probe = url.rstrip("/") + "/pip/"  # a small page, where the index root can be megabytes
     if not probe.startswith(("http://", "https://")):
         continue  # file:// and the like: pip reports those itself
@@ -56,8 +56,11 @@ for url in urls:
         reason = str(getattr(exc, "reason", exc))
     else:
         continue
-    if "CERTIFICATE" not in reason.upper():
-        hint = "give the build network access or point PIP_INDEX_URL at a reachable index"
+    if "CERTIFICATE" not in reason.upper() and url != main:
+        hint = ("give the build network access, or build with another TORCH_INDEX_URL "
+                "(empty: torch from PyPI and pip's find-links)")
+    elif "CERTIFICATE" not in reason.upper():
+        hint = "give the build network access, or set PIP_INDEX_URL to a reachable index"
     elif cafile:
         hint = f"the CA bundle {cafile} (PIP_CERT) does not verify it"
     else:  # a TLS-inspecting proxy: its CA is in the host's bundle, not in the image's

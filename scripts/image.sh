@@ -177,10 +177,14 @@ pick_base() {  # sets BASE: the image the build starts from
 # --- build ----------------------------------------------------------------------------------
 build() {
     pick_base
-    # --network host: the build reaches the package indexes exactly as this machine does (its
-    # resolver, its proxy), and no bridge or NAT rules are set up on the host for it.
-    local args=(build --network host -t "$IMAGE" --build-arg "BASE_IMAGE=$BASE"
-                --build-arg "WITH_HOROVOD=$WITH_HOROVOD" "${RUN_FLAGS[@]}")
+    local args=(build -t "$IMAGE" --build-arg "BASE_IMAGE=$BASE" --build-arg "WITH_HOROVOD=$WITH_HOROVOD")
+    if [ "$ENGINE" = podman ]; then
+        # --network host: the build reaches the package indexes exactly as this machine does (its
+        # resolver, its proxy), and podman sets up no bridge or NAT rules on the host for it.
+        # --format docker: podman's default OCI format has no SHELL, and the Dockerfile's bash
+        # with pipefail would silently become /bin/sh.
+        args+=(--network host --format docker "${RUN_FLAGS[@]}")
+    fi
 
     # pip's wheel directories and CA bundle, when this machine's pip has them: podman mounts them
     # read-only for the build; docker build cannot mount anything of the host.
@@ -207,9 +211,6 @@ build() {
         fi
     fi
     [ ${#links_in[@]} -eq 0 ] || args+=(--build-arg "PIP_FIND_LINKS=${links_in[*]}")
-    # podman writes OCI images by default, which have no SHELL: the Dockerfile's bash with
-    # pipefail would silently become /bin/sh.
-    [ "$ENGINE" = docker ] || args+=(--format docker)
     if [ ${#mounted[@]} -gt 0 ]; then
         if [ "$ENGINE" = podman ]; then
             say "from pip's configuration, mounted read-only into the build: ${mounted[*]}"
@@ -223,7 +224,7 @@ build() {
     if [ -z "${TORCH_INDEX_URL+set}" ] && command -v python3 >/dev/null 2>&1; then
         local torch_index
         torch_index=$(sed -n 's/^ARG TORCH_INDEX_URL=//p' Dockerfile)
-        if ! PIP_INDEX_URL=$torch_index PIP_EXTRA_INDEX_URL= PIP_CERT=$cert bash scripts/check_index.sh pip 2>/dev/null; then
+        if ! PIP_INDEX_URL=$torch_index PIP_EXTRA_INDEX_URL='' PIP_CERT=$cert bash scripts/check_index.sh pip 2>/dev/null; then
             say "the torch index $torch_index does not answer from here: torch comes from PyPI and pip's find-links (TORCH_INDEX_URL=URL chooses an index)"
             TORCH_INDEX_URL=
         fi

@@ -69,3 +69,19 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+## make image: the reproduction image (Dockerfile) with docker, or podman where no Docker engine
+## runs; WITH_HOROVOD=1 builds Horovod into it too (tag hvd-slim:horovod). make image-test: in the
+## image, offline (--network none), make demo, the unit tier and with WITH_HOROVOD=1 the Horovod
+## tier. make image-compare: make demo here too, and the figures of both side by side. All three
+## are scripts/image.sh; docs/image.md has the engine commands and the measured times.
+.PHONY: image image-test image-compare
+WITH_HOROVOD ?= 0
+image:
+	WITH_HOROVOD=$(WITH_HOROVOD) bash scripts/image.sh build
+
+image-test: image
+	WITH_HOROVOD=$(WITH_HOROVOD) bash scripts/image.sh test
+
+image-compare: install
+	WITH_HOROVOD=$(WITH_HOROVOD) bash scripts/image.sh compare

@@ -166,10 +166,10 @@ def test_conservation_at_one_percent():
     assert ex.residual_norm() > 0  # something really was held back
 
 
-@pytest.mark.parametrize("q", [1, 8])
-def test_wire_size_per_step(q):
+@pytest.mark.parametrize("q, bits", [(1, 8), (8, 8), (1, 32)])
+def test_wire_size_per_step(q, bits):
     model = Net()
-    opt = wrap(model, density=0.01, refresh_interval=q)
+    opt = wrap(model, density=0.01, refresh_interval=q, value_bits=bits, warmup_decay_steps=0)
     (b,) = opt._layout.sparse
     from hvd_slim.wire.indices import index_bytes_bound
     for t in range(3):
@@ -177,7 +177,7 @@ def test_wire_size_per_step(q):
         loss_of(model, t).backward()
         opt.step()
         last = opt.comm_stats()["last_step"]
-        assert last["push_sparse_value_bytes"] == b.k * 4
+        assert last["push_sparse_value_bytes"] == b.k * bits // 8
         if q > 1 and t % q != 0:
             assert last["push_index_bytes"] == 0
         else:

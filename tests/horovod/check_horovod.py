@@ -169,11 +169,15 @@ def check_broadcast_optimizer_state() -> None:
 
 def check_fp16_compression() -> None:
     model = fresh_model()
-    opt = slim(model, density=0.05, compression=hvd.Compression.fp16)
+    # value_bits=32: slices at the wire dtype, which Horovod's compressor makes float16.
+    opt = slim(model, density=0.05, compression=hvd.Compression.fp16, value_bits=32,
+               warmup_decay_steps=0)
     train(model, opt, steps=4)
     (bucket,) = opt._layout.sparse
     last = opt.comm_stats()["last_step"]
     assert last["push_sparse_value_bytes"] == 2 * bucket.k, (last, bucket.k)  # fp16 on the wire
+    assert last["push_dense_value_bytes"] == 2 * sum(
+        b.numel for b in opt._layout.buckets if b.kind == "dense"), last
     assert_same_everywhere(digest(flat(model)), "parameters with Compression.fp16")
 
 

@@ -34,7 +34,7 @@ CASES: "OrderedDict[str, Dict[str, Any]]" = OrderedDict([
     ("sgd-m0.5 8-epochs", {"momentum": 0.5, "epochs": 8}),
 ])
 PLOTTED = ("sgd-m0.5", "lm")   # the cases whose accuracy-against-bytes plot has the peers
-LM = {"dataset": "pystdlib", "batch_size": 8, "epochs": 1, "train_subset": 38400,
+LM = {"dataset": "pystdlib", "batch_size": 8, "epochs": 1, "train_subset": 19200,
       "optimizer": "adamw", "lr": 2e-3, "weight_decay": 0.1, "schedule": "cosine",
       "lr_warmup_steps": 100, "evals_per_epoch": 6}
 TARGETS = {"end": {"default": 0.3, "0.001": 0.5}, "epoch 1": {"default": 1.0},

@@ -48,7 +48,10 @@ def describe(names: List[str], overflow: bool, wire_dtype: Optional[torch.dtype]
     """A short report: the tensors named, and whether the values were NaN/Inf or overflowed."""
     shown = ", ".join(repr(n) for n in names[:MAX_NAMES])
     more = f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else ""
-    if overflow:
-        return (f"values of {shown}{more} overflow {str(wire_dtype).replace('torch.', '')} on "
-                "the wire (Compression.fp16 cannot carry values beyond 65504)")
+    if overflow and wire_dtype == torch.float16:
+        return (f"values of {shown}{more} overflow float16 on the wire (Compression.fp16 "
+                "cannot carry values beyond 65504)")
+    if overflow:   # scaled float8 and bfloat16 carry every finite float32: this was NaN/Inf
+        return (f"NaN/Inf in the values of {shown}{more} (a sum of finite values that "
+                "overflowed, or a NaN/Inf pushed by a rank)")
     return f"NaN/Inf in the gradient of {shown}{more}"

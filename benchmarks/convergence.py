@@ -317,8 +317,9 @@ def main() -> None:
     runs = [r for r in load(results) if args.report_only or r["key"] in keys]
     # The untuned battery and the language model have a report of their own (untuned.md).
     print(untuned.report([r for r in runs if r.get("case")], args.out))
-    print(write_report([r for r in runs if not r.get("case")], args.out, TARGET_GAP,
-                       TTA_TARGET))
+    grid = [r for r in runs if not r.get("case")]
+    if grid:   # a battery-only run leaves the grid's table.md alone
+        print(write_report(grid, args.out, TARGET_GAP, TTA_TARGET))
 
 
 if __name__ == "__main__":

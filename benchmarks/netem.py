@@ -1,9 +1,9 @@
 """The emulated network: a Linux network namespace whose loopback carries a ``tc tbf`` rate limit.
 
 Every rank runs inside the namespace and talks TCP over its ``lo``, so all traffic of the job
-shares one rate-limited link (DESIGN §4). The namespace is named ``hvdslim-bench-<pid>`` after
-the harness process that made it, so a later run (or ``make bench``'s shell trap) can remove
-namespaces whose owner died without ever touching anyone else's.
+shares one rate-limited link (docs/performance.md). The namespace is named
+``hvdslim-bench-<pid>`` after the harness process that made it, so a later run (or ``make
+bench``'s shell trap) can remove namespaces whose owner died without ever touching anyone else's.
 
     python -m benchmarks.netem --cleanup-stale     # remove namespaces of dead harness runs
 """

@@ -25,7 +25,8 @@ def _pct(xs: List[float], q: float) -> float:
 
 
 def index_bytes_bound(d: int, n: int) -> int:
-    """DESIGN §2's index codec: the smaller of Elias-Fano and a bitmap for n indices in [0, d)."""
+    """The index codec (docs/design.md §2): the smaller of Elias-Fano and a bitmap for n
+    indices in [0, d)."""
     if n == 0:
         return 0
     low = 0 if d < 2 * n else (d // n).bit_length() - 1

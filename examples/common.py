@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Iterable, Tuple
+from typing import Any, Callable, Dict, Iterable, Tuple
 
 import torch
 import torch.nn as nn
@@ -96,6 +96,12 @@ def make_model(dataset: str, name: str | None = None) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
     return MODELS[name]()
+
+
+def dataset_identity(dataset: str) -> Dict[str, Any]:
+    """What identifies the data beyond its name, for the results: the language model's corpus
+    digest and sizes (it is whatever standard library this interpreter has); {} otherwise."""
+    return {"corpus": lm.load_corpus().describe()} if dataset == "pystdlib" else {}
 
 
 def load_dataset(dataset: str, train_subset: int | None = None,

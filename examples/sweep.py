@@ -15,7 +15,8 @@ see training.py),
 ``momentum`` (0.9), ``train_subset``, ``dense_warmup_steps`` (see ``training.DenseWarmup``),
 ``evals_per_epoch`` (1), ``lr_via`` ("optimizer" or "loss": see ``training.Schedule``),
 ``net`` and ``network`` (where it ran: stored, not read). A result line adds ``world_size``,
-``seconds``, ``records``, ``loadavg`` (1-minute load at start and end) and ``hvd_slim_digest``.
+``seconds``, ``records``, ``loadavg`` (1-minute load at start and end), ``hvd_slim_digest``
+and, for "pystdlib", ``corpus`` (the digest and sizes of the text it trained on).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_dataset, make_model, task_of  # noqa: E402
+from common import dataset_identity, load_dataset, make_model, task_of  # noqa: E402
 from training import DenseWarmup, Schedule, fit, make_inner, wrap_optimizer  # noqa: E402
 
 
@@ -115,8 +116,9 @@ def main(plan_path: str, results_path: str) -> None:
     for i, spec in enumerate(todo):
         ds_key = (spec["dataset"], spec.get("train_subset"))
         if ds_key not in datasets:
-            datasets[ds_key] = load_dataset(*ds_key)
-        result = dict(run_one(hvd, spec, datasets[ds_key]), hvd_slim_digest=digest)
+            datasets[ds_key] = (load_dataset(*ds_key), dataset_identity(spec["dataset"]))
+        data, identity = datasets[ds_key]
+        result = dict(run_one(hvd, spec, data), **identity, hvd_slim_digest=digest)
         if hvd.rank() == 0:
             if result.get("diverged"):
                 outcome = f"DIVERGED: {result['diverged'][:120]}"

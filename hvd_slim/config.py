@@ -82,7 +82,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 @dataclass(frozen=True)
 class SlimConfig:
-    """Validated Slim-DP settings (see DESIGN §2 for what each one does)."""
+    """Validated Slim-DP settings (docs/design.md §2 and §4 say what each one does)."""
 
     # --- slice sizes -------------------------------------------------------------------------
     density: float = 0.02              # k/d: fraction of compressed coordinates a worker pushes

@@ -3,8 +3,8 @@
 Parameters are ordered by name (the same on every rank whatever the registration order), then
 split by size: tensors under ``min_compress_numel`` are fused into a dense bucket per dtype; the
 rest form one compressed bucket per dtype, a single flat vector of ``d`` coordinates on which the
-slice is chosen (DESIGN §2). A compressed bucket whose slice would not be smaller than dense is
-sent dense ("dense fallback"), which also makes ``density=1.0`` exactly a dense average.
+slice is chosen (docs/design.md §2). A compressed bucket whose slice would not be smaller than
+dense is sent dense ("dense fallback"), which also makes ``density=1.0`` exactly a dense average.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One Slim-DP step as a fixed sequence of phases (DESIGN §2), for one rank.
+"""One Slim-DP step as a fixed sequence of phases (docs/design.md §2), for one rank.
 
     compensate -> select -> push -> aggregate (server) -> pull -> apply
 

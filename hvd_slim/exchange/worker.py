@@ -119,7 +119,7 @@ class WorkerSide:
         return sec, _lossy(delivered, wire), sel
 
     def _select_core(self, b: Bucket, a: torch.Tensor) -> torch.Tensor:
-        """The ``k_core`` most significant coordinates of ``a`` (DESIGN §2)."""
+        """The ``k_core`` most significant coordinates of ``a`` (docs/design.md §2)."""
         lam, selector = self.cfg.magnitude_weight, self.selector[b.index]
         if lam == 0:   # |a| alone: selected without writing a score buffer
             return selector.select_magnitude(a, b.k_core)

@@ -1,4 +1,4 @@
-"""Per-step slice selection (DESIGN.md section 2, steps 2-3): pure tensor functions.
+"""Per-step slice selection (docs/design.md §2, "Select"): pure tensor functions.
 
 ``significance`` scores coordinates, :class:`CoreSelector` picks the exact top-k core in about
 one pass, and ``explore`` draws the seeded, stratified exploration set outside the core.

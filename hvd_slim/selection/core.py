@@ -1,4 +1,4 @@
-"""Core selection (DESIGN.md section 2, step 2): the ``k`` most significant coordinates, cheaply.
+"""Core selection (docs/design.md §2, "Select"): the ``k`` most significant coordinates, cheaply.
 
 ``torch.topk`` over millions of coordinates costs a partial sort every step (about 200 ms for
 11.7M floats on one CPU thread). :class:`CoreSelector` gets the same exact top-k *set* from

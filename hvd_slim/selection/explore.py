@@ -1,4 +1,4 @@
-"""Exploration (DESIGN.md section 2, step 3): seeded stratified sampling outside the core.
+"""Exploration (docs/design.md §2, "Select"): seeded stratified sampling outside the core.
 
 The ``M = d - len(core)`` coordinates outside the core are numbered by complement position
 ``p`` in ``[0, M)``. These positions are split into ``c`` contiguous strata of equal width (to

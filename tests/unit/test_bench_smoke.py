@@ -1,8 +1,8 @@
 """The benchmark harness end to end in a tiny mode: 2 ranks, plain loopback, a few steps.
 
 It checks that the JSON carries every peer's figures and that hvd_slim's counted bytes equal the
-closed form for its density (DESIGN §2: k fp32 values + header + core indices within the codec's
-bound + the dense small tensors), computed here independently of the harness.
+closed form for its density (docs/design.md §2: k fp32 values + header + core indices within
+the codec's bound + the dense small tensors), computed here independently of the harness.
 """
 from __future__ import annotations
 

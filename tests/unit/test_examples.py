@@ -206,3 +206,74 @@ def test_fit_applies_the_schedule_through_the_lr_or_the_loss(via):
         assert (records[-1]["lr"] == 0.1) == (how == "loss")
     for a, b in zip(final["optimizer"], final[via]):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+# --- the language-model task (examples/lm.py) ------------------------------------------------
+import common  # noqa: E402
+import lm  # noqa: E402
+
+
+def _tree(root, files):
+    for rel, text in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def test_lm_corpus_is_split_by_path_hash_and_digested(tmp_path):
+    files = {f"m{i}.py": f"x = {i}\n" * (i + 1) for i in range(40)}
+    files.update({"pkg/inner.py": "import os\n", "test/test_big.py": "skip\n",
+                  "notes.txt": "not python\n"})
+    _tree(str(tmp_path), files)
+    corpus = lm.load_corpus(str(tmp_path))
+    kept = [p for p in sorted(files) if p.endswith(".py") and not p.startswith("test/")]
+    val = [p for p in kept if lm.is_validation(p)]
+    train = [p for p in kept if not lm.is_validation(p)]
+    assert corpus.files == (len(train), len(val)) and val and train
+    assert corpus.train.numel() == sum(len(files[p]) for p in train)
+    assert corpus.val.numel() == sum(len(files[p]) for p in val)
+    assert bytes(corpus.train[:len(files[train[0]])].tolist()) == files[train[0]].encode()
+    described = corpus.describe()
+    assert described["corpus_sha256"] == corpus.digest and len(corpus.digest) == 64
+    # The digest names the content: one changed byte anywhere gives another digest.
+    _tree(str(tmp_path), {"m3.py": "x = 4\n" * 4})
+    assert lm.load_corpus(str(tmp_path)).digest != corpus.digest
+
+
+def test_dataset_identity_names_the_corpus_only_for_the_language_model():
+    assert common.dataset_identity("mnist") == {} == common.dataset_identity("mnist1d")
+    ident = common.dataset_identity("pystdlib")["corpus"]
+    assert ident["corpus_sha256"] == lm.load_corpus().digest and ident["val_files"] > 0
+
+
+def test_lm_windows_are_next_byte_pairs():
+    data = torch.arange(21, dtype=torch.uint8)
+    w = lm.Windows(data, 4)
+    assert len(w) == 5
+    x, y = w[2]
+    assert x.tolist() == [8, 9, 10, 11] and y.tolist() == [9, 10, 11, 12]
+
+
+def test_byte_lm_is_causal():
+    torch.manual_seed(0)
+    model = lm.ByteLM(context=16, width=32, layers=2, heads=4).eval()
+    x = torch.randint(0, 256, (2, 16))
+    changed = x.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 256
+    with torch.no_grad():
+        a, b = model(x), model(changed)
+    assert torch.equal(a[:, :9], b[:, :9])          # no position sees a later byte
+    assert not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_bits_per_byte_of_a_uniform_model_is_eight():
+    class Uniform(torch.nn.Module):
+        def forward(self, x):
+            return torch.zeros(*x.shape, 256)
+
+    one = SimpleNamespace(rank=lambda: 0, size=lambda: 1, Sum="sum",
+                          allreduce=lambda t, op: t)
+    x = torch.randint(0, 256, (5, 7))
+    bpb = lm.evaluate_bpb(one, Uniform(), x, x, batch=2)
+    assert bpb == pytest.approx(8.0, rel=1e-6)  # log2(256), up to float32 rounding

@@ -1,5 +1,6 @@
-"""The whole Slim-DP exchange over the in-process fake transport, checked against DESIGN §2's
-invariants (conservation, identity, determinism, wire size) and a dense reference."""
+"""The whole Slim-DP exchange over the in-process fake transport, checked against the
+invariants of docs/design.md §6 (conservation, identity, determinism, wire size) and a dense
+reference."""
 import math
 import zlib
 

@@ -6,6 +6,7 @@ network: the data come from examples/data.py.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -98,10 +99,17 @@ def make_model(dataset: str, name: str | None = None) -> nn.Module:
     return MODELS[name]()
 
 
+@functools.lru_cache(maxsize=1)
+def stdlib_corpus() -> lm.Corpus:
+    """This interpreter's standard-library corpus, read and hashed once per process (the data
+    set and its identity come from the same read)."""
+    return lm.load_corpus()
+
+
 def dataset_identity(dataset: str) -> Dict[str, Any]:
     """What identifies the data beyond its name, for the results: the language model's corpus
     digest and sizes (it is whatever standard library this interpreter has); {} otherwise."""
-    return {"corpus": lm.load_corpus().describe()} if dataset == "pystdlib" else {}
+    return {"corpus": stdlib_corpus().describe()} if dataset == "pystdlib" else {}
 
 
 def load_dataset(dataset: str, train_subset: int | None = None,
@@ -122,7 +130,7 @@ def load_dataset(dataset: str, train_subset: int | None = None,
         (xt, yt), test = load_mnist1d(seed=data_seed, num_samples=12000)
         train = TensorDataset(xt, yt)
     elif dataset == "pystdlib":
-        corpus = lm.load_corpus()
+        corpus = stdlib_corpus()
         train = lm.Windows(corpus.train, LM_CONTEXT)
         test = lm.validation_windows(corpus.val, LM_CONTEXT, LM_VAL_WINDOWS)
         if train_subset is not None:

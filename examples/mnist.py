@@ -116,8 +116,10 @@ def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:
                    if spec.get(k) not in (None, 0, "optimizer")}
     if unsupported:
         raise ValueError(f"examples/mnist.py cannot run {unsupported}; use examples/sweep.py")
-    argv = ["--dataset", spec["dataset"], "--method", spec["method"],
-            "--density", repr(float(spec.get("density") or 1.0)), "--epochs", str(spec["epochs"]),
+    # No density (None or absent): the script's default, hvd_slim's own, as in sweep.py.
+    density = [] if spec.get("density") is None else ["--density", repr(float(spec["density"]))]
+    argv = ["--dataset", spec["dataset"], "--method", spec["method"], *density,
+            "--epochs", str(spec["epochs"]),
             "--batch-size", str(spec["batch_size"]), "--lr", repr(float(spec["lr"])),
             "--lr-schedule", spec["schedule"], "--optimizer", spec.get("optimizer", "sgd"),
             "--momentum", repr(float(spec.get("momentum", 0.9))),

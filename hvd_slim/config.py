@@ -15,6 +15,8 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from .wire.values import VALUE_BITS
+
 PULL_MODES = ("slim", "union")
 OPS = ("average", "sum")
 NONFINITE_MODES = ("raise", "skip", "propagate")
@@ -26,7 +28,6 @@ ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight"
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
                 "warmup_start_density")
-VALUE_BITS = (8, 16, 32)
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.

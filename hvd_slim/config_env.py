@@ -13,6 +13,7 @@ from .config import ENV_KEYWORDS, ENV_PREFIX, ConfigError, SlimConfig
 
 __all__ = ["ENV_KEYWORDS", "resolve_config"]
 
+
 def _parse_env(name: str, text: str) -> Any:
     """Parse HVD_SLIM_<NAME> by the field's type; errors name the variable."""
     var = ENV_PREFIX + name.upper()

@@ -157,20 +157,20 @@ def _threshold(d: dict, index: int) -> None:
                          "not a finite number")
 
 
-def _core(table: Any, index: int, k: Optional[int], d: int, what: str) -> None:
-    """An optional cached core: k sorted, distinct int64 indices in [0, d) (any k when None)."""
+def _core(table: Any, index: int, k: int, d: int, what: str) -> None:
+    """An optional cached core: k sorted, distinct int64 indices in [0, d)."""
     if not isinstance(table, dict):
         raise ValueError(f"hvd_slim checkpoint: the {what} table is missing")
     c: Optional[torch.Tensor] = table.get(index)
     if c is None:
         return
     ok = (isinstance(c, torch.Tensor) and c.dtype == torch.int64 and c.dim() == 1
-          and c.numel() == (c.numel() if k is None else k) and c.numel() <= d
+          and c.numel() == k and c.numel() <= d
           and (c.numel() == 0 or (int(c[0]) >= 0 and int(c[-1]) < d
                                   and bool((c[1:] > c[:-1]).all()))))
     if not ok:
         raise ValueError(f"hvd_slim checkpoint: bucket {index} {what} is not "
-                         f"{'' if k is None else f'{k} '}sorted distinct indices in [0, {d})")
+                         f"{k} sorted distinct indices in [0, {d})")
 
 
 def _check_server(ex: Any, srv: Any, sizes: Dict[int, Any]) -> None:

@@ -43,12 +43,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-SLICED = (wm.M_SLICE, wm.M_SLICE_CACHED)
-
-
 def itemsizes(buckets: List[Bucket], sections: List[wm.Section]) -> List[int]:
     """Bytes per value of each section: the slice dtype's for slices, the wire dtype's else."""
-    return [b.slice_bytes if s.mode in SLICED else b.value_bytes
+    return [b.slice_bytes if s.mode in wm.SLICED else b.value_bytes
             for b, s in zip(buckets, sections)]
 
 
@@ -56,7 +53,7 @@ def section_values(sec: wm.Section, b: Bucket) -> torch.Tensor:
     """What a decoded section's values stand for, in the bucket's dtype on its device: a slice
     in the bucket's slice dtype (value_bits) times ``2**exp``, anything else in its wire
     dtype."""
-    if sec.mode in SLICED:
+    if sec.mode in wm.SLICED:
         raw = from_bytes(sec.values, b.slice_dtype).to(b.device)
         return dequantize(raw, sec.exp, b.dtype)
     return from_bytes(sec.values, b.wire_dtype, like=b)
@@ -144,7 +141,7 @@ def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes
         else:
             modes = sparse(b)
         most = most_explicit(b) if None in modes.values() else None
-        sliced = any(m in SLICED for m in modes)
+        sliced = any(m in wm.SLICED for m in modes)
         out.append(BoundedExpect(b.numel, b.slice_bytes if sliced else b.value_bytes, modes,
                                  sliced and b.slice_dtype == FP8, most))
     return out

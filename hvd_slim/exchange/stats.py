@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Dict, List
 
 import numpy as np
-import torch
 
 from ..wire import message as wm
 from .layout import SPARSE, Layout
@@ -23,8 +22,7 @@ class ExchangeStats:
 
     def __init__(self, layout: Layout, size: int) -> None:
         self._layout = layout
-        grad_bytes = sum(b.numel * torch.empty((), dtype=b.dtype).element_size()
-                         for b in layout.buckets)
+        grad_bytes = sum(b.numel * b.dtype.itemsize for b in layout.buckets)
         self.grad_bytes = grad_bytes
         # The compressed tensors' share of it: what their slices are measured against.
         self.compressed_grad_bytes = sum(b.numel * b.dtype.itemsize for b in layout.sparse)

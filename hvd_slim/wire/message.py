@@ -53,6 +53,7 @@ M_SLICE = 1         # k values: core (indices sent) then explored (regenerated)
 M_SLICE_CACHED = 2  # k values: core cached from the last refresh, then explored
 M_EXPLICIT = 3      # n values at n explicitly sent indices (the union pull), no exploration
 M_EMPTY = 4         # nothing for this bucket (dense buckets during flush)
+SLICED = (M_SLICE, M_SLICE_CACHED)  # the modes whose values follow value_bits
 MODE_NAMES = {M_DENSE: "dense", M_SLICE: "slice", M_SLICE_CACHED: "cached slice",
               M_EXPLICIT: "explicit", M_EMPTY: "empty"}
 
@@ -242,7 +243,7 @@ def read_table(meta: np.ndarray, length: int, *, kind: int, sender: int, step: i
         elif (count, n_idx) != tuple(want):
             raise WireError(f"{who}: bucket {i} ({MODE_NAMES[mode]}): {count} values and {n_idx} "
                             f"indices, expected {want[0]} and {want[1]}")
-        scaled = getattr(ex, "scaled", False) and mode in (M_SLICE, M_SLICE_CACHED)
+        scaled = ex.scaled and mode in SLICED
         if exp != 0 and not scaled:
             raise WireError(f"{who}: bucket {i} ({MODE_NAMES[mode]}): scale exponent {exp}, "
                             "expected 0 (these values are not scaled)")

@@ -42,13 +42,19 @@ def scale_exponent(x: torch.Tensor) -> int:
     """The power of two ``e`` such that ``x * 2**-e`` fits float8's range: the smallest with
     ``max|x| < 448 * 2**e``, kept where ``x``'s dtype represents ``2**-e`` (0 for zeros or a
     non-finite maximum, which then travels as NaN). One scalar is read on the host."""
-    if x.numel() == 0:
-        return 0
-    m = float(x.abs().max())
+    return _exponent_for(_abs_max(x), x.dtype)
+
+
+def _abs_max(x: torch.Tensor) -> float:
+    return float(x.abs().max()) if x.numel() else 0.0
+
+
+def _exponent_for(m: float, dtype: torch.dtype) -> int:
+    """:func:`scale_exponent` for a tensor of ``dtype`` whose largest magnitude is ``m``."""
     if m == 0.0 or not math.isfinite(m):
         return 0
     e = math.frexp(m / FP8_MAX)[1]
-    info = torch.finfo(x.dtype)
+    info = torch.finfo(dtype)
     # Keep 2**-e and 2**e normal numbers of x's dtype (2**-126 .. 2**127 for float32).
     low, high = math.frexp(info.tiny)[1], math.frexp(info.max)[1] - 1
     return max(low, min(e, high - 1, -low))
@@ -60,9 +66,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, int,
     the receiver will decode, in ``x``'s dtype (None when that is ``x`` exactly)."""
     if dtype == x.dtype:
         return x, 0, None
-    exp = scale_exponent(x) if dtype == FP8 else 0
+    m = _abs_max(x) if dtype == FP8 else 0.0
+    exp = _exponent_for(m, x.dtype) if dtype == FP8 else 0
     wire = (x.mul(2.0 ** -exp) if exp else x).to(dtype)
-    if dtype == FP8 and x.numel() and not math.isfinite(float(x.abs().max())):
+    if dtype == FP8 and not math.isfinite(m):
         # float8_e4m3fn has no Inf and torch saturates one to +-448: send NaN instead, so a
         # non-finite value (nonfinite="propagate") still arrives non-finite.
         wire.view(torch.uint8)[~torch.isfinite(x)] = _FP8_NAN

@@ -9,6 +9,9 @@ Groups of runs (each config x each seed x each dataset):
 
 * ``grid``: dense, and hvd_slim at density 0.01 and 0.001, each with pull "slim" and "union" and
   exploration 0 and 0.1 (the issue's study).
+* ``kept``: the earlier results at the shipped defaults (density 0.02 passed explicitly, every
+  other keyword left alone) and at 0.001: SGD with momentum 0.9 and the cosine schedule
+  (``SETTINGS``), and Adam, against dense.
 * ``baselines``: the top-k + error-feedback allgather baseline (examples/topk.py) at both densities.
 * ``ablation``: hvd_slim's defaults with one knob changed: momentum correction off, its
   velocity kept (``momentum_masking=False``) or halved (0.5) where a coordinate is sent, core fixed
@@ -65,13 +68,13 @@ SETTINGS = {"mnist": {"epochs": 2, "batch_size": 64, "lr": 0.05, "schedule": "co
             "mnist1d": {"epochs": 20, "batch_size": 32, "lr": 0.05, "schedule": "cosine"}}
 # Seconds one epoch may take on a loaded 2-core machine at 4 ranks (for the hard timeout).
 EPOCH_BUDGET_S = {"mnist": 90, "mnist1d": 8, "pystdlib": 1800}
-TARGET_GAP = {0.01: 0.3, 0.001: 0.5}  # the issue's targets, points below dense
+TARGET_GAP = {0.02: 0.3, 0.01: 0.3, 0.001: 0.5}  # the issue's targets, points below dense
 TTA_TARGET = {"mnist": 98.5}  # time to this test accuracy (%), per dataset
 NET_SLOWDOWN = {"loopback": 1.0, "tbf10g": 1.2, "tbf1g": 1.5}  # timeout allowance per network
 INTERLEAVED = ("time",)  # groups planned seed-major (see the module docstring)
 # What `make convergence` runs: the untuned battery and the language model first (the README's
 # lead results), then the MNIST / MNIST-1D grid and the top-k baselines.
-DEFAULT_GROUPS = untuned.GROUPS + ("grid", "baselines")
+DEFAULT_GROUPS = untuned.GROUPS + ("kept", "grid", "baselines")
 # (name, method, density, Slim-DP keywords, other spec fields)
 Config = Tuple[str, str, float, Dict[str, Any], Dict[str, Any]]
 sys.path.insert(0, os.path.join(ROOT, "examples"))  # launch.py, report.py
@@ -79,7 +82,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))  # launch.py, report.py
 
 def configs(group: str) -> List[Config]:
     """The configurations of one group (see the module docstring)."""
-    if group in untuned.GROUPS:
+    if group in untuned.GROUPS + untuned.EXTRA_GROUPS:
         return untuned.configs(group)
     if group == "grid":
         out: List[Config] = [("dense", "dense", 1.0, {}, {})]
@@ -89,6 +92,11 @@ def configs(group: str) -> List[Config]:
                     out.append((f"slim d={d:g} pull={pull} expl={eps:g}", "slim", d,
                                 {"pull": pull, "exploration": eps}, {}))
         return out
+    if group == "kept":
+        adam: Dict[str, Any] = {"optimizer": "adam", "lr": 1e-3}
+        return ([("dense", "dense", 1.0, {}, {}), ("dense adam", "dense", 1.0, {}, adam)]
+                + [(f"slim d={d:g}{tag}", "slim", d, {}, extra) for d in (0.02, 0.001)
+                   for tag, extra in (("", {}), (" adam", adam))])
     if group == "baselines":
         return [(f"topk d={d:g}", "topk", d, {}, {}) for d in (0.01, 0.001)]
     if group == "ablation":
@@ -287,8 +295,8 @@ def main() -> None:
                    help="full: 3 seeds, both datasets; quick: seed 0, MNIST-1D only")
     p.add_argument("--datasets", default=None, help="comma-separated: mnist,mnist1d")
     p.add_argument("--groups", default=",".join(DEFAULT_GROUPS),
-                   help="comma-separated: " + ",".join(untuned.GROUPS)
-                        + ",grid,baselines,ablation,adam,schedule,longer,time")
+                   help="comma-separated: " + ",".join(untuned.GROUPS + untuned.EXTRA_GROUPS)
+                        + ",kept,grid,baselines,ablation,adam,schedule,longer,time")
     p.add_argument("--seeds", default=None, help="comma-separated, default 0,1,2")
     p.add_argument("--np", type=int, default=4, dest="np_")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "convergence"))

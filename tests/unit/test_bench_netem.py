@@ -12,6 +12,8 @@ import pytest
 
 from benchmarks import netem
 
+pytestmark = pytest.mark.slow  # starts real processes: not in `pytest -m unit`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 can_make = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
 

@@ -23,7 +23,10 @@ DENSITIES = (0.1, 0.01, 0.001)
 MIN_COMPRESS = 4096          # hvd_slim's default min_compress_numel
 EXPLORATION = 0.1            # hvd_slim's default exploration
 
-pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun")
+pytestmark = [
+    pytest.mark.mpi,  # starts jobs under mpirun: not in `pytest -m unit`
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun"),
+]
 
 
 def _ef_or_bitmap_bound(d: int, n: int) -> int:

@@ -22,9 +22,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 STRIP = ("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
          "HVD_SLIM_TRANSPORT")
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with Gloo is not available")
+pytestmark = [
+    pytest.mark.slow,  # starts real processes: not in `pytest -m unit`
+    pytest.mark.skipif(not torch.distributed.is_available()
+                       or not torch.distributed.is_gloo_available(),
+                       reason="torch.distributed with Gloo is not available"),
+]
 
 
 def free_port() -> int:

@@ -15,9 +15,12 @@ import torch
 from test_torch_dist_launch import launch as launch_workers
 from test_torch_dist_launch import result, worker_main
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with Gloo is not available")
+pytestmark = [
+    pytest.mark.slow,  # starts real processes: not in `pytest -m unit`
+    pytest.mark.skipif(not torch.distributed.is_available()
+                       or not torch.distributed.is_gloo_available(),
+                       reason="torch.distributed with Gloo is not available"),
+]
 
 
 def launch(scenario: str, world: int, timeout: float = 150.0) -> Dict[int, str]:

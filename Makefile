@@ -23,7 +23,7 @@ test: install
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 test-unit: install
-	$(PY) -m pytest tests/unit -q -p no:cacheprovider
+	$(PY) -m pytest tests -m unit -q -p no:cacheprovider
 
 test-mpi: install
 	$(PY) -m pytest tests/test_distributed_tier.py -q -p no:cacheprovider
@@ -44,7 +44,7 @@ test-gpu: install
 
 ## make demo: dense vs Slim-DP (hvd_slim's defaults) on real MNIST, 4 ranks
 demo: install
-	timeout 600 mpirun -np $(NP) --oversubscribe --bind-to none $(PY) examples/demo.py
+	timeout 600 mpirun -np $(NP) --oversubscribe --bind-to none $(PY) -m examples.demo
 
 ## make convergence: the untuned battery (Horovod's MNIST CNN: dense, the defaults, 0.001) and the
 ## language model with their peers, then dense vs Slim-DP (pull slim/union, exploration 0/0.1)
@@ -55,7 +55,7 @@ demo: install
 PRESET ?= full
 CONVERGENCE_ARGS ?=
 convergence: install
-	$(PY) benchmarks/convergence.py --preset $(PRESET) --np $(NP) $(CONVERGENCE_ARGS)
+	$(PY) -m benchmarks.convergence --preset $(PRESET) --np $(NP) $(CONVERGENCE_ARGS)
 
 ## make bench: hvd_slim beside dense allreduce, Horovod, DDP hooks and top-k (ResNet-18 shapes,
 ## 4 ranks, a 1 Gbit/s network namespace; needs root); BENCH_ARGS adds flags, e.g. --net loopback

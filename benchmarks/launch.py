@@ -1,8 +1,9 @@
-"""Run a command under ``mpirun`` with a hard timeout (used by the convergence study and tests).
+"""Launching MPI jobs that must never hang their caller: the convergence study, the exchange
+benchmark and every test tier start their jobs here (tests/mpi_launch.py adapts it to pytest).
 
-A hung MPI job must never hang its caller: the job runs in a session of its own; on timeout
-mpirun gets SIGTERM (it then tears its ranks down), then every process left in the session
-gets SIGKILL.
+A job runs from the repository root in a session of its own. On timeout its launcher gets
+SIGTERM (mpirun then tears its ranks down), then every process left in the session gets SIGKILL:
+Open MPI gives each rank a process group of its own, so only the session holds them all.
 """
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import os
 import signal
 import subprocess
 import sys
-from typing import List, Optional, Sequence, Tuple
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# A launcher's per-process variables would make a nested mpirun think it is a rank itself.
-_STRIP = ("OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE", "PMI_", "PMIX_", "HOROVOD_RANK",
-          "HOROVOD_SIZE", "HOROVOD_LOCAL_", "HOROVOD_CROSS_")
+# A launcher's per-process variables would make a nested mpirun think it is a rank itself;
+# torchrun's too: hvd_slim reads RANK/WORLD_SIZE as a launcher (and MASTER_* in rendezvous).
+STRIP = ("OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE", "PMI_", "PMIX_", "HOROVOD_RANK",
+         "HOROVOD_SIZE", "HOROVOD_LOCAL_", "HOROVOD_CROSS_",
+         "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Containers often forbid the single-copy mechanism (CMA); plain shared memory works.
+NO_SINGLE_COPY = ("--mca", "btl_vader_single_copy_mechanism", "none")
 
 
 class MpiTimeout(RuntimeError):
@@ -26,49 +32,63 @@ class MpiTimeout(RuntimeError):
         self.output = output
 
 
-def mpirun_argv(np_: int, command: List[str], mpi_args: Sequence[str] = ()) -> List[str]:
-    """``mpirun`` for ``np_`` ranks on one machine with fewer cores than ranks; ``mpi_args``
-    (e.g. the emulated network's ``--mca btl tcp,self ...``) go before the command."""
-    return ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
-            # Containers often forbid the single-copy mechanism (CMA); plain shared memory works.
-            "--mca", "btl_vader_single_copy_mechanism", "none", *mpi_args,
-            "-x", "PYTHONPATH", "-x", "PYTHONDONTWRITEBYTECODE", *command]
+def session_env(drop: Sequence[str] = ()) -> Dict[str, str]:
+    """This environment without launcher variables (nor any starting with a prefix in ``drop``),
+    plus what mpirun needs as root and what the ranks need to import this repository's code."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(STRIP + tuple(drop))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONDONTWRITEBYTECODE="1",  # ranks would race writing the same .pyc files
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    return env
+
+
+def mpirun_argv(np_: int, command: Sequence[str], mpi_args: Sequence[str] = NO_SINGLE_COPY,
+                export: Sequence[str] = ()) -> List[str]:
+    """``mpirun`` for ``np_`` ranks on one machine with fewer cores than ranks: oversubscribed
+    and unbound, ``mpi_args`` (MCA options) before the command, PYTHONPATH and the variables
+    named in ``export`` exported to every rank."""
+    return ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none", *mpi_args,
+            "-x", "PYTHONPATH", "-x", "PYTHONDONTWRITEBYTECODE",
+            *[arg for name in export for arg in ("-x", name)], *command]
+
+
+def run_session(argv: Sequence[str], timeout: float, env: Dict[str, str], capture: bool = True
+                ) -> Tuple[int, str, float]:
+    """Run ``argv`` from the repository root with exactly ``env``, in a session of its own.
+
+    Returns (exit code, combined output, seconds); with ``capture=False`` the output goes to
+    this process's stdout/stderr and "" is returned. Raises :class:`MpiTimeout` after killing
+    the whole session if it runs longer than ``timeout`` s; any other exception here (Ctrl-C,
+    SIGTERM turned into SystemExit) kills it too before it propagates.
+    """
+    start = time.monotonic()
+    pipe: Optional[int] = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(list(argv), cwd=ROOT, env=env, stdout=pipe,
+                            stderr=subprocess.STDOUT if capture else None, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise MpiTimeout(f"`{' '.join(argv)}` did not finish within {timeout:.0f}s and was "
+                         f"killed", kill_session(proc)) from None
+    except BaseException:
+        kill_session(proc)
+        raise
+    return proc.returncode, (out or b"").decode(errors="replace"), time.monotonic() - start
 
 
 def run(np_: int, command: List[str], timeout: float, capture: bool = True,
         mpi_args: Sequence[str] = (), prefix: Sequence[str] = ()) -> Tuple[int, str]:
-    """Run ``command`` on ``np_`` ranks from the repository root; return (exit code, output).
-
-    With ``capture=False`` the output goes to this process's stdout/stderr and "" is returned.
-    ``mpi_args`` are extra mpirun options; ``prefix`` is put before mpirun (e.g. ``ip netns
-    exec NS``). Raises :class:`MpiTimeout` after killing the job if it runs longer than
-    ``timeout`` s; any other exception here (Ctrl-C, SIGTERM turned into SystemExit) kills the
-    job too before it propagates.
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP)}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONDONTWRITEBYTECODE="1",  # ranks would race writing the same .pyc files
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    pipe: Optional[int] = subprocess.PIPE if capture else None
-    proc = subprocess.Popen([*prefix, *mpirun_argv(np_, command, mpi_args)], cwd=ROOT, env=env,
-                            stdout=pipe, stderr=subprocess.STDOUT if capture else None,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out = _kill(proc)
-        raise MpiTimeout(f"`{' '.join(command)}` on {np_} ranks did not finish within "
-                         f"{timeout:.0f}s and was killed", out) from None
-    except BaseException:
-        _kill(proc)
-        raise
-    return proc.returncode, (out or b"").decode(errors="replace")
+    """Run ``command`` on ``np_`` ranks (see :func:`run_session`); returns (exit code, output).
+    ``mpi_args`` are MCA options besides :data:`NO_SINGLE_COPY`; ``prefix`` goes before
+    mpirun (e.g. ``ip netns exec NS``)."""
+    argv = [*prefix, *mpirun_argv(np_, command, (*NO_SINGLE_COPY, *mpi_args))]
+    rc, out, _ = run_session(argv, timeout, session_env(), capture)
+    return rc, out
 
 
-def _session(sid: int) -> List[int]:
-    """Processes in session ``sid``: Open MPI gives each rank a process group of its own, so
-    only the session (which ``start_new_session`` made) holds mpirun and every rank."""
-    pids = []
+def _session_members(sid: int) -> List[int]:
+    """The processes of session ``sid`` (none where there is no /proc)."""
+    members = []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if entry.isdigit():
             try:
@@ -77,27 +97,26 @@ def _session(sid: int) -> List[int]:
             except (OSError, IndexError):
                 continue
             if int(fields[3]) == sid:
-                pids.append(int(entry))
-    return pids
+                members.append(int(entry))
+    return members
 
 
-def _kill(proc: subprocess.Popen) -> str:
-    """SIGTERM mpirun (it tears its ranks down), then SIGKILL what is left of its session."""
+def kill_session(proc: subprocess.Popen) -> str:
+    """Stop a job: SIGTERM to its launcher's group so it can tear its ranks down, then SIGKILL
+    whatever is left of the session. Returns what the job printed, if it was captured."""
     try:
-        os.kill(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=10)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)   # not communicate(): a surviving rank keeps the pipe open
     except (ProcessLookupError, subprocess.TimeoutExpired):
-        out = None
-    for pid in [proc.pid] + _session(proc.pid):
+        pass
+    for pid in [proc.pid] + _session_members(proc.pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    if out is None:
-        out, _ = proc.communicate()
+    out, _ = proc.communicate()
     return (out or b"").decode(errors="replace")
 
 
-if __name__ == "__main__":  # e.g. python examples/launch.py 2 60 python -c "print(1)"
-    rc, text = run(int(sys.argv[1]), sys.argv[3:], float(sys.argv[2]), capture=False)
-    sys.exit(rc)
+if __name__ == "__main__":  # python -m benchmarks.launch 2 60 python -c "print(1)"
+    sys.exit(run(int(sys.argv[1]), sys.argv[3:], float(sys.argv[2]), capture=False)[0])

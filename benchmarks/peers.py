@@ -8,7 +8,6 @@ counted sizes, such as the per-rank volume of a ring allreduce.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Dict, List
 
 import numpy as np
@@ -17,6 +16,7 @@ from mpi4py import MPI
 from torch import nn
 
 from .models import Workload
+from .topk import TopKErrorFeedback, average
 
 SMALL_NUMEL = 4096   # below this a tensor is averaged dense (as hvd_slim's min_compress_numel)
 LR, MOMENTUM = 0.01, 0.9
@@ -114,9 +114,9 @@ class TopKAllgather(Peer):
         self.big = [p for _, p in work.named if p.numel() >= SMALL_NUMEL]
         self.small = [p for _, p in work.named if p.numel() < SMALL_NUMEL]
         self.d = sum(p.numel() for p in self.big)
-        self.k = max(1, int(np.ceil(density * self.d)))
+        self.ef = TopKErrorFeedback(self.d, density)
+        self.k = self.ef.k
         self.acc = torch.zeros(self.d)
-        self.residual = torch.zeros(self.d)
         self.small_buf = torch.zeros(sum(p.numel() for p in self.small))
         self.send = np.empty(8 * self.k, dtype=np.uint8)
         self.recv = np.empty(8 * self.k * self.size, dtype=np.uint8)
@@ -128,23 +128,17 @@ class TopKAllgather(Peer):
     def step(self) -> None:
         n = self.size
         torch.cat([_grad_or_zero(p).reshape(-1) for p in self.big], out=self.acc)
-        a = self.acc.add_(self.residual)                      # error feedback
-        t0 = time.perf_counter()
-        idx = torch.topk(a.abs(), self.k, sorted=False).indices
-        self.c["select_s"] += time.perf_counter() - t0
-        vals = a[idx]
-        self.residual.copy_(a)
-        self.residual[idx] = 0.0
+        selected = self.ef.select_seconds
+        idx, vals = self.ef.compress(self.acc)
+        self.c["select_s"] += self.ef.select_seconds - selected
         self.send[:4 * self.k] = idx.to(torch.int32).numpy().view(np.uint8)
         self.send[4 * self.k:] = vals.numpy().view(np.uint8)
         self.comm.Allgather(self.send, self.recv)
-        total = self.acc.zero_()
-        for j in range(n):
-            chunk = self.recv[8 * self.k * j:8 * self.k * (j + 1)]
-            jidx = torch.from_numpy(chunk[:4 * self.k].view(np.int32).astype(np.int64))
-            jval = torch.from_numpy(chunk[4 * self.k:].view(np.float32))
-            total.index_add_(0, jidx, jval)
-        total.div_(n)
+        chunks = [self.recv[8 * self.k * j:8 * self.k * (j + 1)] for j in range(n)]
+        total = average([torch.from_numpy(c[:4 * self.k].view(np.int32).astype(np.int64))
+                         for c in chunks],
+                        [torch.from_numpy(c[4 * self.k:].view(np.float32)) for c in chunks],
+                        self.d, n, out=self.acc)
         off = 0
         for p in self.big:
             p.grad = total[off:off + p.numel()].view_as(p)

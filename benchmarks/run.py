@@ -16,15 +16,13 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from . import netem, report
+from . import launch, netem, report
 from .machine import describe, horovod_status, wait_for_quiet
 from .models import MODELS
 from .peers import peer_names
@@ -132,42 +130,21 @@ def job_timeout(args: argparse.Namespace, n_peers: int, numel: int) -> float:
 
 def run_job(argv: List[str], ns: Optional[str], timeout: float, out: str
             ) -> Dict[str, Any]:
-    """Run one mpirun job in its own process group; on timeout kill that group only."""
+    """Run one mpirun job in a session of its own (benchmarks/launch.py); on timeout that
+    session is killed whole and the job reported as timed out."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen(netem.wrap(ns, argv), cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        text, _ = proc.communicate(timeout=timeout)
-        status = f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        status = f"timed out after {timeout:.0f} s"
-        text = _kill_group(proc)
-    except BaseException:
-        _kill_group(proc)
-        raise
+        returncode, text, _ = launch.run_session(netem.wrap(ns, argv), timeout, env)
+        status = f"exit {returncode}"
+    except launch.MpiTimeout as exc:
+        returncode, text, status = None, exc.output, f"timed out after {timeout:.0f} s"
     records = []
     if os.path.exists(out):
         with open(out, encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
-    return {"status": status, "returncode": proc.returncode, "records": records,
+    return {"status": status, "returncode": returncode, "records": records,
             "output_tail": (text or "")[-4000:]}
-
-
-def _kill_group(proc: subprocess.Popen) -> str:
-    """SIGTERM, then SIGKILL, to the process group of the mpirun we started (and nothing else)."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            text, _ = proc.communicate(timeout=wait)
-            return text or ""
-        except subprocess.TimeoutExpired:
-            continue
-    return ""
 
 
 def main(argv: Optional[List[str]] = None) -> int:

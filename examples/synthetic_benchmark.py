@@ -2,10 +2,11 @@
 
 Shaped like Horovod's PyTorch synthetic benchmark (warm-up batches, then timed iterations of
 several batches each, reported as mean ± 1.96 std per rank and in total), written fresh and
-without torchvision. Run it from the repository root, e.g.
+without torchvision. ``import hvd_slim as hvd`` is the one changed line; Slim-DP settings come
+from the environment, as Horovod's do:
 
-    mpirun -np 4 --oversubscribe --bind-to none .venv/bin/python examples/synthetic_benchmark.py \
-        --method slim --density 0.01
+    mpirun -np 4 --oversubscribe --bind-to none .venv/bin/python examples/synthetic_benchmark.py
+    HVD_SLIM_DENSITY=1.0 mpirun -np 4 ... examples/synthetic_benchmark.py   # dense, to compare
 
 The defaults are sized for CPUs (64x64 images, fewer batches than Horovod's 224x224 and
 10/10/10); ``--image-size 224 --num-warmup-batches 10 --num-batches-per-iter 10 --num-iters 10``
@@ -15,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from typing import List, Optional
 
@@ -25,8 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from training import METHODS, HorovodMissing, runtime_for, wrap_optimizer  # noqa: E402
+import hvd_slim as hvd  # was: import horovod.torch as hvd
 
 
 class BasicBlock(nn.Module):
@@ -75,8 +73,6 @@ MODELS = {"resnet18": [2, 2, 2, 2], "resnet10": [1, 1, 1, 1]}
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--method", choices=METHODS, default="slim")
-    p.add_argument("--density", type=float, default=0.01, help="for slim and topk")
     p.add_argument("--model", choices=sorted(MODELS), default="resnet18")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--image-size", type=int, default=64)
@@ -88,23 +84,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Run the benchmark; rank 0 prints the results. Returns the exit status."""
+def main(argv: Optional[List[str]] = None) -> None:
+    """Run the benchmark; rank 0 prints the results."""
     args = parse_args(argv)
-    try:
-        hvd = runtime_for(args.method)
-    except HorovodMissing as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     hvd.init()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = ResNet(MODELS[args.model])
     opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
-    opt = wrap_optimizer(args.method, hvd, opt, model, args.density)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    if hasattr(opt, "synchronize"):
-        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     target = torch.randint(0, 1000, (args.batch_size,))
 
@@ -118,8 +108,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(text, flush=True)
 
     params = sum(p.numel() for p in model.parameters())
-    log(f"Model: {args.model} ({params / 1e6:.1f}M parameters), method: {args.method}"
-        + (f" (density {args.density:g})" if args.method in ("slim", "topk") else ""))
+    log(f"Model: {args.model} ({params / 1e6:.1f}M parameters), "
+        f"density {opt.slim_config.density:g}")
     log(f"Batch size: {args.batch_size} per rank, images {args.image_size}x{args.image_size}")
     log(f"Number of ranks: {hvd.size()}")
     log("Running warmup...")
@@ -142,10 +132,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if hvd.rank() == 0 and args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "world_size": hvd.size(), "parameters": params,
+                       "density": opt.slim_config.density,
                        "img_sec_per_rank": rates, "mean": mean, "spread_1.96std": spread},
                       f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

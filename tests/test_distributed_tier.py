@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_launch import ROOT, run_mpi, tail
+from tests.mpi_launch import ROOT, run_mpi, tail
 
 try:
     NPS = [int(x) for x in os.environ.get("HVD_SLIM_TEST_NP", "2,3").split(",") if x.strip()]

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from mpi_launch import run_mpi, run_session, session_env, tail
+from tests.mpi_launch import run_mpi, run_session, session_env, tail
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "horovod"

@@ -1,4 +1,4 @@
-"""Summaries, a markdown table and plots of sweep results (examples/sweep.py's JSON lines).
+"""Summaries, a markdown table and plots of sweep results (sweep.py's JSON lines).
 
 ``write_report(runs, out, target_gap)`` groups runs by (dataset, config), averages over seeds,
 writes ``table.md`` and, with matplotlib, ``<dataset>_accuracy_vs_epoch.png`` and
@@ -7,19 +7,17 @@ network they ran on (``net``, loopback when absent); a run on another network is
 labelled ``<config> @<net>`` and compared with dense on the same network. With
 ``tta_target`` (e.g. ``{"mnist": 98.5}``) it adds, per dataset and network, a table of the
 time to that accuracy from the runs whose evaluations are timed
-(examples/time_to_accuracy.py).
+(time_to_accuracy.py).
 """
 from __future__ import annotations
 
 import os
 import statistics
-import sys
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import time_to_accuracy as tta  # noqa: E402  (examples/time_to_accuracy.py)
-from time_to_accuracy import points as _points  # noqa: E402
+from . import time_to_accuracy as tta
+from .time_to_accuracy import points as _points
 
 Runs = List[Dict[str, Any]]
 REFERENCE_TAGS = ("adam", "constant-LR", "cosine-in-loss", "4-epochs")  # rows whose dense reference differs in that way

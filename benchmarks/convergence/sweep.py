@@ -1,6 +1,7 @@
 """Run a list of trainings back to back inside one MPI job (the worker of the convergence study).
 
-    mpirun -np 4 --oversubscribe --bind-to none .venv/bin/python examples/sweep.py PLAN RESULTS
+    mpirun -np 4 --oversubscribe --bind-to none .venv/bin/python -m benchmarks.convergence.sweep \
+        PLAN RESULTS
 
 ``PLAN`` is a JSON list of run specs (below); ``RESULTS`` is a JSON-lines file to which rank 0
 appends one line per finished run: the spec, the per-epoch records of ``training.fit`` and the
@@ -29,9 +30,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import dataset_identity, load_dataset, make_model, task_of  # noqa: E402
-from training import DenseWarmup, Schedule, fit, make_inner, wrap_optimizer  # noqa: E402
+from .tasks import dataset_identity, load_dataset, make_model, task_of
+from .training import DenseWarmup, Schedule, fit, make_inner, wrap_optimizer
 
 
 def run_one(hvd: Any, spec: Dict[str, Any], data: Tuple[Any, Any]) -> Dict[str, Any]:
@@ -107,7 +107,7 @@ def main(plan_path: str, results_path: str) -> None:
     todo = [s for s in plan if s["key"] not in done]
     if any(s["method"] == "horovod" for s in plan):  # one process, one MPI runtime
         raise ValueError("sweep.py runs every method on hvd_slim's runtime; run --method horovod "
-                         "with examples/mnist.py instead")
+                         "with benchmarks.convergence.train instead")
     if hvd.rank() == 0:
         print(f"sweep: {len(todo)} of {len(plan)} runs to do ({len(plan) - len(todo)} already in "
               f"{results_path})", flush=True)
@@ -135,5 +135,5 @@ def main(plan_path: str, results_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit(f"usage: {sys.argv[0]} PLAN.json RESULTS.jsonl")
+        sys.exit("usage: python -m benchmarks.convergence.sweep PLAN.json RESULTS.jsonl")
     main(sys.argv[1], sys.argv[2])

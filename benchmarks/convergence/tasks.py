@@ -1,13 +1,13 @@
-"""Pieces shared by the example scripts: models, data sets, evaluation and the progress bar.
+"""The study's tasks: models, data sets, what training minimises and how a model is scored.
 
 Every function that needs the runtime takes the ``hvd`` module it should use (``hvd_slim`` or
-``horovod.torch``), so the same code serves ``--method horovod``. Nothing here touches the
-network: the data come from examples/data.py.
+``horovod.torch``), so the same code serves ``--method horovod``. The MNIST models are the
+examples' own: examples/demo.py's CNN and Horovod's example CNN (examples/mnist.py). Nothing
+here touches the network: the data come from data.py and lm.py.
 """
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -18,31 +18,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for `data` when run by path
-from data import load_mnist, load_mnist1d  # noqa: E402
-import lm  # noqa: E402  (examples/lm.py: the language-model task)
+from examples.demo import Net
+from examples.mnist import Net as HorovodNet
+
+from . import lm
+from .data import load_mnist, load_mnist1d
 
 TestSet = Tuple[torch.Tensor, torch.Tensor]
-
-
-class Net(nn.Module):
-    """Two 5x5 convolutions and two fully connected layers (about 215k weights).
-
-    fc1 alone has 200k weights and conv2 12.8k, so density 0.01 has something to compress;
-    the small layers (conv1, biases, fc2) are below hvd_slim's compression threshold.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 5, padding=2)
-        self.conv2 = nn.Conv2d(16, 32, 5, padding=2)
-        self.fc1 = nn.Linear(32 * 7 * 7, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
 class MLP1D(nn.Module):
@@ -61,26 +43,6 @@ class MLP1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
-
-
-class HorovodNet(nn.Module):
-    """The CNN of Horovod's own PyTorch MNIST example, the script a user starts from: two 5x5
-    convolutions (10 and 20 channels, no padding), 2-D dropout, a 320 -> 50 -> 10 head with
-    dropout, log-softmax output (about 21.8k weights; conv2 and fc1 are compressed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
-        self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
-        self.conv2_drop = nn.Dropout2d()
-        self.fc1 = nn.Linear(320, 50)
-        self.fc2 = nn.Linear(50, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(F.max_pool2d(self.conv1(x), 2))
-        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
-        x = F.dropout(F.relu(self.fc1(x.flatten(1))), training=self.training)
-        return F.log_softmax(self.fc2(x), dim=1)
 
 
 MODELS = {"net": Net, "mlp1d": MLP1D, "horovod-cnn": HorovodNet, "byte-lm": lm.ByteLM}
@@ -115,7 +77,7 @@ def dataset_identity(dataset: str) -> Dict[str, Any]:
 def load_dataset(dataset: str, train_subset: int | None = None,
                  data_seed: int = 0) -> Tuple[Dataset, TestSet]:
     """``(train set, (x_test, y_test))`` for "mnist" (60k/10k real MNIST), "mnist1d" or
-    "pystdlib" (byte windows of the standard library's sources, examples/lm.py).
+    "pystdlib" (byte windows of the standard library's sources, lm.py).
 
     ``train_subset`` keeps the first N training examples (for "pystdlib": N windows drawn from
     the whole training corpus by ``data_seed``, so a short run still sees every file). MNIST-1D

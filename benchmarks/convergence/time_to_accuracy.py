@@ -1,4 +1,4 @@
-"""Time to accuracy from sweep results (examples/sweep.py's JSON lines): tables and a plot.
+"""Time to accuracy from sweep results (sweep.py's JSON lines): tables and a plot.
 
 A run's evaluation points (``points``) carry ``wall_seconds``: rank 0's training wall-clock time
 since the start of the run, every evaluation excluded (``training.fit``); the evaluations' own

@@ -1,9 +1,9 @@
 """A top-k + error-feedback baseline (the DGC/GRACE family) for ``--method topk``.
 
-Each step every rank adds its gradient to its residual, keeps the ``k = density * d`` largest
-magnitudes of the sum over all compressed coordinates, allgathers those values and their int32
-indices, and averages them into a dense gradient; what it did not send stays in its residual.
-Small tensors (under ``min_compress_numel`` elements, as in hvd_slim) are averaged densely with
+Each step every rank compresses its gradient with benchmarks/topk.py's error feedback (the
+``k = ceil(density * d)`` largest magnitudes of residual + gradient over all compressed
+coordinates), allgathers those values and their int32 indices through ``hvd``, and averages
+them into a dense gradient; what it did not send stays in its residual. Small tensors (under ``min_compress_numel`` elements, as in hvd_slim) are averaged densely with
 one fused allreduce. Unlike hvd_slim there is no server, no momentum correction (the wrapped
 optimizer keeps its own momentum, as in GRACE's plain error feedback) and a full ``torch.topk``.
 
@@ -13,11 +13,12 @@ receives from the other ranks; the dense part is charged as a ring allreduce (2(
 """
 from __future__ import annotations
 
-import math
 from types import ModuleType
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
+
+from benchmarks.topk import TopKErrorFeedback, average
 
 
 class TopKOptimizer:
@@ -26,16 +27,15 @@ class TopKOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[Tuple[str, torch.Tensor]], density: float,
                  hvd: ModuleType, min_compress_numel: int = 4096) -> None:
-        if not 0 < density <= 1:
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
         self.optimizer = optimizer
         self._hvd = hvd
         params = [p for _, p in named_parameters if p.requires_grad]
         self._sparse = [p for p in params if p.numel() >= min_compress_numel]
         self._dense = [p for p in params if p.numel() < min_compress_numel]
         d = sum(p.numel() for p in self._sparse)
-        self.k = min(d, max(1, math.ceil(density * d))) if d else 0
-        self.residual = torch.zeros(d)
+        self._ef = TopKErrorFeedback(d, density)
+        self.k = self._ef.k
+        self.residual = self._ef.residual
         n = hvd.size()
         dense_numel = sum(p.numel() for p in self._dense)
         self._ring = 2 * (n - 1) / n if n > 1 else 0.0
@@ -71,13 +71,10 @@ class TopKOptimizer:
         """Exchange the top-k slices and the dense remainder, then step the wrapped optimizer."""
         hvd, n = self._hvd, self._hvd.size()
         if self._sparse:
-            acc = self.residual.add_(self._flat(self._sparse))
-            idx = torch.topk(acc.abs(), self.k, sorted=False).indices
-            values = acc[idx].clone()
-            acc[idx] = 0.0  # error feedback: the unsent rest waits for later steps
+            idx, values = self._ef.compress(self._flat(self._sparse))
             all_values = hvd.allgather(values)
             all_idx = hvd.allgather(idx.to(torch.int32)).long()
-            update = torch.zeros_like(acc).index_add_(0, all_idx, all_values).div_(n)
+            update = average([all_idx], [all_values], self.residual.numel(), n)
             self._write(self._sparse, update)
             self.stats["bytes_pushed"] += self.k * 8
             self.stats["bytes_pulled"] += (n - 1) * self.k * 8

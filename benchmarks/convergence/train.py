@@ -1,34 +1,29 @@
-"""Horovod-style MNIST training: a CNN on the full real MNIST (60k train / 10k test).
+"""One training run of the convergence study from the command line, with any ``--method``.
 
-The script is written as for Horovod; ``import hvd_slim as hvd`` is the only change. Run it
-from the repository root, e.g.
-
-    mpirun -np 4 --oversubscribe --bind-to none .venv/bin/python examples/mnist.py \
+    mpirun -np 4 --oversubscribe --bind-to none .venv/bin/python -m benchmarks.convergence.train \
         --method slim --density 0.01 --epochs 2 --json mnist.json
 
-(as root also set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1). Each rank reads
+(as root also set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1). Methods are
+training.py's: dense, slim, horovod (Horovod's own DistributedOptimizer: one MPI runtime per
+process, so the study runs it here rather than in sweep.py), topk and powersgd. Each rank reads
 its own shard (DistributedSampler with set_epoch); rank 0 shows a progress bar and the test
-accuracy after every epoch, and ``--json`` writes loss, accuracy, wall time and bytes per
-epoch. ``--dataset mnist1d`` swaps in the seconds-fast MNIST-1D task for sweeps: an MLP on
-9600 generated 40-sample signals, 30 short epochs, cosine LR (an MLP cannot saturate MNIST-1D,
-so accuracy keeps telling settings apart). There is deliberately no examples/mnist1d.py: a
-script of that name would shadow the ``mnist1d`` package on ``sys.path``. The data are read
-offline (examples/data.py); nothing is downloaded.
+accuracy after every epoch, and ``--json`` writes loss, accuracy, wall time and bytes per epoch.
+``--dataset mnist1d`` swaps in the seconds-fast MNIST-1D task: an MLP on 9600 generated
+40-sample signals, 30 short epochs, cosine LR (an MLP cannot saturate MNIST-1D, so accuracy
+keeps telling settings apart). The data are read offline (data.py); nothing is downloaded.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_dataset, make_model  # noqa: E402
-from training import (METHODS, HorovodMissing, Schedule, fit, make_inner,  # noqa: E402
+from .tasks import load_dataset, make_model
+from .training import (METHODS, HorovodMissing, Schedule, fit, make_inner,
                       runtime_for, wrap_optimizer)
 
 # Per-dataset defaults: MNIST as in `make demo`; MNIST-1D trains a small MLP for many short
@@ -110,12 +105,12 @@ _SLIM_FLAGS = {"pull": "--pull", "pull_density": "--pull-density", "exploration"
 
 
 def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:
-    """This script's flags for one examples/sweep.py run spec (the convergence study runs
+    """This script's flags for one sweep.py run spec (the convergence study runs
     ``--method horovod`` specs this way). Raises ValueError for what the flags cannot say."""
     unsupported = {k: spec[k] for k in ("dense_warmup_steps", "lr_via")
                    if spec.get(k) not in (None, 0, "optimizer")}
     if unsupported:
-        raise ValueError(f"examples/mnist.py cannot run {unsupported}; use examples/sweep.py")
+        raise ValueError(f"train.py cannot run {unsupported}; use sweep.py")
     # No density (None or absent): the script's default, hvd_slim's own, as in sweep.py.
     density = [] if spec.get("density") is None else ["--density", repr(float(spec["density"]))]
     argv = ["--dataset", spec["dataset"], "--method", spec["method"], *density,
@@ -134,12 +129,12 @@ def spec_argv(spec: Dict[str, Any], json_path: str) -> List[str]:
         elif key in _SLIM_FLAGS:
             argv += [_SLIM_FLAGS[key], repr(value) if isinstance(value, float) else str(value)]
         else:
-            raise ValueError(f"examples/mnist.py has no flag for the Slim-DP keyword {key!r}")
+            raise ValueError(f"train.py has no flag for the Slim-DP keyword {key!r}")
     return argv
 
 
 def spec_result(spec: Dict[str, Any], log: Dict[str, Any]) -> Dict[str, Any]:
-    """A results.jsonl line (as examples/sweep.py writes it) from this script's ``--json`` log."""
+    """A results.jsonl line (as sweep.py writes it) from this script's ``--json`` log."""
     return dict(spec, world_size=log["world_size"], seconds=log["seconds"], records=log["epochs"])
 
 

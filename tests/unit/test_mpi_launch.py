@@ -1,5 +1,5 @@
-"""tests/mpi_launch.py, the one launcher helper of the MPI, Horovod and GPU tiers and of
-test_reliability_launch.py: a job runs in a session of its own and, when it outlives its
+"""tests/mpi_launch.py over benchmarks/launch.py, the one launcher of the study, the benchmarks
+and the MPI, Horovod and GPU tiers: a job runs in a session of its own and, when it outlives its
 timeout, the whole session is killed, including processes that left the launcher's process
 group (as Open MPI's ranks do), and the test fails instead of hanging."""
 import os
@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import mpi_launch
+
+pytestmark = pytest.mark.slow  # starts real processes: not in `pytest -m unit`
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-import mpi_launch  # noqa: E402
 
 # A "launcher" that starts a "rank" in a process group of its own, then both hang.
 HANG = ("import os, subprocess, sys, time\n"

@@ -14,15 +14,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from mpi_launch import run_mpi  # noqa: E402
+from tests.mpi_launch import run_mpi
 
 SCRIPTS = ROOT / "tests" / "scripts"
 LIMIT = 60.0   # the bound on how long the other ranks may take to exit
 
-pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None
-                                or importlib.util.find_spec("mpi4py") is None,
-                                reason="needs mpirun and mpi4py")
+pytestmark = [
+    pytest.mark.mpi,  # starts jobs under mpirun: not in `pytest -m unit`
+    pytest.mark.skipif(shutil.which("mpirun") is None
+                       or importlib.util.find_spec("mpi4py") is None,
+                       reason="needs mpirun and mpi4py"),
+]
 
 
 def launch(np_, script, *args, env=None, timeout=120.0):

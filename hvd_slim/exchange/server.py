@@ -17,7 +17,7 @@ import torch
 
 from ..config import SlimConfig
 from ..memory import ResidualMemory
-from ..selection import CoreSelector, explore
+from ..selection import ROLE_PULL, ROLE_PUSH, CoreSelector, slice_indices
 from ..wire import control
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
@@ -27,8 +27,6 @@ from .codec import (indices_on, is_refresh, itemsizes, pull_expect, pull_is_dens
 from .finite import describe, nonfinite_sent
 from .layout import DENSE, Bucket, Layout
 from .wirepath import HostPath
-
-ROLE_PUSH, ROLE_PULL = 0, 1
 
 
 class Server:
@@ -163,9 +161,8 @@ class Server:
                 raise wm.WireError(f"push from rank {j}: bucket {b.index} reuses a cached core, "
                                    "but the server has none (restored from another checkpoint?)")
             core = core.to(b.device)
-        idx = torch.cat([core, explore(b.numel, core, b.k_explore,
-                                       (self.cfg.seed, ROLE_PUSH, j, step, b.index)
-                                       ).to(b.device)])
+        idx = slice_indices(b.numel, core, b.k_explore, seed=self.cfg.seed, role=ROLE_PUSH,
+                            rank=j, step=step, bucket=b.index, device=b.device)
         return idx, vals
 
     def _accumulate(self, b: Bucket, j: int, sec: wm.Section, step: int, total: torch.Tensor,
@@ -215,9 +212,9 @@ class Server:
             plan.pull_core[b.index] = core
         else:
             core = self.pull_core[b.index].to(b.device)
-        sel = torch.cat([core, explore(b.numel, core, b.k_pull_explore,
-                                       (self.cfg.seed, ROLE_PULL, self.rank, step, b.index)
-                                       ).to(b.device)])
+        sel = slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
+                            role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
+                            device=b.device)
         # value_bits: what rounding loses stays in the server's residual (forgotten: delivered).
         wire, exp, delivered = quantize(v[sel], b.slice_dtype)
         plan.forget.append((mem, sel, delivered))

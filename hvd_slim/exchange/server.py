@@ -26,7 +26,7 @@ from .codec import (indices_on, is_refresh, itemsizes, pull_expect, pull_is_dens
                     section_values)
 from .finite import describe, nonfinite_sent
 from .layout import DENSE, Bucket, Layout
-from .wirepath import HostPath
+from .wirepath import HostPath, WirePath
 
 
 class Server:
@@ -34,9 +34,10 @@ class Server:
     each worker last sent (for ``refresh_interval > 1``) and its own cached pull core."""
 
     def __init__(self, layout: Layout, config: SlimConfig, size: int, rank: int,
-                 wire: Optional[HostPath] = None) -> None:
+                 wire: Optional[WirePath] = None) -> None:
         self.layout, self.cfg, self.size, self.rank = layout, config, size, rank
-        self.wire = HostPath() if wire is None else wire   # messages: numpy or device tensors
+        # Messages as numpy or as device tensors: the path's choice, never asked here.
+        self.wire: WirePath = HostPath() if wire is None else wire
         # The server's state lives beside the parameters: on a GPU, aggregation, selection and
         # the pull's encoding all stay there.
         self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device)
@@ -293,7 +294,7 @@ class _Plan:
 
 
 def decode_pull(layout: Layout, cfg: SlimConfig, buf: Any, step: int, digest: int,
-                flush: bool = False, wire: Optional[HostPath] = None,
+                flush: bool = False, wire: Optional[WirePath] = None,
                 size: Optional[int] = None) -> List[wm.Section]:
     """A worker's strict decode of the server's pull (numpy, or a tensor with ``wire`` the
     device path). With the world ``size``, a union pull may hold at most ``size * k``

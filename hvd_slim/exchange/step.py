@@ -31,7 +31,7 @@ from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
 from .layout import DENSE, Bucket, Layout
 from .server import Server, decode_pull
 from .stats import ExchangeStats
-from .wirepath import wire_path
+from .wirepath import WirePath, wire_path
 from .worker import Proposal, WorkerSide
 
 __all__ = ["ExchangeError", "NonFiniteGradientError", "SlimExchange"]
@@ -57,7 +57,7 @@ class SlimExchange(WorkerSide):
         # Host numpy or device tensors for the messages: whichever the transport takes for the
         # parameters' device (the layout refuses parameters on more than one device).
         device = layout.buckets[0].device if layout.buckets else torch.device("cpu")
-        self.wire = wire_path(transport, device)
+        self.wire: WirePath = wire_path(transport, device)
         self.server = Server(layout, config, self.size, self.rank, self.wire) \
             if self.rank == config.server_rank else None
         self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)

@@ -3,7 +3,8 @@ settle the outcome on this rank's memory once the pull says how the step ended.
 
 Mixed into :class:`~hvd_slim.exchange.step.SlimExchange`, which owns the state used here
 (``layout``, ``cfg``, ``memory``, ``selector``, ``core``, ``_flat``, ``_score``, ``_pending``,
-and ``wire``: the host or device form of the sections, see wirepath.py).
+and ``wire``: the host or device form of the sections, a
+:class:`~hvd_slim.exchange.wirepath.WirePath`).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 
 from ..config import SlimConfig
 from ..memory import ResidualMemory
-from ..selection import CoreSelector, explore
+from ..selection import ROLE_PULL, ROLE_PUSH, CoreSelector, slice_indices
 from ..wire import control
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
@@ -26,9 +26,7 @@ from .codec import (indices_on, is_refresh, itemsizes, pull_expect, pull_is_dens
                     section_values)
 from .finite import describe, nonfinite_sent
 from .layout import DENSE, Bucket, Layout
-from .wirepath import HostPath
-
-ROLE_PUSH, ROLE_PULL = 0, 1
+from .wirepath import HostPath, WirePath
 
 
 class Server:
@@ -36,9 +34,10 @@ class Server:
     each worker last sent (for ``refresh_interval > 1``) and its own cached pull core."""
 
     def __init__(self, layout: Layout, config: SlimConfig, size: int, rank: int,
-                 wire: Optional[HostPath] = None) -> None:
+                 wire: Optional[WirePath] = None) -> None:
         self.layout, self.cfg, self.size, self.rank = layout, config, size, rank
-        self.wire = HostPath() if wire is None else wire   # messages: numpy or device tensors
+        # Messages as numpy or as device tensors: the path's choice, never asked here.
+        self.wire: WirePath = HostPath() if wire is None else wire
         # The server's state lives beside the parameters: on a GPU, aggregation, selection and
         # the pull's encoding all stay there.
         self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device)
@@ -163,9 +162,8 @@ class Server:
                 raise wm.WireError(f"push from rank {j}: bucket {b.index} reuses a cached core, "
                                    "but the server has none (restored from another checkpoint?)")
             core = core.to(b.device)
-        idx = torch.cat([core, explore(b.numel, core, b.k_explore,
-                                       (self.cfg.seed, ROLE_PUSH, j, step, b.index)
-                                       ).to(b.device)])
+        idx = slice_indices(b.numel, core, b.k_explore, seed=self.cfg.seed, role=ROLE_PUSH,
+                            rank=j, step=step, bucket=b.index, device=b.device)
         return idx, vals
 
     def _accumulate(self, b: Bucket, j: int, sec: wm.Section, step: int, total: torch.Tensor,
@@ -215,9 +213,9 @@ class Server:
             plan.pull_core[b.index] = core
         else:
             core = self.pull_core[b.index].to(b.device)
-        sel = torch.cat([core, explore(b.numel, core, b.k_pull_explore,
-                                       (self.cfg.seed, ROLE_PULL, self.rank, step, b.index)
-                                       ).to(b.device)])
+        sel = slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
+                            role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
+                            device=b.device)
         # value_bits: what rounding loses stays in the server's residual (forgotten: delivered).
         wire, exp, delivered = quantize(v[sel], b.slice_dtype)
         plan.forget.append((mem, sel, delivered))
@@ -296,7 +294,7 @@ class _Plan:
 
 
 def decode_pull(layout: Layout, cfg: SlimConfig, buf: Any, step: int, digest: int,
-                flush: bool = False, wire: Optional[HostPath] = None,
+                flush: bool = False, wire: Optional[WirePath] = None,
                 size: Optional[int] = None) -> List[wm.Section]:
     """A worker's strict decode of the server's pull (numpy, or a tensor with ``wire`` the
     device path). With the world ``size``, a union pull may hold at most ``size * k``

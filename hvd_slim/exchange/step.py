@@ -21,7 +21,7 @@ import torch
 
 from ..config import SlimConfig
 from ..memory import ResidualMemory
-from ..selection import CoreSelector, explore
+from ..selection import ROLE_PULL, CoreSelector, slice_indices
 from ..transport.base import Transport, TransportTimeout
 from ..wire import control
 from ..wire import message as wm
@@ -29,9 +29,9 @@ from . import checkpoint, handshake
 from .codec import indices_on, itemsizes, message_bound, pull_expect, push_expect, section_values
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
 from .layout import DENSE, Bucket, Layout
-from .server import ROLE_PULL, Server, decode_pull
+from .server import Server, decode_pull
 from .stats import ExchangeStats
-from .wirepath import wire_path
+from .wirepath import WirePath, wire_path
 from .worker import Proposal, WorkerSide
 
 __all__ = ["ExchangeError", "NonFiniteGradientError", "SlimExchange"]
@@ -57,7 +57,7 @@ class SlimExchange(WorkerSide):
         # Host numpy or device tensors for the messages: whichever the transport takes for the
         # parameters' device (the layout refuses parameters on more than one device).
         device = layout.buckets[0].device if layout.buckets else torch.device("cpu")
-        self.wire = wire_path(transport, device)
+        self.wire: WirePath = wire_path(transport, device)
         self.server = Server(layout, config, self.size, self.rank, self.wire) \
             if self.rank == config.server_rank else None
         self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
@@ -224,9 +224,9 @@ class SlimExchange(WorkerSide):
         if core is None:
             raise ExchangeError(f"rank {self.rank}: the server reused a cached pull core this "
                                 "rank does not have")
-        return torch.cat([core, explore(b.numel, core, b.k_pull_explore,
-                                        (self.cfg.seed, ROLE_PULL, self.cfg.server_rank, t,
-                                         b.index)).to(b.device)])
+        return slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
+                             role=ROLE_PULL, rank=self.cfg.server_rank, step=t,
+                             bucket=b.index, device=b.device)
 
     # --- checkpoint --------------------------------------------------------------------------
     def residual_norm(self) -> float:

@@ -1,5 +1,5 @@
 """How an exchange holds its messages: host numpy arrays, or uint8 tensors on the parameters'
-device. The worker, server and step code call one of these two and never ask which.
+device. The worker, server and step code call a :class:`WirePath` and never ask which.
 
 * :class:`HostPath`: sections are numpy views of the values and numpy-encoded indices, messages
   numpy arrays (the MPI transport on CPU parameters: numpy is fastest there, and a CPU tensor's
@@ -14,7 +14,7 @@ the parameters' device (``Transport.device_payloads``). Both produce bitwise the
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import numpy as np
 import torch
@@ -25,15 +25,59 @@ from ..wire import message_torch as wt
 from .codec import to_bytes
 
 
-class HostPath:
-    """Messages as numpy arrays (the transport's ``gather``/``broadcast``)."""
+@runtime_checkable   # so a test can check both paths against it
+class WirePath(Protocol):
+    """The form an exchange's sections and messages take, and the collectives that move them.
 
-    device_payloads = False
+    A message (``buf``) is whatever this path holds one as: a numpy uint8 array or a uint8
+    tensor on the parameters' device. Both paths write and read bitwise the same bytes."""
+
+    device_payloads: bool   # messages are device tensors (the transport's *_tensor calls)
 
     def section(self, mode: int, wire: torch.Tensor, d: int,
                 indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
         """The section carrying ``wire`` (standing for ``wire * 2**exp``) and, for M_SLICE /
         M_EXPLICIT, ``indices``."""
+
+    def empty(self, mode: int = wm.M_EMPTY) -> wm.Section:
+        """A section with no values and no indices."""
+
+    def encode(self, kind: int, sender: int, step: int, digest: int,
+               sections: Sequence[wm.Section], itemsizes: Sequence[int]
+               ) -> Tuple[Any, Dict[str, int]]:
+        """(the message, its byte counts by part), as :func:`hvd_slim.wire.message.encode`."""
+
+    def decode(self, buf: Any, **kw: Any) -> List[wm.Section]:
+        """The strictly decoded sections, as :func:`hvd_slim.wire.message.decode`."""
+
+    def peek(self, buf: Any, who: str) -> int:
+        """The message's kind, from its header alone (RemoteError for an ERROR message,
+        WireError for anything malformed)."""
+
+    def is_error(self, buf: Any) -> bool:
+        """Whether the message is an ERROR."""
+
+    def host(self, buf: Any) -> np.ndarray:
+        """A (text) message as a host array, for the numpy control decoders."""
+
+    def from_host(self, buf: np.ndarray) -> Any:
+        """A host-built message (control, text, error) in this path's form."""
+
+    def gather(self, tr: Transport, buf: Any, root: int, bound: Optional[int]) -> Any:
+        """Every rank's message, in rank order, on ``root``; None on the other ranks."""
+
+    def broadcast(self, tr: Transport, buf: Any, root: int, bound: Optional[int]) -> Any:
+        """``root``'s message (``buf``; None off the root) on every rank."""
+
+
+class HostPath:
+    """:class:`WirePath` with messages as numpy arrays (the transport's ``gather`` /
+    ``broadcast``)."""
+
+    device_payloads = False
+
+    def section(self, mode: int, wire: torch.Tensor, d: int,
+                indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
         idx = None if indices is None else indices.detach().cpu().numpy()
         return wm.make_section(mode, to_bytes(wire), d, indices=idx, exp=exp)
 
@@ -55,11 +99,9 @@ class HostPath:
         return wm.is_error(buf)
 
     def host(self, buf: Any) -> np.ndarray:
-        """A (text) message as a host array, for the numpy control decoders."""
         return buf
 
     def from_host(self, buf: np.ndarray) -> Any:
-        """A host-built message (control, text, error) in this path's form."""
         return buf
 
     def gather(self, tr: Transport, buf: Any, root: int, bound: Optional[int]) -> Any:
@@ -69,9 +111,9 @@ class HostPath:
         return tr.broadcast(buf, root=root, bound=bound)
 
 
-class DevicePath(HostPath):
-    """Messages as uint8 tensors on ``device`` (the transport's ``gather_tensor`` /
-    ``broadcast_tensor``)."""
+class DevicePath:
+    """:class:`WirePath` with messages as uint8 tensors on ``device`` (the transport's
+    ``gather_tensor`` / ``broadcast_tensor``)."""
 
     device_payloads = True
 
@@ -112,7 +154,7 @@ class DevicePath(HostPath):
         return tr.broadcast_tensor(buf, root=root, bound=bound, device=self.device)
 
 
-def wire_path(transport: Transport, device: torch.device) -> HostPath:
+def wire_path(transport: Transport, device: torch.device) -> WirePath:
     """The device path when ``transport`` takes tensor payloads on ``device``, else the host
     path."""
     return DevicePath(device) if transport.device_payloads(device) else HostPath()

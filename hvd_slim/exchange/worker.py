@@ -3,7 +3,8 @@ settle the outcome on this rank's memory once the pull says how the step ended.
 
 Mixed into :class:`~hvd_slim.exchange.step.SlimExchange`, which owns the state used here
 (``layout``, ``cfg``, ``memory``, ``selector``, ``core``, ``_flat``, ``_score``, ``_pending``,
-and ``wire``: the host or device form of the sections, see wirepath.py).
+and ``wire``: the host or device form of the sections, a
+:class:`~hvd_slim.exchange.wirepath.WirePath`).
 """
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..selection import explore, significance
+from ..selection import ROLE_PUSH, significance, slice_indices
 from ..wire import message as wm
 from ..wire.values import quantize
 from .codec import is_refresh
 from .finite import describe, nonfinite_params, nonfinite_sent
 from .layout import DENSE, Bucket, sent_whole
-from .server import ROLE_PUSH
 
 
 # The values a lossy wire dtype delivers, and that dtype (for an overflow report).
@@ -104,8 +104,8 @@ class WorkerSide:
         if is_refresh(t, cfg.refresh_interval) or b.index not in self.core:
             new_core = self._select_core(b, a)
         core = (self.core[b.index] if new_core is None else new_core).to(b.device)
-        sel = torch.cat([core, explore(b.numel, core, b.k_explore,
-                                       (cfg.seed, ROLE_PUSH, self.rank, t, b.index)).to(b.device)])
+        sel = slice_indices(b.numel, core, b.k_explore, seed=cfg.seed, role=ROLE_PUSH,
+                            rank=self.rank, step=t, bucket=b.index, device=b.device)
         self.stats.select_seconds += time.perf_counter() - t_sel
         # value_bits: the values travel in the slice dtype; what rounding lost stays in the
         # residual (``delivered`` is what the server decodes), to be sent later.

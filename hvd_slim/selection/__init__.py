@@ -1,9 +1,10 @@
 """Per-step slice selection (docs/design.md §2, "Select"): pure tensor functions.
 
 ``significance`` scores coordinates, :class:`CoreSelector` picks the exact top-k core in about
-one pass, and ``explore`` draws the seeded, stratified exploration set outside the core.
+one pass, ``explore`` draws the seeded, stratified exploration set outside the core, and
+``slice_indices`` joins the two into a slice's coordinates under a role's exploration key.
 """
 from .core import CoreSelector, significance
-from .explore import explore
+from .explore import ROLE_PULL, ROLE_PUSH, explore, slice_indices
 
-__all__ = ["significance", "CoreSelector", "explore"]
+__all__ = ["significance", "CoreSelector", "explore", "slice_indices", "ROLE_PUSH", "ROLE_PULL"]

@@ -12,8 +12,10 @@ about one vectorised threshold pass:
 3. An exact selection among the candidates only (``np.partition``, linear time) gives exactly
    ``k``; ties at the k-th value go to the lowest indices, so results are deterministic.
 
-CPU scores run in numpy; scores on a GPU run the same steps in torch ops on the GPU
-(scores_torch.py; selection/backend.py decides), with bitwise the same result and threshold.
+The steps read the scores only through the :class:`~hvd_slim.selection.backend.Scores`
+contract: CPU scores run in numpy (scores_numpy.py), scores on a GPU the same steps in torch
+ops on the GPU (scores_torch.py; selection/backend.py decides), with bitwise the same result
+and threshold.
 
 The threshold for the next call is the candidate value at rank ``k + margin``, a plain Python
 float in :meth:`CoreSelector.state_dict`, so a restored run selects bitwise identically.
@@ -25,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from .backend import use_torch
+from .backend import A, Scores, use_torch
 from .scores_numpy import _BLOCK, NumpyScores, _as_numpy
 from .scores_torch import TorchScores, _as_float
 
@@ -122,13 +124,13 @@ class CoreSelector:
         if k < 0:
             raise ValueError(f"select: k must be >= 0, got {k}")
         torch_path = self.backend == "torch" or (self.backend is None and use_torch(score))
-        s = TorchScores(_as_float(score), magnitude) if torch_path \
+        s: Scores[Any] = TorchScores(_as_float(score), magnitude) if torch_path \
             else NumpyScores(_as_numpy(score), magnitude)
         if k == 0 or k >= s.n:
             return torch.arange(min(k, s.n), dtype=torch.int64, device=score.device)
         return s.result(self._select(s, k), score.device)
 
-    def _select(self, s: Any, k: int) -> Any:
+    def _select(self, s: Scores[A], k: int) -> A:
         n = s.n
         want = k + max(16, math.ceil(self.margin * k))   # aimed-for candidate count
         s.take_sample(max(1, n // self.sample_size))     # strided, deterministic
@@ -169,7 +171,7 @@ class CoreSelector:
         self.last_candidates = len(cand)
         return self._exact(s, cand, k, want)
 
-    def _estimate(self, s: Any, want: float) -> float:
+    def _estimate(self, s: Scores[Any], want: float) -> float:
         """A threshold that about ``want`` of ``n`` entries reach, from the sample (0.0: all)."""
         m = s.m
         expect = m * want / s.n
@@ -179,7 +181,7 @@ class CoreSelector:
             return 0.0
         return s.sample_order(m - r)
 
-    def _exact(self, s: Any, cand: Any, k: int, want: int) -> Any:
+    def _exact(self, s: Scores[A], cand: A, k: int, want: int) -> A:
         """Exactly ``k`` of ``cand`` (ascending indices), and the threshold for the next call."""
         c = len(cand)
         if c == k:
@@ -193,7 +195,7 @@ class CoreSelector:
         self._thr = nxt if nxt is not None else self._estimate(s, want)
         return s.keep_top(cand, vals, kth, k)   # ties at kth: lowest indices first
 
-    def _select_from_zero(self, s: Any, k: int, want: int) -> Any:
+    def _select_from_zero(self, s: Scores[A], k: int, want: int) -> A:
         """Threshold zero: every positive entry is a candidate; zeros fill up by lowest index."""
         pos = s.positive()
         cand = s.where(pos)

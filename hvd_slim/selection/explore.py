@@ -26,6 +26,10 @@ from .backend import use_torch
 # Domain tag mixed into every key, so exploration streams never coincide with another use of
 # the same (seed, role, rank, step, bucket) tuple elsewhere in the package.
 _DOMAIN = 0x45585031   # "EXP1"
+
+# The role tags of an exploration key: a worker's push slice and the server's pull slice draw
+# from different streams even when the server's rank, step and bucket equal a worker's.
+ROLE_PUSH, ROLE_PULL = 0, 1
 _U53 = 2.0 ** -53
 
 
@@ -132,3 +136,14 @@ def explore(d: int, core: torch.Tensor, k_e: int, key: Sequence[int]) -> torch.T
         gaps = cr - np.arange(cr.size, dtype=np.int64)
         pos = pos + np.searchsorted(gaps, pos, side="right")
     return torch.from_numpy(pos)
+
+
+def slice_indices(d: int, core: torch.Tensor, k_e: int, *, seed: int, role: int, rank: int,
+                  step: int, bucket: int, device: torch.device) -> torch.Tensor:
+    """A slice's coordinates on ``device``: ``core``, then its exploration set keyed by
+    ``(seed, role, rank, step, bucket)`` (``role``: :data:`ROLE_PUSH` or :data:`ROLE_PULL`).
+
+    The sender and every receiver call this with the same arguments, so the explored indices
+    never travel. ``core`` is expected on ``device`` already; the result is not sorted (the
+    core's entries come first)."""
+    return torch.cat([core, explore(d, core, k_e, (seed, role, rank, step, bucket)).to(device)])

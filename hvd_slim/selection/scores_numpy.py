@@ -1,5 +1,6 @@
 """The scores as :class:`~hvd_slim.selection.core.CoreSelector` reads them, in numpy (CPU
-tensors): the reference its torch twin (scores_torch.py) matches bitwise."""
+tensors): the :class:`~hvd_slim.selection.backend.Scores` contract, and the reference its
+torch twin (scores_torch.py) matches bitwise."""
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple

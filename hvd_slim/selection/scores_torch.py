@@ -1,6 +1,7 @@
 """The scores as :class:`~hvd_slim.selection.core.CoreSelector` reads them, in torch ops on the
-scores' own device: the same interface and bitwise the same results as the numpy ``_Scores`` in
-core.py, with no host copy of anything score- or index-sized (only scalars are read back).
+scores' own device: the :class:`~hvd_slim.selection.backend.Scores` contract with bitwise the
+same results as :class:`~hvd_slim.selection.scores_numpy.NumpyScores`, and no host copy of
+anything score- or index-sized (only scalars are read back).
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ def _as_float(score: torch.Tensor) -> torch.Tensor:
 
 
 class TorchScores:
-    """``s`` itself, or ``|s|`` (``magnitude``), with the strided sample the threshold comes
-    from. Thresholds are Python floats taken from the scores themselves, so comparing them in
-    the scores' dtype is exact, as in numpy."""
+    """:class:`~hvd_slim.selection.backend.Scores` in torch ops: ``s`` itself, or ``|s|``
+    (``magnitude``), with the strided sample the threshold comes from. Thresholds are Python
+    floats taken from the scores themselves, so comparing them in the scores' dtype is exact,
+    as in numpy."""
 
     def __init__(self, s: torch.Tensor, magnitude: bool) -> None:
         self.s, self.magnitude, self.n = s, magnitude, s.numel()

@@ -1,22 +1,24 @@
-"""The index codec of :mod:`hvd_slim.wire.indices` in torch ops, for indices that live on a GPU.
+"""The index codec (:mod:`hvd_slim.wire.index_codec`) in torch ops, for indices that live on a
+GPU: its torch kernel and the public functions bound to it.
 
-Same encodings, same choice rule (the smaller; ties go to Elias-Fano), and bitwise the same
-bytes as the numpy codec, so ranks on either path interoperate. Decoding is just as strict and
-raises the same :class:`WireError` kinds. Everything stays on the tensor's device: only a few
-scalars (counts, validity flags, the first and last index) are read on the host, and the details
-of an error message only when there is an error.
+The same front end as the numpy codec (:mod:`hvd_slim.wire.indices`) runs over this kernel, so
+the encodings, the choice rule, the bytes and the strict refusals (the same :class:`WireError`
+and ValueError texts) are the numpy codec's, and ranks on either path interoperate. Everything
+stays on the tensor's device: only a few scalars (counts, validity flags, the first and last
+index) are read on the host, and the details of an error message only when there is an error.
 """
 from __future__ import annotations
 
 import sys
-from typing import Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
-from .errors import WireError
-from .indices import IDX_BITMAP, IDX_EF, KIND_NAMES, _ef_sections, encoded_size
+from . import index_codec as codec
+from .index_codec import Drop
 
-__all__ = ["encode_indices", "encode_as", "decode_indices", "pack_bits", "unpack_bits"]
+__all__ = ["encode_indices", "encode_as", "decode_indices", "pack_bits", "unpack_bits",
+           "TorchKernel"]
 
 # Bit (un)packing by multiplication on 64-bit words: a handful of elementwise int64 ops, the same
 # on every device (torch has no packbits; shifting and summing an (n, 8) view is 7x slower on a
@@ -48,68 +50,79 @@ def unpack_bits(data: torch.Tensor) -> torch.Tensor:
     return ((words + _ROUND) >> 7).bitwise_and_(_SPREAD).view(torch.uint8)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+class TorchKernel:
+    """:class:`~hvd_slim.wire.index_codec.IndexKernel` in torch ops, on the tensors' device."""
 
+    index_types = "a tensor"
+    payload_types = "a 1-D uint8 tensor"
 
-# ------------------------------------------------------------------------------------ encode
-def _check_input(idx: torch.Tensor, d: int) -> torch.Tensor:
-    """``idx`` as 1-D int64, or ValueError unless it is sorted, unique and within [0, d)
-    (one host read of three scalars)."""
-    if not isinstance(idx, torch.Tensor):
-        raise ValueError(f"indices must be a tensor here, got {type(idx).__name__}")
-    if idx.dim() != 1:
-        raise ValueError(f"indices must be 1-D, got shape {tuple(idx.shape)}")
-    if idx.numel() and (idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool):
-        raise ValueError(f"indices must be integers, got dtype {_dtype_name(idx.dtype)}")
-    a = idx.to(torch.int64)
-    if a.numel():
-        bad_order = (a[1:] <= a[:-1])
-        first, last, n_bad = torch.stack([a[0], a[-1], bad_order.sum()]).tolist()
-        if first < 0 or last >= d:
-            raise ValueError(f"indices must lie in [0, {d}), got first {first} and last {last}")
+    def as_indices(self, idx: Any) -> Optional[torch.Tensor]:
+        return idx if isinstance(idx, torch.Tensor) else None
+
+    def as_payload(self, buf: Any) -> Optional[torch.Tensor]:
+        return buf if isinstance(buf, torch.Tensor) else None
+
+    def describe(self, a: torch.Tensor) -> Tuple[Tuple[int, ...], str, bool]:
+        integer = not (a.is_floating_point() or a.is_complex() or a.dtype == torch.bool)
+        return tuple(a.shape), str(a.dtype).replace("torch.", ""), integer
+
+    def to_int64(self, a: torch.Tensor) -> torch.Tensor:
+        return a.to(torch.int64)
+
+    def survey(self, a: torch.Tensor) -> Tuple[int, int, Optional[Drop]]:
+        bad = a[1:] <= a[:-1]
+        first, last, n_bad = torch.stack([a[0], a[-1], bad.sum()]).tolist()   # one host read
+        drop = None
         if n_bad:
-            i = int(bad_order.nonzero()[0, 0])
+            i = int(bad.nonzero()[0, 0])
             prev, cur = a[i:i + 2].tolist()
-            raise ValueError(f"indices must be strictly increasing: position {i + 1} holds "
-                             f"{cur} after {prev}")
-    return a
+            drop = (i + 1, prev, cur)
+        return first, last, drop
 
+    def arange(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.int64, device=like.device)
 
-def _ef_pack(idx: torch.Tensor, d: int) -> torch.Tensor:
-    """Elias-Fano bytes of ``idx`` (assumed valid), on its device."""
-    n, dev = idx.numel(), idx.device
-    low, low_bytes, high_bits = _ef_sections(d, n)
-    if n == 0:
-        return torch.empty(0, dtype=torch.uint8, device=dev)
-    parts = []
-    if low:
+    def bits_at(self, pos: torch.Tensor, nbits: int) -> torch.Tensor:
+        bits = torch.zeros(nbits, dtype=torch.uint8, device=pos.device)
+        bits[pos] = 1
+        return bits
+
+    def low_bits(self, idx: torch.Tensor, low: int) -> torch.Tensor:
         # n x L bits, MSB first, a column at a time (an n x L int64 temporary is 3x slower).
-        bits = torch.empty(n, low, dtype=torch.uint8, device=dev)
+        bits = torch.empty(idx.numel(), low, dtype=torch.uint8, device=idx.device)
         for j in range(low):
             bits[:, j] = (idx >> (low - 1 - j)) & 1
-        parts.append(pack_bits(bits.view(-1)))
-    high = torch.zeros(high_bits, dtype=torch.uint8, device=dev)
-    high[(idx >> low) + torch.arange(n, dtype=torch.int64, device=dev)] = 1
-    parts.append(pack_bits(high))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return bits.view(-1)
+
+    def join_low(self, bits: torch.Tensor, count: int, low: int) -> torch.Tensor:
+        cols = bits.view(count, low)
+        acc = cols[:, 0].to(torch.int64)
+        for j in range(1, low):   # column by column: a weighted row sum is 6x slower on a CPU
+            acc = (acc << 1) | cols[:, j]
+        return acc
+
+    def pack(self, bits: torch.Tensor) -> torch.Tensor:
+        return pack_bits(bits)
+
+    def unpack(self, data: torch.Tensor) -> torch.Tensor:
+        return unpack_bits(data)
+
+    def any(self, bits: torch.Tensor) -> bool:
+        return bool(bits.numel()) and bool(bits.any())   # no host read when there are none
+
+    def nonzero(self, bits: torch.Tensor) -> torch.Tensor:
+        return bits.nonzero().reshape(-1)   # reads the number of ones on the host
+
+    def cat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(parts))
 
 
-def _bitmap_pack(idx: torch.Tensor, d: int) -> torch.Tensor:
-    """Bitmap bytes of ``idx`` (assumed valid), on its device."""
-    bits = torch.zeros(d, dtype=torch.uint8, device=idx.device)
-    bits[idx] = 1
-    return pack_bits(bits)
+TORCH = TorchKernel()
 
 
 def encode_as(kind: int, idx: torch.Tensor, d: int) -> torch.Tensor:
     """Encode ``idx`` (sorted, unique, in [0, d)) with the given ``kind``; uint8 1-D tensor."""
-    a = _check_input(idx, int(d))
-    if kind == IDX_EF:
-        return _ef_pack(a, int(d))
-    if kind == IDX_BITMAP:
-        return _bitmap_pack(a, int(d))
-    raise ValueError(f"unknown index encoding {kind}, expected {IDX_EF} or {IDX_BITMAP}")
+    return codec.encode_as(TORCH, kind, idx, d)
 
 
 def encode_indices(idx: torch.Tensor, d: int) -> Tuple[int, torch.Tensor]:
@@ -117,77 +130,10 @@ def encode_indices(idx: torch.Tensor, d: int) -> Tuple[int, torch.Tensor]:
 
     ``idx``: a sorted, strictly increasing integer tensor in [0, d); ValueError otherwise.
     """
-    d = int(d)
-    if d < 0:
-        raise ValueError(f"d must be >= 0, got {d}")
-    a = _check_input(idx, d)
-    n = a.numel()
-    if encoded_size(IDX_EF, d, n) <= encoded_size(IDX_BITMAP, d, n):
-        return IDX_EF, _ef_pack(a, d)
-    return IDX_BITMAP, _bitmap_pack(a, d)
-
-
-# ------------------------------------------------------------------------------------ decode
-def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
-    if not isinstance(buf, torch.Tensor):
-        raise WireError(f"index payload must be a 1-D uint8 tensor, got {type(buf).__name__}")
-    if buf.dtype != torch.uint8 or buf.dim() != 1:
-        raise WireError(f"index payload must be a 1-D uint8 array, got "
-                        f"{_dtype_name(buf.dtype)} {tuple(buf.shape)}")
-    return buf
-
-
-def _ones(section: torch.Tensor, nbits: int, what: str, count: int) -> torch.Tensor:
-    """Positions of the set bits among the first ``nbits`` of ``section``, after checking that
-    its padding bits are zero and that exactly ``count`` bits are set."""
-    bits = unpack_bits(section)
-    if bits.numel() != (nbits + 7) // 8 * 8:   # guarded by the length check; never trust it
-        raise WireError(f"{what}: {section.numel()} bytes, expected {(nbits + 7) // 8}")
-    ones = bits[:nbits].nonzero().reshape(-1)   # the one sync: the number of ones
-    pad = bits[nbits:]
-    if pad.numel() and bool(pad.any()):
-        raise WireError(f"{what}: padding bits after bit {nbits} are set")
-    if ones.numel() != count:
-        raise WireError(f"{what} has {ones.numel()} set bits, expected {count}")
-    return ones
+    return codec.encode_indices(TORCH, idx, d)
 
 
 def decode_indices(kind: int, buf: torch.Tensor, d: int, count: int) -> torch.Tensor:
     """Strictly decode ``count`` indices in [0, d) from the uint8 tensor ``buf``; sorted int64
     on ``buf``'s device, or WireError (the same as :func:`hvd_slim.wire.indices.decode_indices`)."""
-    d, count = int(d), int(count)
-    if d < 0:
-        raise WireError(f"index space d={d} is negative")
-    b = _as_bytes(buf)
-    need = encoded_size(kind, d, count)   # raises WireError on unknown kind or bad count
-    if b.numel() != need:
-        raise WireError(f"{KIND_NAMES[kind]} payload of {count} indices in d={d}: "
-                        f"{b.numel()} bytes, expected {need}")
-    if kind == IDX_BITMAP:
-        return _ones(b, d, "bitmap", count)
-    if count == 0:
-        return torch.empty(0, dtype=torch.int64, device=b.device)
-    low, low_bytes, high_bits = _ef_sections(d, count)
-    ones = _ones(b[low_bytes:], high_bits, "elias-fano high section", count)
-    idx = (ones - torch.arange(count, dtype=torch.int64, device=b.device)) << low
-    if low:
-        lbits = unpack_bits(b[:low_bytes])
-        pad = lbits[count * low:]
-        if pad.numel() and bool(pad.any()):
-            raise WireError(f"elias-fano low section: padding bits after bit {count * low} "
-                            "are set")
-        cols = lbits[:count * low].view(count, low)
-        acc = cols[:, 0].to(torch.int64)
-        for j in range(1, low):   # column by column: a weighted row sum is 6x slower on a CPU
-            acc = (acc << 1) | cols[:, j]
-        idx |= acc
-    bad_order = idx[1:] <= idx[:-1]
-    n_bad, last = torch.stack([bad_order.sum(), idx[-1]]).tolist()
-    if n_bad:
-        i = int(bad_order.nonzero()[0, 0])
-        prev, cur = idx[i:i + 2].tolist()
-        raise WireError(f"elias-fano indices not strictly increasing: position {i + 1} "
-                        f"holds {cur} after {prev}")
-    if last >= d:   # increasing, so the last is the largest; all are >= 0 by construction
-        raise WireError(f"elias-fano index {last} is out of range [0, {d})")
-    return idx
+    return codec.decode_indices(TORCH, kind, buf, d, count)

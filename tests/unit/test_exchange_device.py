@@ -169,3 +169,13 @@ def test_values_at_misaligned_offsets_are_read_correctly():
     assert from_bytes(raw[:0], torch.float32).numel() == 0
     assert np.array_equal(from_bytes(x.view(torch.uint8).numpy(), torch.float32).numpy(),
                           x.numpy())
+
+
+def test_both_wire_paths_meet_the_wirepath_contract():
+    """HostPath and DevicePath are separate classes; each has every member of WirePath, the
+    contract the worker, server and step are written against."""
+    from hvd_slim.exchange.wirepath import DevicePath, HostPath, WirePath
+
+    for path in (HostPath(), DevicePath(torch.device("cpu"))):
+        assert isinstance(path, WirePath), type(path).__name__
+    assert not issubclass(DevicePath, HostPath)

@@ -153,3 +153,12 @@ def test_decoding_stays_on_the_payloads_device_and_reads_no_numpy(monkeypatch):
     kind, buf = ti.encode_indices(idx, 100_000)
     out = ti.decode_indices(kind, buf, 100_000, 1000)
     assert out.device == idx.device and torch.equal(out, idx)
+
+
+def test_both_kernels_meet_the_index_kernel_contract():
+    """The one front end (wire/index_codec.py) runs over either kernel: each has every member
+    of IndexKernel."""
+    from hvd_slim.wire.index_codec import IndexKernel
+
+    for kernel in (npi.NumpyKernel(), ti.TorchKernel()):
+        assert isinstance(kernel, IndexKernel), type(kernel).__name__

@@ -122,3 +122,26 @@ def test_explore_on_the_cores_device_matches(monkeypatch, d, core_n, k_e):
                 torch.tensor([10]), torch.tensor([0.5])):
         with pytest.raises(ValueError, match="explore: core"):
             explore(10, bad, 1, key)
+
+
+def test_both_score_backends_meet_the_scores_contract():
+    """NumpyScores and TorchScores each have every member of backend.Scores, the contract
+    CoreSelector is written against."""
+    from hvd_slim.selection.scores_numpy import NumpyScores
+    from hvd_slim.selection.scores_torch import TorchScores
+
+    x = torch.rand(100)
+    for scores in (NumpyScores(x.numpy(), False), TorchScores(x, True)):
+        assert isinstance(scores, backend.Scores), type(scores).__name__
+
+
+def test_slice_indices_is_the_core_then_its_keyed_exploration():
+    from hvd_slim.selection import ROLE_PULL, ROLE_PUSH, slice_indices
+
+    core = torch.tensor([2, 30, 31, 700], dtype=torch.int64)
+    got = slice_indices(1000, core, 50, seed=9, role=ROLE_PUSH, rank=1, step=4, bucket=2,
+                        device=torch.device("cpu"))
+    assert torch.equal(got, torch.cat([core, explore(1000, core, 50, (9, ROLE_PUSH, 1, 4, 2))]))
+    pulled = slice_indices(1000, core, 50, seed=9, role=ROLE_PULL, rank=1, step=4, bucket=2,
+                           device=torch.device("cpu"))
+    assert ROLE_PUSH != ROLE_PULL and not torch.equal(got, pulled)

@@ -101,14 +101,14 @@ class Transport(abc.ABC):
         device. The default stages through (pinned) host memory; byte accounting is that of
         :meth:`gather`."""
         from .staging import gather_staged
-        return gather_staged(self, payload, root, bound)
+        return gather_staged(self.gather, payload, root, bound)
 
     def broadcast_tensor(self, payload: Any, root: int, bound: Optional[int] = None,
                          device: Any = "cpu") -> Any:
         """:meth:`broadcast` for a 1-D uint8 tensor (None off the root); every rank gets a
         tensor on ``device``. The default stages through (pinned) host memory."""
         from .staging import broadcast_staged
-        return broadcast_staged(self, payload, root, bound, device)
+        return broadcast_staged(self.broadcast, payload, root, bound, device)
 
     def close(self) -> None:
         """Release resources; the default has none."""

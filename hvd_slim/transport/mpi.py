@@ -1,9 +1,8 @@
 """MPI (mpi4py) transport: the payload collectives of :class:`Transport`, plus the small
-communicator and numpy-buffer collectives that the runtime and the public tensor API call.
+communicator utilities that the runtime calls.
 
 Everything here works on numpy buffers, so no torch import is needed. The tensor API's
-collectives (numpy views that alias tensor memory, under the API's deadline) are in
-:mod:`hvd_slim.transport.mpi_api` and re-exported here.
+collectives are :class:`~hvd_slim.transport.mpi_api.MpiCollectives`.
 
 The exchange's two collectives are nonblocking and polled against the deadline of
 :meth:`Transport.watch`, so a rank that died or hangs ends the step with a
@@ -21,15 +20,10 @@ from mpi4py import MPI
 from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, as_payload,
                    check_bound)
 from .deadline import poll_until
-# The tensor API's collectives (with their deadline) live in mpi_api; re-exported here, where
-# the runtime and the API look them up.
-from .mpi_api import (_CHUNK, _mpi_errors, allgather_bytes, allgather_int64, allgatherv_bytes,
-                      allreduce_inplace, barrier, bcast_bytes, bcast_inplace, forget)
+from .mpi_api import _CHUNK, _mpi_errors
 
-__all__ = ["MpiTransport", "allgather_bytes", "allgather_int64", "allgatherv_bytes",
-           "allreduce_inplace", "barrier", "bcast_bytes", "bcast_inplace", "world_rank_size",
-           "is_communicator", "dup", "sub_comm", "split_shared", "split", "free",
-           "thread_multiple", "abort_world"]
+__all__ = ["MpiTransport", "world_rank_size", "is_communicator", "dup", "sub_comm",
+           "split_shared", "split", "free", "thread_multiple", "abort_world"]
 
 
 def _check_root(root: int, size: int, what: str) -> None:
@@ -226,7 +220,6 @@ def split(comm: Any, color: int, key: int) -> Any:
 
 def free(comm: Any) -> None:
     """Free a communicator this package created; errors are ignored (shutdown must not fail)."""
-    forget(comm)
     try:
         if MPI.Is_initialized() and not MPI.Is_finalized() and comm != MPI.COMM_NULL:
             comm.Free()

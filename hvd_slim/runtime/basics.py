@@ -44,12 +44,14 @@ _lock = threading.Lock()
 
 
 def _mpi() -> Any:
+    """The communicator utilities (:mod:`hvd_slim.transport.mpi_comm`): the runtime's one way
+    into MPI, imported on first use, since importing mpi4py initialises MPI."""
     try:
-        from ..transport import mpi
+        from ..transport import mpi_comm
     except ImportError as exc:
         raise ImportError(f"hvd_slim needs mpi4py and an MPI library ({exc}); install them, e.g. "
                           f"`apt-get install libopenmpi-dev && pip install mpi4py`") from exc
-    return mpi
+    return mpi_comm
 
 
 def _job_comm(mpi: Any, comm: Any) -> Any:
@@ -207,7 +209,8 @@ def world_transport() -> Any:
     when it starts hvd_slim from an initialised Horovod."""
     state = _require_started()
     if state.transport is None:
-        state.transport = _mpi().MpiTransport(state.exchange_comm)
+        from ..transport.mpi import MpiTransport  # importable: init() imported mpi4py
+        state.transport = MpiTransport(state.exchange_comm)
     return state.transport
 
 

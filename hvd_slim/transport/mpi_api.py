@@ -22,41 +22,21 @@ it: MPI may still write into them.
 """
 from __future__ import annotations
 
-import functools
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from .base import Deadlines, TransportError, TransportTimeout, as_payload
 from .deadline import poll_until
+from .mpi_comm import CHUNK, mpi_errors
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-# Elementwise collectives are split into chunks below MPI's int32 count limit.
-_CHUNK = 1 << 30
 _OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
 _REDUCIBLE = {np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64,
                                     np.float32, np.float64)}
 _TAG_ROLL_CALL = 0x5D2
 ROLL_CALL_S = 5.0   # the most a timed-out rank listens for the others' roll calls
-
-
-def _mpi_errors(op: str) -> Callable[[F], F]:
-    """Turn an MPI error into a :class:`TransportError` that names the collective and the rank."""
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except MPI.Exception as exc:
-                rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else -1
-                raise TransportError(f"rank {rank}: MPI {op} failed: {exc.Get_error_string()}; "
-                                     f"a peer probably died or the ranks called collectives in a "
-                                     f"different order") from exc
-        return inner  # type: ignore[return-value]
-    return wrap
 
 
 def _roll_call(comm: Any, n: int, label: str, grace: float, kept: list) -> str:
@@ -142,26 +122,26 @@ class MpiCollectives(Deadlines):
             raise TransportTimeout(f"rank {rank}: {what} timed out after {seconds:g} s in MPI "
                                    f"{call} (collective #{n} on this communicator): {who}") from None
 
-    @_mpi_errors("Allreduce")
+    @mpi_errors("Allreduce")
     def allreduce_inplace(self, buf: np.ndarray, op: str) -> None:
         """Reduce the contiguous array ``buf`` across the ranks in place with ``op`` (sum/min/max/prod)."""
         if buf.dtype not in _REDUCIBLE:
             raise TypeError(f"MPI cannot reduce dtype {buf.dtype}; cast to float32/float64 or an integer type")
         flat = _flat(buf, "allreduce_inplace")
-        for start in range(0, max(flat.size, 1), _CHUNK):
-            part = flat[start:start + _CHUNK]
+        for start in range(0, max(flat.size, 1), CHUNK):
+            part = flat[start:start + CHUNK]
             self._run("Iallreduce",
                       lambda: self.comm.Iallreduce(MPI.IN_PLACE, part, op=_OPS[op]), part)
 
-    @_mpi_errors("Bcast")
+    @mpi_errors("Bcast")
     def bcast_inplace(self, buf: np.ndarray, root: int) -> None:
         """Overwrite the contiguous array ``buf`` on every rank with the root's."""
         flat = _flat(buf, "bcast_inplace").view(np.uint8)
-        for start in range(0, max(flat.size, 1), _CHUNK):
-            part = flat[start:start + _CHUNK]
+        for start in range(0, max(flat.size, 1), CHUNK):
+            part = flat[start:start + CHUNK]
             self._run("Ibcast", lambda: self.comm.Ibcast(part, root=root), part)
 
-    @_mpi_errors("Bcast")
+    @mpi_errors("Bcast")
     def bcast_bytes(self, payload: Optional[np.ndarray], root: int) -> np.ndarray:
         """Broadcast a variable-size uint8 payload (None off the root): the length, then the bytes."""
         is_root = self.comm.Get_rank() == root
@@ -171,7 +151,7 @@ class MpiCollectives(Deadlines):
         self.bcast_inplace(out, root)
         return out
 
-    @_mpi_errors("Allgather")
+    @mpi_errors("Allgather")
     def allgather_int64(self, values: Sequence[int]) -> np.ndarray:
         """Every rank contributes the same number of int64 values; returns a (size, n) array."""
         mine = np.ascontiguousarray(values, dtype=np.int64)
@@ -179,7 +159,7 @@ class MpiCollectives(Deadlines):
         self._run("Iallgather", lambda: self.comm.Iallgather(mine, out), mine, out)
         return out
 
-    @_mpi_errors("Allgatherv")
+    @mpi_errors("Allgatherv")
     def allgatherv_bytes(self, send: np.ndarray, lengths: np.ndarray,
                          out: Optional[np.ndarray] = None) -> np.ndarray:
         """Concatenate every rank's byte buffer in rank order, into ``out`` (a contiguous uint8
@@ -206,7 +186,7 @@ class MpiCollectives(Deadlines):
         lengths = self.allgather_int64([payload.size])[:, 0]
         return np.split(self.allgatherv_bytes(payload, lengths), _offsets(lengths)[1:])
 
-    @_mpi_errors("Barrier")
+    @mpi_errors("Barrier")
     def barrier(self) -> None:
         """Block until every rank of the communicator has entered."""
         self._run("Ibarrier", self.comm.Ibarrier)

@@ -4,10 +4,10 @@ The API (``hvd_slim.allreduce``, ``broadcast``, ``allgather``, the object and pa
 ``join``, ``barrier``) gets one instance from the runtime, on the job communicator
 (:func:`hvd_slim.runtime.basics.job_collectives`), as the exchange gets its transport, and hands
 in numpy views that alias tensor memory. Each collective is started nonblocking
-(``Iallreduce``, ``Ibcast``, ``Iallgather(v)``, ``Ibarrier``) and polled against the deadline of
-:meth:`~hvd_slim.transport.base.Deadlines.watch`, the same mechanism every transport uses
-(:func:`~hvd_slim.transport.deadline.poll_until`), so a rank that never arrives ends the call with
-a :class:`TransportTimeout` instead of a hang.
+(``Iallreduce``, ``Ibcast``, ``Iallgather(v)``, ``Ibarrier``) and polled
+(:func:`~hvd_slim.transport.deadline.poll_until`) against the deadline of
+:meth:`~hvd_slim.transport.base.Deadlines.watch`, the timeout mechanism every transport uses, so
+a rank that never arrives ends the call with a :class:`TransportTimeout` instead of a hang.
 
 Who did not arrive: a collective cannot tell, so on a timeout every rank that gave up sends a
 *roll call* (how many collectives it has made on the communicator, and the watch label) to

@@ -1,7 +1,9 @@
 """Horovod-shaped tensor collectives: reduce ops, allreduce / allgather /
 broadcast with their async and in-place variants, ``poll`` and ``synchronize``.
 
-Collectives run eagerly over MPI on the job communicator; ``*_async`` calls complete before they
+Collectives run eagerly over MPI on the job communicator, through the
+:class:`~hvd_slim.transport.mpi_api.MpiCollectives` the runtime hands out
+(:func:`~hvd_slim.runtime.basics.job_collectives`); ``*_async`` calls complete before they
 return and hand back a handle for ``synchronize``. ``join``, ``barrier`` and the object and
 parameter helpers live in :mod:`hvd_slim.functions`. Every call first allgathers a small signature
 (dtype, shape, root or op) so that ranks passing mismatched tensors all raise the same clear error
@@ -31,11 +33,6 @@ _REDUCIBLE = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, to
 
 
 # ---- validation ---------------------------------------------------------------------------
-
-def _mpi() -> Any:
-    from .transport import mpi  # imported lazily: importing it initialises MPI
-    return mpi
-
 
 def _resolve_op(what: str, op: Optional[int], average: Optional[bool]) -> int:
     """Horovod's handling of the deprecated ``average`` flag, then a check of ``op``."""
@@ -85,8 +82,8 @@ def _scale_(buf: torch.Tensor, factor: float, divisor: int = 1) -> None:
 def _allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float, name: Optional[str],
                what: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     size = basics.size()
-    with operation(f"{what}{label(name)}"):
-        agree(what, name, tensor, {"op": op})
+    with operation(f"{what}{label(name)}", basics.job_collectives) as api:
+        agree(api, what, name, tensor, {"op": op})
         work = torch.float32 if tensor.dtype in _HALF else tensor.dtype
         if work not in _REDUCIBLE:
             raise TypeError(f"{what}{label(name)}: cannot reduce dtype {tensor.dtype}; use a "
@@ -95,7 +92,7 @@ def _allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
         with torch.no_grad():
             buf = out.detach() if direct else _host_copy(tensor, work)
             _scale_(buf, prescale)
-            _mpi().allreduce_inplace(basics.job_comm(), buf.numpy(), _MPI_OPS[op])
+            api.allreduce_inplace(buf.numpy(), _MPI_OPS[op])
             _scale_(buf, postscale, size if op == Average else 1)
             if out is None:
                 return buf.to(device=tensor.device, dtype=tensor.dtype)
@@ -107,12 +104,12 @@ def _allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
 def _allgather(tensor: torch.Tensor, name: Optional[str], what: str) -> Tuple[torch.Tensor, np.ndarray]:
     """The concatenation along dim 0 (0-d tensors count as one row) and every rank's row count."""
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    with operation(f"{what}{label(name)}"):
-        rows = agree(what, name, t, {}, dim0_free=True)
+    with operation(f"{what}{label(name)}", basics.job_collectives) as api:
+        rows = agree(api, what, name, t, {}, dim0_free=True)
         host = t if _direct(t, t.dtype) else _host_copy(t)
         row_bytes = host.element_size() * int(np.prod(host.shape[1:], dtype=np.int64))
         out = torch.empty((int(rows.sum()), *t.shape[1:]), dtype=t.dtype)
-        _mpi().allgatherv_bytes(basics.job_comm(), _bytes(host), rows * row_bytes, out=_bytes(out))
+        api.allgatherv_bytes(_bytes(host), rows * row_bytes, out=_bytes(out))
     return out.to(tensor.device), rows
 
 
@@ -121,13 +118,13 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str], what: 
     """Root's ``tensor`` as a new tensor, or written into ``out``. ``checked=False`` skips the
     cross-rank check, for callers that already made one for a whole batch of tensors."""
     root = check_root_rank(what, root_rank, basics.size())
-    with operation(f"{what}{label(name)}"):
+    with operation(f"{what}{label(name)}", basics.job_collectives) as api:
         if checked:
-            agree(what, name, tensor, {"root_rank": root})
+            agree(api, what, name, tensor, {"root_rank": root})
         direct = _direct(out, tensor.dtype)
         with torch.no_grad():
             buf = out.detach() if direct else _host_copy(tensor)
-            _mpi().bcast_inplace(basics.job_comm(), _bytes(buf), root)
+            api.bcast_inplace(_bytes(buf), root)
             if out is None:
                 return buf.to(tensor.device)
             if not direct:

@@ -1,16 +1,18 @@
 """Horovod's higher-level helpers: ``broadcast_object``, ``allgather_object``,
 ``broadcast_parameters``, ``broadcast_optimizer_state``, ``join`` and ``barrier``.
 
-Every function is collective: all ranks must call it, in the same order. A local failure
-(an unpicklable object, mismatched parameter lists) is turned into the same exception on every
-rank instead of leaving the others waiting in MPI, and no call waits longer than
-``HVD_SLIM_TIMEOUT`` for a rank that never comes (:mod:`hvd_slim.runtime.api_timeout`).
+Every function is collective: all ranks must call it, in the same order. Each runs on the job
+communicator's :class:`~hvd_slim.transport.mpi_api.MpiCollectives`, handed out by the runtime
+(:func:`~hvd_slim.runtime.basics.job_collectives`). A local failure (an unpicklable object,
+mismatched parameter lists) is turned into the same exception on every rank instead of leaving
+the others waiting in MPI, and no call waits longer than ``HVD_SLIM_TIMEOUT`` for a rank that
+never comes (:mod:`hvd_slim.runtime.api_timeout`).
 """
 from __future__ import annotations
 
 import time
 import zlib
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -19,6 +21,9 @@ from .collectives import _broadcast
 from .runtime import basics
 from .runtime.api_timeout import operation
 from .runtime.checks import check_root_rank
+
+if TYPE_CHECKING:   # pragma: no cover
+    from .transport.mpi_api import MpiCollectives
 
 try:  # Horovod uses cloudpickle (lambdas, local classes); plain pickle covers ordinary objects
     import cloudpickle as _pickle
@@ -31,11 +36,6 @@ class _PickleFailure:
 
     def __init__(self, rank: int, message: str) -> None:
         self.rank, self.message = rank, message
-
-
-def _mpi() -> Any:
-    from .transport import mpi  # imported lazily: importing it initialises MPI
-    return mpi
 
 
 def _dumps(obj: Any) -> Tuple[np.ndarray, bool]:
@@ -55,9 +55,9 @@ def _loads(buf: np.ndarray, what: str) -> Any:
     return obj
 
 
-def _check_same(what: str, values: List[int], meaning: str) -> None:
+def _check_same(api: "MpiCollectives", what: str, values: List[int], meaning: str) -> None:
     """Collective: raise on every rank unless every rank passed the same ``values``."""
-    rows = _mpi().allgather_int64(basics.job_comm(), values)
+    rows = api.allgather_int64(values)
     bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
     if bad.size:
         raise ValueError(f"{what}: rank {int(bad[0])} passed {meaning} {rows[bad[0]].tolist()} but rank 0 "
@@ -74,11 +74,11 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     if process_set is not None:
         raise ValueError(f"{what}: process_set is not supported by hvd_slim; omit it")
     root = check_root_rank(what, root_rank, basics.size())
-    with operation(what):
-        _check_same(what, [root], "root_rank")
+    with operation(what, basics.job_collectives) as api:
+        _check_same(api, what, [root], "root_rank")
         is_root = basics.rank() == root
         payload, failed = _dumps(obj) if is_root else (None, False)
-        data = _mpi().bcast_bytes(basics.job_comm(), payload, root)
+        data = api.bcast_bytes(payload, root)
     if is_root and not failed:
         return obj
     return _loads(data, what)  # raises on every rank (the root too) after a pickling failure
@@ -89,8 +89,8 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
 
     Unpickling runs code chosen by the sender: use it between trusted ranks only, as Horovod's."""
     what = "allgather_object" + (f" ({name!r})" if name else "")
-    with operation(what):
-        parts = _mpi().allgather_bytes(basics.job_comm(), _dumps(obj)[0])
+    with operation(what, basics.job_collectives) as api:
+        parts = api.allgather_bytes(_dumps(obj)[0])
     return [_loads(p, what) for p in parts]
 
 
@@ -119,11 +119,10 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     items = _named_tensors(params, what)
     root = check_root_rank(what, root_rank, basics.size())
     layout = [(str(t.dtype), tuple(t.shape)) for _, t in items]
-    with operation(what):
+    with operation(what, basics.job_collectives) as api:
         # One collective checks the whole list, so a mismatch raises everywhere before any
         # transfer.
-        rows = _mpi().allgather_int64(basics.job_comm(),
-                                      [root, len(items), zlib.crc32(repr(layout).encode())])
+        rows = api.allgather_int64([root, len(items), zlib.crc32(repr(layout).encode())])
         if (rows != rows[0]).any():
             _explain_mismatch(what, items, layout, rows)
         for key, tensor in items:
@@ -194,7 +193,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{what}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     root = check_root_rank(what, root_rank, basics.size())
-    with operation(what):
+    # Its collectives are in the nested broadcasts, each an operation with its own label; the
+    # block only names the outer call, so it fetches no collectives (nor starts hvd_slim).
+    with operation(what, None):
         _broadcast_state(optimizer, root, model)
 
 
@@ -233,8 +234,8 @@ def _broadcast_state(optimizer: torch.optim.Optimizer, root: int,
 def join(device: int = -1) -> int:
     """Wait until every rank has joined; returns the rank that joined last. (Collectives run
     eagerly, so there are no pending operations for joined ranks to fill in.)"""
-    with operation("join"):
-        arrived = _mpi().allgather_int64(basics.job_comm(), [time.time_ns()])[:, 0]
+    with operation("join", basics.job_collectives) as api:
+        arrived = api.allgather_int64([time.time_ns()])[:, 0]
     return int(np.argmax(arrived))
 
 
@@ -242,5 +243,5 @@ def barrier(process_set: Any = None) -> None:
     """Block until every rank has called barrier()."""
     if process_set is not None:
         raise ValueError("barrier: process_set is not supported by hvd_slim; omit it")
-    with operation("barrier"):
-        _mpi().barrier(basics.job_comm())
+    with operation("barrier", basics.job_collectives) as api:
+        api.barrier()

@@ -124,11 +124,11 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
 
 def _resolve_transport(transport: Any, named: List[Tuple[str, torch.Tensor]]) -> Transport:
     """A Transport instance is used as given; a name (or ``HVD_SLIM_TRANSPORT``) is resolved by
-    :func:`hvd_slim.runtime.transports.resolve` for the device the parameters live on."""
+    :func:`hvd_slim.runtime.choose_transport.resolve` for the device the parameters live on."""
     device = parameter_device(named)
     if isinstance(transport, Transport):
         return transport
-    from .runtime.transports import resolve
+    from .runtime.choose_transport import resolve
     return resolve(transport, device)
 
 

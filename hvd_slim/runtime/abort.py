@@ -19,7 +19,7 @@ _end_at_exit: Optional[str] = None   # why this process must not finalise MPI no
 
 def _world() -> Optional[tuple]:
     """(rank, size, mpi module) when MPI is up and the job has more than one rank, else None."""
-    mpi = sys.modules.get("hvd_slim.transport.mpi")
+    mpi = sys.modules.get("hvd_slim.transport.mpi_comm")
     if mpi is None:
         return None
     try:

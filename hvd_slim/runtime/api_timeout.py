@@ -2,6 +2,9 @@
 ``timeout``, also bounds every blocking collective of ``hvd_slim.allreduce``, ``allgather``,
 ``broadcast``, the object and parameter helpers, ``join`` and ``barrier``.
 
+Every such call runs inside :func:`operation`, handed the runtime's
+:func:`~hvd_slim.runtime.basics.job_collectives`, and the limit is set with their ``watch``: the
+deadline mechanism every transport has (:class:`~hvd_slim.transport.base.Deadlines`).
 A collective that outlives it raises :class:`~hvd_slim.transport.base.TransportTimeout` naming
 the call, the ranks that did not arrive (see :mod:`hvd_slim.transport.mpi_api`) and how to wait
 longer. Uncaught, that error ends every rank (:mod:`hvd_slim.runtime.abort`). Caught, the job
@@ -12,13 +15,16 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import contextmanager
-from typing import Any, Iterator, List, Mapping, Optional
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Callable, Iterator, List, Mapping, Optional
 
 from ..config import DEFAULT_TIMEOUT, ENV_PREFIX
 from ..config_env import resolve_config
 from ..transport.base import TransportTimeout
 from . import abort
+
+if TYPE_CHECKING:   # pragma: no cover
+    from ..transport.mpi_api import MpiCollectives
 
 TIMEOUT_ENV = ENV_PREFIX + "TIMEOUT"
 # Appended to timeout errors: what usually causes one, and how to wait longer.
@@ -41,23 +47,23 @@ def api_timeout(environ: Optional[Mapping[str, str]] = None) -> Optional[float]:
     return resolve_config({}, {TIMEOUT_ENV: raw}).timeout
 
 
-def _mpi_api() -> Any:
-    from ..transport import mpi_api  # imported lazily: importing it initialises MPI
-    return mpi_api
-
-
 @contextmanager
-def operation(what: str) -> Iterator[None]:
-    """Run the block's collectives under the API timeout; ``what`` names the public call in
-    errors (a nested call is named with the outermost one, e.g. "broadcast_parameters of 'w',
-    in broadcast_optimizer_state")."""
+def operation(what: str, collectives: Optional[Callable[[], "MpiCollectives"]]
+              ) -> Iterator[Optional["MpiCollectives"]]:
+    """Run the block's collectives under the API timeout and yield what they run on:
+    ``collectives()`` (the runtime's :func:`~hvd_slim.runtime.basics.job_collectives`), called
+    once the limit is read, so a bad ``HVD_SLIM_TIMEOUT`` is reported before hvd_slim starts.
+    None: the block makes no collectives of its own (its nested operations do), and None is
+    yielded. ``what`` names the public call in errors (a nested call is named with the
+    outermost one, e.g. "broadcast_parameters of 'w', in broadcast_optimizer_state")."""
     stack: List[str] = _local.__dict__.setdefault("stack", [])
     label = what if not stack or what.startswith(stack[0]) else f"{what}, in {stack[0]}"
     seconds = api_timeout()
     stack.append(what)
     try:
-        with _mpi_api().watch(seconds, label):
-            yield
+        api = None if collectives is None else collectives()
+        with nullcontext() if api is None else api.watch(seconds, label):
+            yield api
     except TransportTimeout as exc:
         if getattr(exc, "advised", False):   # a nested operation already explained it
             raise

@@ -1,5 +1,7 @@
 """Process-level state in Horovod's shape: ``init``/``shutdown``, rank and size queries, build
-flags, and the job communicator that the tensor API and the optimizer's transport run on.
+flags, and the two objects the rest of the package reaches MPI through, both handed out from
+here: :func:`job_collectives` (the tensor API's collectives on the job communicator) and
+:func:`world_transport` (the optimizer's exchange, on a communicator of its own).
 
 mpi4py is imported (and MPI initialised) only inside :func:`init`, so ``import hvd_slim`` stays
 cheap and works on a machine without MPI.
@@ -24,6 +26,7 @@ NOT_INITIALIZED = "hvd_slim has not been initialized; use hvd.init()."
 @dataclass
 class _State:
     comm: Any            # the job communicator (a private Dup); the tensor API runs on it
+    api: Any             # the tensor API's collectives (MpiCollectives) on comm
     exchange_comm: Any   # a second Dup reserved for the optimizer's exchange
     local_comm: Any
     cross_comm: Any
@@ -41,12 +44,14 @@ _lock = threading.Lock()
 
 
 def _mpi() -> Any:
+    """The communicator utilities (:mod:`hvd_slim.transport.mpi_comm`): the runtime's one way
+    into MPI, imported on first use, since importing mpi4py initialises MPI."""
     try:
-        from ..transport import mpi
+        from ..transport import mpi_comm
     except ImportError as exc:
         raise ImportError(f"hvd_slim needs mpi4py and an MPI library ({exc}); install them, e.g. "
                           f"`apt-get install libopenmpi-dev && pip install mpi4py`") from exc
-    return mpi
+    return mpi_comm
 
 
 def _job_comm(mpi: Any, comm: Any) -> Any:
@@ -98,8 +103,10 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
         local_rank, local_size = local.Get_rank(), local.Get_size()
         # Ranks with the same local rank form one cross communicator (one rank per node).
         cross = mpi.split(job, local_rank, rank)
-        _state = _State(comm=job, exchange_comm=mpi.dup(job), local_comm=local, cross_comm=cross,
-                        rank=rank, size=size, local_rank=local_rank, local_size=local_size,
+        from ..transport.mpi_api import MpiCollectives  # importable: _mpi() imported mpi4py
+        _state = _State(comm=job, api=MpiCollectives(job), exchange_comm=mpi.dup(job),
+                        local_comm=local, cross_comm=cross, rank=rank, size=size,
+                        local_rank=local_rank, local_size=local_size,
                         cross_rank=cross.Get_rank(), cross_size=cross.Get_size())
         if horovod.initialized_horovod() is not None:
             horovod.register_exit_barrier()
@@ -159,6 +166,13 @@ def job_comm() -> Any:
     return _require_started().comm
 
 
+def job_collectives() -> Any:
+    """The :class:`~hvd_slim.transport.mpi_api.MpiCollectives` on :func:`job_comm`, which the
+    public tensor API is handed (as the exchange is handed :func:`world_transport`). Collective
+    only when it starts hvd_slim from an initialised Horovod."""
+    return _require_started().api
+
+
 def rank() -> int:
     """This process's rank in the job, in [0, size())."""
     return _query("rank")
@@ -195,7 +209,8 @@ def world_transport() -> Any:
     when it starts hvd_slim from an initialised Horovod."""
     state = _require_started()
     if state.transport is None:
-        state.transport = _mpi().MpiTransport(state.exchange_comm)
+        from ..transport.mpi import MpiTransport  # importable: init() imported mpi4py
+        state.transport = MpiTransport(state.exchange_comm)
     return state.transport
 
 
@@ -254,5 +269,5 @@ __all__: List[str] = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "world_transport", "job_comm",
-    "NOT_INITIALIZED",
+    "job_collectives", "NOT_INITIALIZED",
 ]

@@ -4,17 +4,13 @@ MPI or corrupting memory."""
 from __future__ import annotations
 
 import zlib
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import numpy as np
 import torch
 
-from . import basics
-
-
-def _mpi() -> Any:
-    from ..transport import mpi  # imported lazily: importing it initialises MPI
-    return mpi
+if TYPE_CHECKING:   # pragma: no cover
+    from ..transport.mpi_api import MpiCollectives
 
 
 def check_tensor_args(what: str, tensor: Any, name: Any, process_set: Any) -> None:
@@ -49,20 +45,19 @@ def _crc(obj: Any) -> int:
     return zlib.crc32(repr(obj).encode())
 
 
-def agree(what: str, name: Optional[str], tensor: torch.Tensor, extra: Dict[str, int],
-          dim0_free: bool = False) -> np.ndarray:
-    """Collective check that every rank passed the same dtype, shape (except dim 0 when
-    ``dim0_free``) and ``extra`` values; raises the same ValueError on every rank otherwise.
+def agree(api: "MpiCollectives", what: str, name: Optional[str], tensor: torch.Tensor,
+          extra: Dict[str, int], dim0_free: bool = False) -> np.ndarray:
+    """Collective check over ``api`` that every rank passed the same dtype, shape (except dim 0
+    when ``dim0_free``) and ``extra`` values; raises the same ValueError on every rank otherwise.
     Returns every rank's first dimension (0 when the tensor is 0-d)."""
-    comm, mpi = basics.job_comm(), _mpi()
     shape = tuple(tensor.shape)
     compared = shape[1:] if dim0_free else shape
     key = [_crc(tensor.dtype), len(shape), _crc(compared), *extra.values()]
-    rows = mpi.allgather_int64(comm, key + [shape[0] if shape else 0])
+    rows = api.allgather_int64(key + [shape[0] if shape else 0])
     if (rows[:, :-1] != rows[0, :-1]).any():
         mine = f"{str(tensor.dtype).replace('torch.', '')} shape {list(shape)}" + "".join(
             f" {k}={v}" for k, v in extra.items())
-        descs = mpi.allgather_bytes(comm, np.frombuffer(mine.encode(), dtype=np.uint8))
+        descs = api.allgather_bytes(np.frombuffer(mine.encode(), dtype=np.uint8))
         listing = "; ".join(f"rank {r}: {d.tobytes().decode()}" for r, d in enumerate(descs))
         rule = "the same dtype and trailing dimensions" if dim0_free else "the same dtype and shape"
         raise ValueError(f"{what}{label(name)}: ranks passed mismatched arguments ({listing}); every "

@@ -79,12 +79,12 @@ def torch_transport(backend: str, device: torch.device) -> Any:
     if backend == "nccl":
         torch.cuda.set_device(dev)
     if basics.is_initialized() or horovod.initialized_horovod() is not None:
-        comm = basics.job_comm()  # starts hvd_slim from Horovod when needed
+        basics.job_collectives()  # starts hvd_slim from Horovod when needed
         rank, size, how = basics.rank(), basics.size(), "mpi"
     elif torchrun_env() is not None:
-        (rank, size), comm, how = torchrun_env(), None, "torchrun"
+        (rank, size), how = torchrun_env(), "torchrun"
     elif dist.is_available() and dist.is_initialized():
-        rank, size, comm, how = dist.get_rank(), dist.get_world_size(), None, "torch"
+        rank, size, how = dist.get_rank(), dist.get_world_size(), "torch"
     else:
         raise ValueError(
             f"transport={backend!r} cannot find the job: call hvd_slim.init() (or Horovod's "
@@ -102,7 +102,7 @@ def torch_transport(backend: str, device: torch.device) -> Any:
     else:
         global _generation
         _generation += 1
-        store = _mpi_store(comm, rank, size, tmo) if how == "mpi" else _torchrun_store(tmo)
+        store = _mpi_store(rank, size, tmo) if how == "mpi" else _torchrun_store(tmo)
         store = dist.PrefixStore(f"hvd_slim/{_generation}/", store)
         _register(store, rank, size, tmo)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=tmo)
@@ -115,11 +115,11 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def _mpi_store(comm: Any, rank: int, size: int, tmo: datetime.timedelta) -> Any:
-    """Rank 0 opens the store and sends its address over MPI; a failure there reaches every rank
-    (as an error message instead of an address), so nobody waits for a store that never opens."""
+def _mpi_store(rank: int, size: int, tmo: datetime.timedelta) -> Any:
+    """Rank 0 opens the store and sends its address over the job's MPI collectives; a failure
+    there reaches every rank (as an error message instead of an address), so nobody waits for a
+    store that never opens."""
     import torch.distributed as dist
-    mpi = basics._mpi()
     if rank == 0:
         store, host = None, os.environ.get("MASTER_ADDR") or (
             "127.0.0.1" if basics.local_size() == size else socket.gethostname())
@@ -128,11 +128,11 @@ def _mpi_store(comm: Any, rank: int, size: int, tmo: datetime.timedelta) -> Any:
             msg = f"ok {host} {store.port}"
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             msg = f"error rank 0 could not open a TCPStore on {host}: {_first_line(exc)}"
-        with operation("the torch.distributed rendezvous"):
-            mpi.bcast_bytes(comm, np.frombuffer(msg.encode(), dtype=np.uint8), 0)
+        with operation("the torch.distributed rendezvous", basics.job_collectives) as api:
+            api.bcast_bytes(np.frombuffer(msg.encode(), dtype=np.uint8), 0)
     else:
-        with operation("the torch.distributed rendezvous"):
-            msg = mpi.bcast_bytes(comm, None, 0).tobytes().decode()
+        with operation("the torch.distributed rendezvous", basics.job_collectives) as api:
+            msg = api.bcast_bytes(None, 0).tobytes().decode()
     if msg.startswith("error "):
         raise RuntimeError(f"hvd_slim rendezvous: {msg[6:]}; set MASTER_ADDR to an address of "
                            f"rank 0's node that every rank can reach")

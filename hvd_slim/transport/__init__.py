@@ -2,7 +2,9 @@
 
 ``MpiTransport`` (``transport.mpi``) and ``TorchDistTransport`` (``transport.torch_dist``, Gloo or
 NCCL) are imported on first use, so ``import hvd_slim`` starts neither MPI nor torch.distributed.
-The public tensor API's MPI collectives, with their deadline, are in ``transport.mpi_api``.
+The public tensor API's MPI collectives are ``MpiCollectives`` in ``transport.mpi_api``; the
+communicators the runtime makes, and the MPI error wrapper, are in ``transport.mpi_comm``. Every
+deadline is ``Deadlines.watch`` (``transport.base``), polled by ``transport.deadline``.
 Tensor payloads (the exchange's device path): ``torch_frames`` for Gloo/NCCL, ``mpi_device`` for
 MPI (CUDA-aware or staged), ``staging`` for pinned host buffers and the default.
 """

@@ -23,11 +23,14 @@ need equal sizes pad to it instead of exchanging lengths first; others may ignor
 Deadlines: the caller wraps collectives in ``with transport.watch(seconds, "the push of step
 12"):``. A transport that can time out raises :class:`TransportTimeout` when a collective inside
 has not completed within ``seconds``, naming the collective, that label and (where it can tell)
-the ranks that never arrived. Transports that cannot time out inherit the no-op default.
+the ranks that never arrived. Transports that cannot time out inherit the no-op default. The
+watch itself is :class:`Deadlines`, the one timeout mechanism of hvd_slim: the tensor API's MPI
+collectives (:class:`~hvd_slim.transport.mpi_api.MpiCollectives`) use it too.
 """
 from __future__ import annotations
 
 import abc
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Tuple
@@ -62,7 +65,44 @@ class TransportTimeout(TransportError):
     """A collective did not complete within the deadline set by :meth:`Transport.watch`."""
 
 
-class Transport(abc.ABC):
+_NO_DEADLINE: Tuple[Optional[float], str] = (None, "")
+
+
+class Deadlines:
+    """The deadline of :meth:`watch` blocks, which an object's collectives read from
+    :attr:`deadline` and wait on (:func:`~hvd_slim.transport.deadline.poll_until`).
+
+    Kept per thread: the tensor API may be called from several threads, each under its own
+    limit and label; the exchange watches and makes its collectives in one thread."""
+
+    @contextmanager
+    def watch(self, seconds: Optional[float], what: str) -> Iterator[None]:
+        """Deadline of ``seconds`` (None: none) for each collective inside the block; ``what``
+        names the step phase (or the API call) in timeout errors. Nests; restores the outer
+        deadline on exit."""
+        local = self._deadlines()
+        outer = getattr(local, "current", _NO_DEADLINE)
+        local.current = (seconds, what)
+        try:
+            yield
+        finally:
+            local.current = outer
+
+    @property
+    def deadline(self) -> Tuple[Optional[float], str]:
+        """``(seconds, label)`` of this thread's innermost :meth:`watch` block, ``(None, "")``
+        outside."""
+        return getattr(self._deadlines(), "current", _NO_DEADLINE)
+
+    def _deadlines(self) -> threading.local:
+        # Made on first use, so that subclasses need not call an __init__ for it.
+        try:
+            return self.__dict__["_deadline_local"]
+        except KeyError:
+            return self.__dict__.setdefault("_deadline_local", threading.local())
+
+
+class Transport(Deadlines, abc.ABC):
     """Moves byte payloads between ``size`` ranks; this instance is rank ``rank``."""
 
     name = "abstract"
@@ -101,33 +141,17 @@ class Transport(abc.ABC):
         device. The default stages through (pinned) host memory; byte accounting is that of
         :meth:`gather`."""
         from .staging import gather_staged
-        return gather_staged(self, payload, root, bound)
+        return gather_staged(self.gather, payload, root, bound)
 
     def broadcast_tensor(self, payload: Any, root: int, bound: Optional[int] = None,
                          device: Any = "cpu") -> Any:
         """:meth:`broadcast` for a 1-D uint8 tensor (None off the root); every rank gets a
         tensor on ``device``. The default stages through (pinned) host memory."""
         from .staging import broadcast_staged
-        return broadcast_staged(self, payload, root, bound, device)
+        return broadcast_staged(self.broadcast, payload, root, bound, device)
 
     def close(self) -> None:
         """Release resources; the default has none."""
-
-    @contextmanager
-    def watch(self, seconds: Optional[float], what: str) -> Iterator[None]:
-        """Deadline of ``seconds`` (None: none) for each collective inside the block; ``what``
-        names the step phase in timeout errors. Nests; restores the outer deadline on exit."""
-        outer = self.deadline
-        self._watch = (seconds, what)
-        try:
-            yield
-        finally:
-            self._watch = outer
-
-    @property
-    def deadline(self) -> Tuple[Optional[float], str]:
-        """``(seconds, label)`` of the innermost :meth:`watch` block, ``(None, "")`` outside."""
-        return getattr(self, "_watch", (None, ""))
 
 
 def check_bound(payload: Any, bound: Optional[int], rank: int, op: str) -> None:

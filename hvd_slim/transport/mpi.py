@@ -1,9 +1,9 @@
-"""MPI (mpi4py) transport: the payload collectives of :class:`Transport`, plus the small
-communicator and numpy-buffer collectives that the runtime and the public tensor API call.
+"""MPI (mpi4py) transport: the exchange's payload collectives of :class:`Transport`.
 
-Everything here works on numpy buffers, so no torch import is needed. The tensor API's
-collectives (numpy views that alias tensor memory, under the API's deadline) are in
-:mod:`hvd_slim.transport.mpi_api` and re-exported here.
+Everything here works on numpy buffers, so no torch import is needed (device payloads are in
+:mod:`hvd_slim.transport.mpi_device`). The communicators it runs on come from
+:mod:`hvd_slim.transport.mpi_comm`; the tensor API's collectives are
+:class:`~hvd_slim.transport.mpi_api.MpiCollectives`.
 
 The exchange's two collectives are nonblocking and polled against the deadline of
 :meth:`Transport.watch`, so a rank that died or hangs ends the step with a
@@ -13,7 +13,7 @@ root say exactly which ranks never sent.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -21,15 +21,9 @@ from mpi4py import MPI
 from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, as_payload,
                    check_bound)
 from .deadline import poll_until
-# The tensor API's collectives (with their deadline) live in mpi_api; re-exported here, where
-# the runtime and the API look them up.
-from .mpi_api import (_CHUNK, _mpi_errors, allgather_bytes, allgather_int64, allgatherv_bytes,
-                      allreduce_inplace, barrier, bcast_bytes, bcast_inplace, forget)
+from .mpi_comm import CHUNK, mpi_errors
 
-__all__ = ["MpiTransport", "allgather_bytes", "allgather_int64", "allgatherv_bytes",
-           "allreduce_inplace", "barrier", "bcast_bytes", "bcast_inplace", "world_rank_size",
-           "is_communicator", "dup", "sub_comm", "split_shared", "split", "free",
-           "thread_multiple", "abort_world"]
+__all__ = ["MpiTransport"]
 
 
 def _check_root(root: int, size: int, what: str) -> None:
@@ -75,7 +69,7 @@ class MpiTransport(Transport):
         self._poll(req.Test, op, root_side, lambda: stalled)
 
     # --- the exchange's collectives -----------------------------------------------------------
-    @_mpi_errors("gather")
+    @mpi_errors("gather")
     def gather(self, payload: np.ndarray, root: int, bound: Optional[int] = None
                ) -> Optional[List[np.ndarray]]:
         payload = as_payload(payload)
@@ -133,7 +127,7 @@ class MpiTransport(Transport):
         self.stats.record("gather", size + LENGTH_BYTES, total + LENGTH_BYTES * self.size)
         return out
 
-    @_mpi_errors("broadcast")
+    @mpi_errors("broadcast")
     def broadcast(self, payload: Optional[np.ndarray], root: int, bound: Optional[int] = None
                   ) -> np.ndarray:
         if self.rank == root:
@@ -156,8 +150,8 @@ class MpiTransport(Transport):
         length = np.array([len(payload) if is_root else 0], dtype=np.int64)
         self._wait(self.comm.Ibcast(length, root=root), op, is_root, stalled)
         out = payload if is_root else alloc(int(length[0]))
-        for lo in range(0, max(len(out), 1), _CHUNK):
-            self._wait(self.comm.Ibcast(out[lo:lo + _CHUNK], root=root), op, is_root, stalled)
+        for lo in range(0, max(len(out), 1), CHUNK):
+            self._wait(self.comm.Ibcast(out[lo:lo + CHUNK], root=root), op, is_root, stalled)
         n = len(out) + LENGTH_BYTES
         self.stats.record("broadcast", n if is_root else 0, n)
         return out
@@ -177,68 +171,3 @@ class MpiTransport(Transport):
                          device: Any = "cpu") -> Any:
         from .mpi_device import broadcast_tensor
         return broadcast_tensor(self, payload, root, bound, device)
-
-
-# ---- communicators, for the runtime --------------------------------------------------------
-
-def world_rank_size() -> Tuple[int, int]:
-    """(rank, size) in MPI.COMM_WORLD."""
-    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-
-
-def is_communicator(obj: Any) -> bool:
-    """True for an mpi4py intracommunicator that is not COMM_NULL."""
-    return isinstance(obj, MPI.Intracomm) and obj != MPI.COMM_NULL
-
-
-@_mpi_errors("Comm_dup")
-def dup(comm: Optional[Any] = None) -> Any:
-    """A private duplicate of ``comm`` (COMM_WORLD when None); collective over ``comm``."""
-    return (MPI.COMM_WORLD if comm is None else comm).Dup()
-
-
-@_mpi_errors("Comm_create_group")
-def sub_comm(ranks: Sequence[int]) -> Any:
-    """A communicator over the COMM_WORLD ranks ``ranks``, in that order; collective over those
-    ranks only. Raises ValueError on a rank that is not listed."""
-    world = MPI.COMM_WORLD
-    if world.Get_rank() not in ranks:
-        raise ValueError(f"hvd_slim.init(comm={list(ranks)}): this process is COMM_WORLD rank "
-                         f"{world.Get_rank()}, which is not in the list; call init() only on the listed ranks")
-    group = world.Get_group().Incl(list(ranks))
-    try:
-        return world.Create_group(group)
-    finally:
-        group.Free()
-
-
-@_mpi_errors("Comm_split_type")
-def split_shared(comm: Any) -> Any:
-    """The ranks of ``comm`` that share this node's memory, ordered by rank in ``comm``."""
-    return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-
-
-@_mpi_errors("Comm_split")
-def split(comm: Any, color: int, key: int) -> Any:
-    """``comm.Split(color, key)``."""
-    return comm.Split(color, key)
-
-
-def free(comm: Any) -> None:
-    """Free a communicator this package created; errors are ignored (shutdown must not fail)."""
-    forget(comm)
-    try:
-        if MPI.Is_initialized() and not MPI.Is_finalized() and comm != MPI.COMM_NULL:
-            comm.Free()
-    except MPI.Exception:
-        pass
-
-
-def thread_multiple() -> bool:
-    """Whether MPI was initialised with MPI_THREAD_MULTIPLE."""
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
-
-
-def abort_world(code: int = 1) -> None:
-    """End every process of the MPI job (``MPI.COMM_WORLD.Abort``); does not return."""
-    MPI.COMM_WORLD.Abort(code)

@@ -1,10 +1,13 @@
-"""The public tensor API's collectives over mpi4py, on numpy buffers, under a deadline.
+"""The public tensor API's collectives over mpi4py: :class:`MpiCollectives`, on numpy buffers.
 
 The API (``hvd_slim.allreduce``, ``broadcast``, ``allgather``, the object and parameter helpers,
-``join``, ``barrier``) hands in numpy views that alias tensor memory. Each collective here is
-started nonblocking (``Iallreduce``, ``Ibcast``, ``Iallgather(v)``, ``Ibarrier``) and polled
-against the deadline of :func:`watch` (:func:`~hvd_slim.transport.deadline.poll_until`), so a
-rank that never arrives ends the call with a :class:`TransportTimeout` instead of a hang.
+``join``, ``barrier``) gets one instance from the runtime, on the job communicator
+(:func:`hvd_slim.runtime.basics.job_collectives`), as the exchange gets its transport, and hands
+in numpy views that alias tensor memory. Each collective is started nonblocking
+(``Iallreduce``, ``Ibcast``, ``Iallgather(v)``, ``Ibarrier``) and polled
+(:func:`~hvd_slim.transport.deadline.poll_until`) against the deadline of
+:meth:`~hvd_slim.transport.base.Deadlines.watch`, the timeout mechanism every transport uses, so
+a rank that never arrives ends the call with a :class:`TransportTimeout` instead of a hang.
 
 Who did not arrive: a collective cannot tell, so on a timeout every rank that gave up sends a
 *roll call* (how many collectives it has made on the communicator, and the watch label) to
@@ -13,104 +16,27 @@ collectives), and listens for the others' for a short grace. A rank heard from w
 count arrived too; one heard from elsewhere is named with the call it waits in; one not heard
 from did not arrive.
 
-An abandoned collective can never be matched again in order, so after a timeout the
-communicator is retired (every later call on it raises at once) and the request and its
-buffers are kept alive for good: MPI may still write into them.
+An abandoned collective can never be matched again in order, so after a timeout the instance
+is retired (every later call raises at once) and the request and its buffers are kept alive with
+it: MPI may still write into them.
 """
 from __future__ import annotations
 
-import functools
-import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from .base import TransportError, TransportTimeout, as_payload
+from .base import Deadlines, TransportError, TransportTimeout, as_payload
 from .deadline import poll_until
+from .mpi_comm import CHUNK, mpi_errors
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-# Elementwise collectives are split into chunks below MPI's int32 count limit.
-_CHUNK = 1 << 30
 _OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
 _REDUCIBLE = {np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64,
                                     np.float32, np.float64)}
 _TAG_ROLL_CALL = 0x5D2
 ROLL_CALL_S = 5.0   # the most a timed-out rank listens for the others' roll calls
-
-_local = threading.local()
-_counts: Dict[int, Tuple[Any, int]] = {}      # id(comm) -> (comm, collectives made on it)
-_retired: Dict[int, Tuple[Any, str, list]] = {}  # id(comm) -> (comm, why, what MPI may touch)
-
-
-def _mpi_errors(op: str) -> Callable[[F], F]:
-    """Turn an MPI error into a :class:`TransportError` that names the collective and the rank."""
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except MPI.Exception as exc:
-                rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else -1
-                raise TransportError(f"rank {rank}: MPI {op} failed: {exc.Get_error_string()}; "
-                                     f"a peer probably died or the ranks called collectives in a "
-                                     f"different order") from exc
-        return inner  # type: ignore[return-value]
-    return wrap
-
-
-# ---- the deadline ------------------------------------------------------------------------------
-
-@contextmanager
-def watch(seconds: Optional[float], label: str) -> Iterator[None]:
-    """Collectives in this thread inside the block wait at most ``seconds`` (None or <= 0: no
-    limit) each; ``label`` names the caller's operation in timeout errors. Nests."""
-    outer = deadline()
-    _local.deadline = (seconds if seconds is not None and seconds > 0 else None, label)
-    try:
-        yield
-    finally:
-        _local.deadline = outer
-
-
-def deadline() -> Tuple[Optional[float], str]:
-    """``(seconds, label)`` of the innermost :func:`watch` of this thread; ``(None, "")``."""
-    return getattr(_local, "deadline", (None, ""))
-
-
-def forget(comm: Any) -> None:
-    """Drop what is kept about ``comm`` (it is being freed)."""
-    _counts.pop(id(comm), None)
-    _retired.pop(id(comm), None)
-
-
-def _run(comm: Any, call: str, start: Callable[[], Any], *keep: Any) -> None:
-    """Start one nonblocking collective and wait for it under the deadline; ``keep`` are the
-    buffers it uses, kept alive if the collective has to be abandoned."""
-    rank = comm.Get_rank()
-    retired = _retired.get(id(comm))
-    if retired is not None:
-        raise TransportError(f"rank {rank}: this communicator is unusable after an earlier "
-                             f"timeout ({retired[1]}); the job must be restarted")
-    n = _counts.get(id(comm), (comm, 0))[1] + 1
-    _counts[id(comm)] = (comm, n)
-    req = start()
-    seconds, label = deadline()
-    try:
-        poll_until(req.Test, rank=rank, seconds=seconds, label=label, op=f"MPI {call}",
-                   root_side=True, stalled=lambda: "not every rank has arrived")
-    except TransportTimeout:
-        what, kept = label or "a collective", [req, *keep]
-        try:
-            who = _roll_call(comm, n, label, min(ROLL_CALL_S, seconds or ROLL_CALL_S), kept)
-        except MPI.Exception as exc:   # e.g. a peer is gone: the timeout is still the news
-            who = f"could not ask the other ranks where they are ({exc.Get_error_string()})"
-        _retired[id(comm)] = (comm, f"{what} timed out", kept)
-        raise TransportTimeout(f"rank {rank}: {what} timed out after {seconds:g} s in MPI {call} "
-                               f"(collective #{n} on this communicator): {who}") from None
 
 
 def _roll_call(comm: Any, n: int, label: str, grace: float, kept: list) -> str:
@@ -158,74 +84,109 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return displs
 
 
-@_mpi_errors("Allreduce")
-def allreduce_inplace(comm: Any, buf: np.ndarray, op: str) -> None:
-    """Reduce the contiguous array ``buf`` across ``comm`` in place with ``op`` (sum/min/max/prod)."""
-    if buf.dtype not in _REDUCIBLE:
-        raise TypeError(f"MPI cannot reduce dtype {buf.dtype}; cast to float32/float64 or an integer type")
-    flat = _flat(buf, "allreduce_inplace")
-    for start in range(0, max(flat.size, 1), _CHUNK):
-        part = flat[start:start + _CHUNK]
-        _run(comm, "Iallreduce", lambda: comm.Iallreduce(MPI.IN_PLACE, part, op=_OPS[op]), part)
+class MpiCollectives(Deadlines):
+    """The tensor API's collectives on one mpi4py intracommunicator, each waiting at most the
+    deadline of :meth:`watch` (None or <= 0: no limit). The runtime makes one per job
+    communicator; keep one instance per communicator, since the roll call counts its calls."""
 
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.calls = 0   # collectives made on the communicator: the roll call compares them
+        # After a timeout: why, and what MPI may still touch (kept alive as long as this is).
+        self.retired: Optional[Tuple[str, List[Any]]] = None
 
-@_mpi_errors("Bcast")
-def bcast_inplace(comm: Any, buf: np.ndarray, root: int) -> None:
-    """Overwrite the contiguous array ``buf`` on every rank with the root's."""
-    flat = _flat(buf, "bcast_inplace").view(np.uint8)
-    for start in range(0, max(flat.size, 1), _CHUNK):
-        part = flat[start:start + _CHUNK]
-        _run(comm, "Ibcast", lambda: comm.Ibcast(part, root=root), part)
+    def _run(self, call: str, start: Callable[[], Any], *keep: Any) -> None:
+        """Start one nonblocking collective and wait for it under the deadline; ``keep`` are the
+        buffers it uses, kept alive if the collective has to be abandoned."""
+        comm = self.comm
+        rank = comm.Get_rank()
+        if self.retired is not None:
+            raise TransportError(f"rank {rank}: this communicator is unusable after an earlier "
+                                 f"timeout ({self.retired[0]}); the job must be restarted")
+        self.calls += 1
+        n = self.calls
+        req = start()
+        seconds, label = self.deadline
+        if seconds is not None and seconds <= 0:
+            seconds = None
+        try:
+            poll_until(req.Test, rank=rank, seconds=seconds, label=label, op=f"MPI {call}",
+                       root_side=True, stalled=lambda: "not every rank has arrived")
+        except TransportTimeout:
+            what, kept = label or "a collective", [req, *keep]
+            try:
+                who = _roll_call(comm, n, label, min(ROLL_CALL_S, seconds or ROLL_CALL_S), kept)
+            except MPI.Exception as exc:   # e.g. a peer is gone: the timeout is still the news
+                who = f"could not ask the other ranks where they are ({exc.Get_error_string()})"
+            self.retired = (f"{what} timed out", kept)
+            raise TransportTimeout(f"rank {rank}: {what} timed out after {seconds:g} s in MPI "
+                                   f"{call} (collective #{n} on this communicator): {who}") from None
 
+    @mpi_errors("Allreduce")
+    def allreduce_inplace(self, buf: np.ndarray, op: str) -> None:
+        """Reduce the contiguous array ``buf`` across the ranks in place with ``op`` (sum/min/max/prod)."""
+        if buf.dtype not in _REDUCIBLE:
+            raise TypeError(f"MPI cannot reduce dtype {buf.dtype}; cast to float32/float64 or an integer type")
+        flat = _flat(buf, "allreduce_inplace")
+        for start in range(0, max(flat.size, 1), CHUNK):
+            part = flat[start:start + CHUNK]
+            self._run("Iallreduce",
+                      lambda: self.comm.Iallreduce(MPI.IN_PLACE, part, op=_OPS[op]), part)
 
-@_mpi_errors("Bcast")
-def bcast_bytes(comm: Any, payload: Optional[np.ndarray], root: int) -> np.ndarray:
-    """Broadcast a variable-size uint8 payload (None off the root): the length, then the bytes."""
-    is_root = comm.Get_rank() == root
-    length = np.array([payload.size if is_root else 0], dtype=np.int64)
-    _run(comm, "Ibcast", lambda: comm.Ibcast(length, root=root), length)
-    out = payload if is_root else np.empty(int(length[0]), dtype=np.uint8)
-    bcast_inplace(comm, out, root)
-    return out
+    @mpi_errors("Bcast")
+    def bcast_inplace(self, buf: np.ndarray, root: int) -> None:
+        """Overwrite the contiguous array ``buf`` on every rank with the root's."""
+        flat = _flat(buf, "bcast_inplace").view(np.uint8)
+        for start in range(0, max(flat.size, 1), CHUNK):
+            part = flat[start:start + CHUNK]
+            self._run("Ibcast", lambda: self.comm.Ibcast(part, root=root), part)
 
+    @mpi_errors("Bcast")
+    def bcast_bytes(self, payload: Optional[np.ndarray], root: int) -> np.ndarray:
+        """Broadcast a variable-size uint8 payload (None off the root): the length, then the bytes."""
+        is_root = self.comm.Get_rank() == root
+        length = np.array([payload.size if is_root else 0], dtype=np.int64)
+        self._run("Ibcast", lambda: self.comm.Ibcast(length, root=root), length)
+        out = payload if is_root else np.empty(int(length[0]), dtype=np.uint8)
+        self.bcast_inplace(out, root)
+        return out
 
-@_mpi_errors("Allgather")
-def allgather_int64(comm: Any, values: Sequence[int]) -> np.ndarray:
-    """Every rank contributes the same number of int64 values; returns a (size, n) array."""
-    mine = np.ascontiguousarray(values, dtype=np.int64)
-    out = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
-    _run(comm, "Iallgather", lambda: comm.Iallgather(mine, out), mine, out)
-    return out
+    @mpi_errors("Allgather")
+    def allgather_int64(self, values: Sequence[int]) -> np.ndarray:
+        """Every rank contributes the same number of int64 values; returns a (size, n) array."""
+        mine = np.ascontiguousarray(values, dtype=np.int64)
+        out = np.empty((self.comm.Get_size(), mine.size), dtype=np.int64)
+        self._run("Iallgather", lambda: self.comm.Iallgather(mine, out), mine, out)
+        return out
 
+    @mpi_errors("Allgatherv")
+    def allgatherv_bytes(self, send: np.ndarray, lengths: np.ndarray,
+                         out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Concatenate every rank's byte buffer in rank order, into ``out`` (a contiguous uint8
+        array of ``sum(lengths)`` bytes, e.g. a view of the result tensor) or a new array.
+        ``lengths`` (known to all ranks, e.g. from :meth:`allgather_int64`) gives each rank's
+        byte count."""
+        rank = self.comm.Get_rank()
+        lengths = np.asarray(lengths, dtype=np.int64)
+        flat = _flat(send, "allgatherv_bytes").view(np.uint8)
+        if flat.size != lengths[rank]:
+            raise ValueError(f"rank {rank}: sends {flat.size} bytes but lengths says {lengths[rank]}")
+        total = int(lengths.sum())
+        out = np.empty(total, dtype=np.uint8) if out is None else \
+            _flat(out, "allgatherv_bytes").view(np.uint8)
+        if out.size != total:
+            raise ValueError(f"allgatherv_bytes: the output holds {out.size} bytes but the ranks send {total}")
+        spec = [out, (lengths, _offsets(lengths)), MPI.BYTE]
+        self._run("Iallgatherv", lambda: self.comm.Iallgatherv(flat, spec), flat, spec)
+        return out
 
-@_mpi_errors("Allgatherv")
-def allgatherv_bytes(comm: Any, send: np.ndarray, lengths: np.ndarray,
-                     out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Concatenate every rank's byte buffer in rank order, into ``out`` (a contiguous uint8 array
-    of ``sum(lengths)`` bytes, e.g. a view of the result tensor) or a new array. ``lengths``
-    (known to all ranks, e.g. from :func:`allgather_int64`) gives each rank's byte count."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    flat = _flat(send, "allgatherv_bytes").view(np.uint8)
-    if flat.size != lengths[comm.Get_rank()]:
-        raise ValueError(f"rank {comm.Get_rank()}: sends {flat.size} bytes but lengths says "
-                         f"{lengths[comm.Get_rank()]}")
-    total = int(lengths.sum())
-    out = np.empty(total, dtype=np.uint8) if out is None else _flat(out, "allgatherv_bytes").view(np.uint8)
-    if out.size != total:
-        raise ValueError(f"allgatherv_bytes: the output holds {out.size} bytes but the ranks send {total}")
-    spec = [out, (lengths, _offsets(lengths)), MPI.BYTE]
-    _run(comm, "Iallgatherv", lambda: comm.Iallgatherv(flat, spec), flat, spec)
-    return out
+    def allgather_bytes(self, payload: np.ndarray) -> List[np.ndarray]:
+        """Every rank's variable-size uint8 payload, in rank order, as views of one buffer."""
+        payload = as_payload(payload)
+        lengths = self.allgather_int64([payload.size])[:, 0]
+        return np.split(self.allgatherv_bytes(payload, lengths), _offsets(lengths)[1:])
 
-
-def allgather_bytes(comm: Any, payload: np.ndarray) -> List[np.ndarray]:
-    """Every rank's variable-size uint8 payload, in rank order, as views of one buffer."""
-    payload = as_payload(payload)
-    lengths = allgather_int64(comm, [payload.size])[:, 0]
-    return np.split(allgatherv_bytes(comm, payload, lengths), _offsets(lengths)[1:])
-
-
-@_mpi_errors("Barrier")
-def barrier(comm: Any) -> None:
-    """Block until every rank of ``comm`` has entered."""
-    _run(comm, "Ibarrier", comm.Ibarrier)
+    @mpi_errors("Barrier")
+    def barrier(self) -> None:
+        """Block until every rank of the communicator has entered."""
+        self._run("Ibarrier", self.comm.Ibarrier)

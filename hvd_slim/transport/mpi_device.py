@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 from mpi4py import MPI
 
-from .mpi_api import _mpi_errors
+from .mpi_comm import mpi_errors
 from .staging import host_buffer, to_device, to_host
 
 _CUDA_AWARE: Optional[bool] = None
@@ -68,7 +68,7 @@ def _check(payload: torch.Tensor, op: str) -> None:
                         f"{type(payload).__name__}")
 
 
-@_mpi_errors("gather")
+@mpi_errors("gather")
 def gather_tensor(tr, payload: torch.Tensor, root: int, bound: Optional[int] = None
                   ) -> Optional[List[torch.Tensor]]:
     """The gather of ``payload``; the root gets every rank's bytes on ``payload``'s device."""
@@ -90,7 +90,7 @@ def gather_tensor(tr, payload: torch.Tensor, root: int, bound: Optional[int] = N
             for r, b in enumerate(out)]
 
 
-@_mpi_errors("broadcast")
+@mpi_errors("broadcast")
 def broadcast_tensor(tr, payload: Optional[torch.Tensor], root: int, bound: Optional[int],
                      device: torch.device) -> torch.Tensor:
     """The broadcast of the root's ``payload``; every rank gets the bytes on ``device``."""

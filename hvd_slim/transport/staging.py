@@ -9,12 +9,15 @@ received messages back once, instead of the exchange converting every section to
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import Callable, List, Optional
 
+import numpy as np
 import torch
 
-if TYPE_CHECKING:   # pragma: no cover
-    from .base import Transport
+# The numpy collectives the staged ones run over (a transport's ``gather`` and ``broadcast``),
+# taken as callables so that this module needs nothing from base.py, which imports it.
+NumpyGather = Callable[[np.ndarray, int, Optional[int]], Optional[List[np.ndarray]]]
+NumpyBroadcast = Callable[[Optional[np.ndarray], int, Optional[int]], np.ndarray]
 
 
 def host_buffer(n: int, pinned: bool) -> torch.Tensor:
@@ -41,17 +44,17 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if torch.device(device).type == "cpu" else t.to(device)
 
 
-def gather_staged(tr: "Transport", payload: torch.Tensor, root: int,
+def gather_staged(gather: NumpyGather, payload: torch.Tensor, root: int,
                   bound: Optional[int] = None) -> Optional[List[torch.Tensor]]:
     """:meth:`Transport.gather_tensor` over the transport's numpy ``gather``."""
-    out = tr.gather(to_host(payload).numpy(), root, bound)
+    out = gather(to_host(payload).numpy(), root, bound)
     if out is None:
         return None
     return [to_device(torch.from_numpy(b), payload.device) for b in out]
 
 
-def broadcast_staged(tr: "Transport", payload: Optional[torch.Tensor], root: int,
+def broadcast_staged(broadcast: NumpyBroadcast, payload: Optional[torch.Tensor], root: int,
                      bound: Optional[int], device: torch.device) -> torch.Tensor:
     """:meth:`Transport.broadcast_tensor` over the transport's numpy ``broadcast``."""
     host = None if payload is None else to_host(payload).numpy()
-    return to_device(torch.from_numpy(tr.broadcast(host, root, bound)), device)
+    return to_device(torch.from_numpy(broadcast(host, root, bound)), device)

@@ -38,12 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import base
-from .base import Transport, TransportError, as_payload
+from .base import Transport, TransportError, TransportTimeout, as_payload
 from .torch_frames import TensorFrames
-
-# Raised when a watch() deadline expires; plain TransportError where base has no deadlines.
-TransportTimeout = getattr(base, "TransportTimeout", TransportError)
 
 BACKENDS = ("gloo", "nccl")
 
@@ -83,7 +79,7 @@ class TorchDistTransport(TensorFrames, Transport):
         if self._broken is not None:
             raise TransportError(f"rank {self.rank}: the {self.name} transport is unusable after "
                                  f"an earlier failure ({self._broken}); the job must be restarted")
-        seconds, label = getattr(self, "deadline", (None, ""))
+        seconds, label = self.deadline
         if seconds is not None and seconds <= 0:  # torch reads a zero timeout as "none" too
             seconds = None
         start = time.monotonic()

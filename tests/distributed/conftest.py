@@ -51,8 +51,8 @@ def _abort(nodeid: str, text: str) -> None:
     sys.stderr.write(f"\n{_rank_tag()}: FAILED {nodeid}\n{text}\n{_rank_tag()}: aborting the MPI job\n")
     sys.stdout.flush()
     sys.stderr.flush()
-    from hvd_slim.transport import mpi
-    mpi.abort_world(1)
+    from hvd_slim.transport import mpi_comm
+    mpi_comm.abort_world(1)
 
 
 def pytest_sessionstart(session: Any) -> None:

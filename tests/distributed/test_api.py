@@ -455,30 +455,30 @@ def test_a_collective_a_rank_skips_times_out_naming_it(hvd):
     if n == 1:
         return
     comm, late = MPI.COMM_WORLD.Dup(), n - 1
+    api = mpi_api.MpiCollectives(comm)
     buf = np.ones(4)
     if r != late:
-        with mpi_api.watch(2.0, "allreduce of 'probe'"):
+        with api.watch(2.0, "allreduce of 'probe'"):
             with pytest.raises(hvd.TransportTimeout) as info:
-                mpi_api.allreduce_inplace(comm, buf, "sum")
+                api.allreduce_inplace(buf, "sum")
         msg = str(info.value)
         m = re.match(rf"rank {r}: allreduce of 'probe' timed out after 2 s in MPI Iallreduce "
                      r"\(collective #1 on this communicator\): rank\(s\) ([\d, ]+) did not arrive$",
                      msg)
         assert m and str(late) in m.group(1).split(", "), msg
         with pytest.raises(hvd.TransportError, match="unusable after an earlier timeout"):
-            mpi_api.barrier(comm)   # retired: refuses at once instead of mismatching
+            api.barrier()   # retired: refuses at once instead of mismatching
     hvd.barrier()
     if r == late:   # join late: the others' abandoned request completes; read their roll calls
-        mpi_api.allreduce_inplace(comm, buf, "sum")
+        api.allreduce_inplace(buf, "sum")
         for j in range(n - 1):
             comm.Recv(np.empty(256, np.uint8), source=j, tag=mpi_api._TAG_ROLL_CALL)
     hvd.barrier()
     if r != late:
-        for item in mpi_api._retired[id(comm)][2]:
+        for item in api.retired[1]:
             if isinstance(item, MPI.Request):
                 item.Wait()
     assert buf.tolist() == [n] * 4
-    mpi_api.forget(comm)
     comm.Free()
 
 

@@ -26,8 +26,8 @@ def test_a_bad_value_names_the_variable(raw):
 
 @pytest.fixture
 def fake_mpi_api(monkeypatch):
-    """Stands in for transport.mpi_api: records each watch, and raises a timeout from the
-    collective when asked to."""
+    """Stands in for the job's collectives (transport.mpi_api.MpiCollectives), handed to each
+    operation as the runtime's would be: records each watch."""
     seen = []
 
     @contextmanager
@@ -36,7 +36,7 @@ def fake_mpi_api(monkeypatch):
         yield
 
     stub = types.SimpleNamespace(watch=watch, seen=seen)
-    monkeypatch.setattr(api_timeout, "_mpi_api", lambda: stub)
+    stub.given = lambda: stub
     ended = []
     monkeypatch.setattr(abort, "end_job_at_exit", ended.append)
     stub.ended = ended
@@ -47,8 +47,8 @@ def test_a_timeout_names_the_call_and_how_to_wait_longer(fake_mpi_api, monkeypat
     monkeypatch.setenv("HVD_SLIM_TIMEOUT", "3")
     inner = "rank 0: allreduce of 'x' timed out after 3 s in MPI Iallreduce: rank(s) 2 did not arrive"
     with pytest.raises(TransportTimeout) as info:
-        with api_timeout.operation("broadcast_optimizer_state"):
-            with api_timeout.operation("allreduce of 'x'"):
+        with api_timeout.operation("broadcast_optimizer_state", fake_mpi_api.given):
+            with api_timeout.operation("allreduce of 'x'", fake_mpi_api.given):
                 raise TransportTimeout(inner)
     msg = str(info.value)
     assert msg.startswith(inner + ". A rank died or hangs"), msg
@@ -61,8 +61,8 @@ def test_a_timeout_names_the_call_and_how_to_wait_longer(fake_mpi_api, monkeypat
 
 
 def test_labels_do_not_repeat_the_outer_call(fake_mpi_api):
-    with api_timeout.operation("broadcast_parameters"):
-        with api_timeout.operation("broadcast_parameters of 'w'"):
+    with api_timeout.operation("broadcast_parameters", fake_mpi_api.given):
+        with api_timeout.operation("broadcast_parameters of 'w'", fake_mpi_api.given):
             pass
     assert [label for _, label in fake_mpi_api.seen] == ["broadcast_parameters",
                                                          "broadcast_parameters of 'w'"]
@@ -70,6 +70,6 @@ def test_labels_do_not_repeat_the_outer_call(fake_mpi_api):
 
 def test_other_errors_pass_through_untouched(fake_mpi_api):
     with pytest.raises(ValueError, match="^mismatch$"):
-        with api_timeout.operation("allgather"):
+        with api_timeout.operation("allgather", fake_mpi_api.given):
             raise ValueError("mismatch")
     assert fake_mpi_api.ended == []

@@ -1,13 +1,14 @@
 """The exchange's deadline (``timeout`` / HVD_SLIM_TIMEOUT) in one process: a rank that stops
 taking part ends the others' step with a TransportTimeout naming the collective, the step and
 the missing rank, instead of a hang. The MPI version runs in test_reliability_launch.py."""
+import threading
 import time
 
 import pytest
 import torch
 
 import hvd_slim
-from hvd_slim.transport import run_ranks
+from hvd_slim.transport import FakeCluster, run_ranks
 from hvd_slim.transport.base import TransportTimeout
 from hvd_slim.transport.deadline import poll_until
 
@@ -67,3 +68,20 @@ def test_a_rank_that_stops_stepping_times_the_others_out():
                               f"after 1 s: rank(s) 2 never arrived"), msg
         assert "HVD_SLIM_TIMEOUT" in msg and "(now 1 s)" in msg, msg
         assert timeout - 0.01 <= waited < timeout + 2, waited   # Barrier.wait may wake µs early
+
+
+def test_a_watch_nests_and_applies_to_the_thread_that_set_it():
+    """The deadline of watch() (transport/base.py's Deadlines, which the tensor API's MPI
+    collectives share): innermost first, restored on exit, and per thread, so concurrent API
+    calls from several threads keep their own limits and labels."""
+    t = FakeCluster(1).transport(0)
+    seen = []
+    with t.watch(2.0, "outer"):
+        with t.watch(1.0, "inner"):
+            other = threading.Thread(target=lambda: seen.append(t.deadline))
+            other.start()
+            other.join()
+            seen.append(t.deadline)
+        seen.append(t.deadline)
+    seen.append(t.deadline)
+    assert seen == [(None, ""), (1.0, "inner"), (2.0, "outer"), (None, "")]

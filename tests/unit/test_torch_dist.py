@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hvd_slim
-from hvd_slim.runtime import basics, env, horovod, rendezvous, transports
+from hvd_slim.runtime import basics, choose_transport, env, horovod, rendezvous
 from hvd_slim.transport import FakeCluster, TransportError
 from hvd_slim.transport import torch_dist
 from hvd_slim.transport.torch_frames import TensorFrames
@@ -18,7 +18,7 @@ from hvd_slim.wrapping import parameter_device
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
                "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE",
-               transports.TRANSPORT_ENV)
+               choose_transport.TRANSPORT_ENV)
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def test_nccl_for_cpu_parameters_is_unavailable_and_says_why():
 
 def test_environment_variable_is_named_and_the_keyword_wins(monkeypatch):
     model = torch.nn.Linear(4, 2)
-    monkeypatch.setenv(transports.TRANSPORT_ENV, "smoke-signals")
+    monkeypatch.setenv(choose_transport.TRANSPORT_ENV, "smoke-signals")
     with pytest.raises(ValueError, match=r"environment variable HVD_SLIM_TRANSPORT='smoke-signals'"):
         hvd_slim.DistributedOptimizer(sgd(model))
     opt = hvd_slim.DistributedOptimizer(sgd(model), transport=FakeCluster(1).transport(0))
@@ -74,15 +74,15 @@ def test_parameters_on_two_devices_are_refused_naming_one_of_each():
 def test_auto_picks_nccl_for_cuda_then_mpi_then_gloo_under_torchrun(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert not basics.is_initialized()
-    assert transports.choose_auto(cpu) == "mpi"
-    monkeypatch.setattr(transports, "available",
+    assert choose_transport.choose_auto(cpu) == "mpi"
+    monkeypatch.setattr(choose_transport, "available",
                         lambda d: ["auto", "mpi", "gloo"] + (["nccl"] if d.type == "cuda" else []))
-    assert transports.choose_auto(cuda) == "nccl"
+    assert choose_transport.choose_auto(cuda) == "nccl"
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29500")):
         monkeypatch.setenv(var, value)
-    assert transports.choose_auto(cpu) == "gloo"  # torchrun, hvd_slim not started on MPI
-    assert transports.choose_auto(cuda) == "nccl"
+    assert choose_transport.choose_auto(cpu) == "gloo"  # torchrun, hvd_slim not started on MPI
+    assert choose_transport.choose_auto(cuda) == "nccl"
 
 
 def test_torch_transport_without_any_launcher_says_how_to_start(monkeypatch):

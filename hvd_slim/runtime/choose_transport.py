@@ -1,4 +1,5 @@
 """Which transport an optimizer's exchange runs on: ``transport="mpi" | "gloo" | "nccl" | "auto"``.
+This module only chooses; the transports themselves are implemented in :mod:`hvd_slim.transport`.
 
 The keyword wins; without it ``HVD_SLIM_TRANSPORT`` decides, then ``"auto"``:
 

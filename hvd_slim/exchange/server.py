@@ -22,10 +22,10 @@ from ..wire import control
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
 from ..wire.values import quantize
-from .codec import (indices_on, is_refresh, itemsizes, pull_expect, pull_is_dense, push_expect,
-                    section_values)
+from .expect import is_refresh, pull_expect, pull_is_dense, push_expect
 from .finite import describe, nonfinite_sent
 from .layout import DENSE, Bucket, Layout
+from .sections import indices_on, itemsizes, section_values
 from .wirepath import HostPath, WirePath
 
 

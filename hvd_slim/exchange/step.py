@@ -26,9 +26,10 @@ from ..transport.base import Transport, TransportTimeout
 from ..wire import control
 from ..wire import message as wm
 from . import checkpoint, handshake
-from .codec import indices_on, itemsizes, message_bound, pull_expect, push_expect, section_values
+from .expect import message_bound, pull_expect, push_expect
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
 from .layout import DENSE, Bucket, Layout
+from .sections import indices_on, itemsizes, section_values
 from .server import Server, decode_pull
 from .stats import ExchangeStats
 from .wirepath import WirePath, wire_path

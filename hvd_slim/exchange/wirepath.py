@@ -22,7 +22,7 @@ import torch
 from ..transport.base import Transport
 from ..wire import message as wm
 from ..wire import message_torch as wt
-from .codec import to_bytes
+from ..wire.views import to_bytes
 
 
 @runtime_checkable   # so a test can check both paths against it

@@ -17,7 +17,7 @@ import torch
 from ..selection import ROLE_PUSH, significance, slice_indices
 from ..wire import message as wm
 from ..wire.values import quantize
-from .codec import is_refresh
+from .expect import is_refresh
 from .finite import describe, nonfinite_params, nonfinite_sent
 from .layout import DENSE, Bucket, sent_whole
 

@@ -161,7 +161,7 @@ def test_a_malformed_push_on_the_device_path_names_the_sender(monkeypatch):
 
 def test_values_at_misaligned_offsets_are_read_correctly():
     """from_bytes on a tensor view whose offset is not a multiple of the itemsize."""
-    from hvd_slim.exchange.codec import from_bytes
+    from hvd_slim.wire.views import from_bytes
     x = torch.arange(10, dtype=torch.float32)
     raw = torch.cat([torch.zeros(3, dtype=torch.uint8), x.view(torch.uint8)])
     got = from_bytes(raw[3:], torch.float32)

@@ -34,10 +34,10 @@ class Server:
     each worker last sent (for ``refresh_interval > 1``) and its own cached pull core."""
 
     def __init__(self, layout: Layout, config: SlimConfig, size: int, rank: int,
-                 wire: Optional[WirePath] = None) -> None:
+                 path: Optional[WirePath] = None) -> None:
         self.layout, self.cfg, self.size, self.rank = layout, config, size, rank
         # Messages as numpy or as device tensors: the path's choice, never asked here.
-        self.wire: WirePath = HostPath() if wire is None else wire
+        self.path: WirePath = HostPath() if path is None else path
         # The server's state lives beside the parameters: on a GPU, aggregation, selection and
         # the pull's encoding all stay there.
         self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device)
@@ -69,15 +69,15 @@ class Server:
         reports: List[Tuple[int, str]] = []
         for j, buf in enumerate(payloads):
             who = f"push from rank {j}"
-            if self.wire.is_error(buf):
+            if self.path.is_error(buf):
                 raise wm.WireError(f"{who}: an error message where a push belongs")
-            if not flush and self.wire.peek(buf, who) == wm.NONFINITE:
-                reports.append((j, control.decode_text(self.wire.host(buf), kind=wm.NONFINITE,
+            if not flush and self.path.peek(buf, who) == wm.NONFINITE:
+                reports.append((j, control.decode_text(self.path.host(buf), kind=wm.NONFINITE,
                                                        sender=j, step=step, digest=digest,
                                                        who=who)))
                 decoded.append(None)
                 continue
-            decoded.append(self.wire.decode(buf, kind=kind, sender=j, step=step, digest=digest,
+            decoded.append(self.path.decode(buf, kind=kind, sender=j, step=step, digest=digest,
                                             expect=expect, who=who))
         if reports:
             return self._verdict(reports, step, digest, limit)
@@ -109,7 +109,7 @@ class Server:
             text = f"the server's aggregate: {describe(plan.overflow, True, plan.wire_dtype)}"
             return self._verdict([(self.rank, text)], step, digest, limit)
         adopted = plan.commit(self)
-        out = self.wire.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,
+        out = self.path.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,
                                sections, itemsizes(buckets, sections))[0]
         # encode() copied every section: the aggregate buffers are free again. A residual that
         # adopted a bucket's aggregate handed back its old buffer instead.
@@ -124,10 +124,10 @@ class Server:
         """SKIP or ERROR for a step with non-finite values; nothing of the server has changed."""
         where = "; ".join(f"rank {j}: {text}" for j, text in reports)
         if self.cfg.nonfinite == "skip":
-            return self.wire.from_host(control.encode_text(
+            return self.path.from_host(control.encode_text(
                 wm.SKIP, self.rank, step, digest,
                 f"step {step} skipped on every rank (nonfinite='skip'): {where}", limit=limit))
-        return self.wire.from_host(wm.encode_error(
+        return self.path.from_host(wm.encode_error(
             self.rank, step, f"hvd_slim: non-finite gradient at step {step} (nonfinite='raise'): "
             f"{where}. No rank's parameters, residuals or optimizer state changed. Find the "
             "source (torch.autograd.set_detect_anomaly, a lower learning rate, gradient "
@@ -185,7 +185,7 @@ class Server:
                       step: int, flush: bool, plan: "_Plan") -> wm.Section:
         if b.kind == DENSE:
             if flush:
-                return self.wire.empty()
+                return self.path.empty()
             return self._sent(b, total, None, plan, wm.M_DENSE)
         if self.cfg.pull == "union" and not flush:
             # The exact aggregate: at the wire dtype (not value_bits), as nothing keeps a
@@ -238,7 +238,7 @@ class Server:
             if bad:
                 plan.overflow += bad
                 plan.wire_dtype = wire.dtype
-        return self.wire.section(mode, wire, b.numel, indices, exp)
+        return self.path.section(mode, wire, b.numel, indices, exp)
 
     # --- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -294,13 +294,13 @@ class _Plan:
 
 
 def decode_pull(layout: Layout, cfg: SlimConfig, buf: Any, step: int, digest: int,
-                flush: bool = False, wire: Optional[WirePath] = None,
+                flush: bool = False, path: Optional[WirePath] = None,
                 size: Optional[int] = None) -> List[wm.Section]:
-    """A worker's strict decode of the server's pull (numpy, or a tensor with ``wire`` the
+    """A worker's strict decode of the server's pull (numpy, or a tensor with ``path`` the
     device path). With the world ``size``, a union pull may hold at most ``size * k``
     coordinates a bucket (what the workers could have pushed)."""
     expect = pull_expect(layout.at_step(step), step, cfg.refresh_interval, cfg.pull, flush,
                          size=size)
-    return (wire or HostPath()).decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
+    return (path or HostPath()).decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
                                        sender=cfg.server_rank, step=step, digest=digest,
                                        expect=expect, who="pull from the server")

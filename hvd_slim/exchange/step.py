@@ -58,8 +58,8 @@ class SlimExchange(WorkerSide):
         # Host numpy or device tensors for the messages: whichever the transport takes for the
         # parameters' device (the layout refuses parameters on more than one device).
         device = layout.buckets[0].device if layout.buckets else torch.device("cpu")
-        self.wire: WirePath = wire_path(transport, device)
-        self.server = Server(layout, config, self.size, self.rank, self.wire) \
+        self.path: WirePath = wire_path(transport, device)
+        self.server = Server(layout, config, self.size, self.rank, self.path) \
             if self.rank == config.server_rank else None
         self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
                       for b in layout.buckets}
@@ -105,12 +105,12 @@ class SlimExchange(WorkerSide):
         sections = []
         for b in self.layout.buckets:
             if b.kind == DENSE:
-                sections.append(self.wire.empty())
+                sections.append(self.path.empty())
                 continue
             wire = self.memory[b.index].residual.to(b.wire_dtype, copy=True)
             self._pending.append(Proposal(b.index, None, wire.to(b.dtype)
                                            if b.wire_dtype != b.dtype else None, False))
-            sections.append(self.wire.section(wm.M_DENSE, wire, b.numel))
+            sections.append(self.path.section(wm.M_DENSE, wire, b.numel))
         try:
             self._agree(t)
             pushed = self._push(sections, None, t, flush=True)
@@ -134,14 +134,14 @@ class SlimExchange(WorkerSide):
         bound = message_bound(push_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
                                           flush=flush))
         if report is None:
-            buf, sizes = self.wire.encode(kind, self.rank, t, self.digest, sections,
+            buf, sizes = self.path.encode(kind, self.rank, t, self.digest, sections,
                                           itemsizes(self.layout.at_step(t), sections))
             self.stats.record_push(sections, sizes)
         else:   # a NaN/Inf: report it instead of pushing; the server decides for every rank
-            buf = self.wire.from_host(control.encode_text(wm.NONFINITE, self.rank, t,
+            buf = self.path.from_host(control.encode_text(wm.NONFINITE, self.rank, t,
                                                           self.digest, report, limit=bound))
         before = self.transport.stats.bytes_sent
-        gathered = self._collective(lambda: self.wire.gather(
+        gathered = self._collective(lambda: self.path.gather(
             self.transport, buf, self.cfg.server_rank, bound), f"the push of step {t}")
         sent = self.transport.stats.bytes_sent - before
         self.stats.bytes_pushed += sent
@@ -167,23 +167,23 @@ class SlimExchange(WorkerSide):
             try:
                 reply = self.server.serve(gathered, t, self.digest, flush, limit=bound)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
-                reply = self.wire.from_host(wm.encode_error(
+                reply = self.path.from_host(wm.encode_error(
                     self.rank, t, f"server rank {self.rank} failed at step {t}: "
                     f"{type(exc).__name__}: {exc}", limit=bound))
         before = self.transport.stats.bytes_received
-        buf = self._collective(lambda: self.wire.broadcast(
+        buf = self._collective(lambda: self.path.broadcast(
             self.transport, reply, self.cfg.server_rank, bound), f"the pull of step {t}")
         received = self.transport.stats.bytes_received - before
         self.stats.bytes_pulled += received
         self.stats.last["bytes_pulled"] = received
         who = "pull from the server"
         try:
-            if not flush and self.wire.peek(buf, who) == wm.SKIP:
+            if not flush and self.path.peek(buf, who) == wm.SKIP:
                 self.stats.last_skip = control.decode_text(
-                    self.wire.host(buf), kind=wm.SKIP, sender=self.cfg.server_rank, step=t,
+                    self.path.host(buf), kind=wm.SKIP, sender=self.cfg.server_rank, step=t,
                     digest=self.digest, who=who)
                 return None
-            sections = decode_pull(self.layout, self.cfg, buf, t, self.digest, flush, self.wire,
+            sections = decode_pull(self.layout, self.cfg, buf, t, self.digest, flush, self.path,
                                    self.size)
         except wm.RemoteError as exc:
             if exc.code == wm.E_NONFINITE:

@@ -3,7 +3,7 @@ settle the outcome on this rank's memory once the pull says how the step ended.
 
 Mixed into :class:`~hvd_slim.exchange.step.SlimExchange`, which owns the state used here
 (``layout``, ``cfg``, ``memory``, ``selector``, ``core``, ``_flat``, ``_score``, ``_pending``,
-and ``wire``: the host or device form of the sections, a
+and ``path``: the host or device form of the sections, a
 :class:`~hvd_slim.exchange.wirepath.WirePath`).
 """
 from __future__ import annotations
@@ -92,13 +92,13 @@ class WorkerSide:
         cfg = self.cfg
         if b.kind == DENSE:
             wire, _, delivered = quantize(a, b.wire_dtype)
-            return self.wire.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
+            return self.path.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
         if sent_whole(b):
             # A dense warm-up step: all of a goes, and the velocity is not masked (masking every
             # coordinate every step would cancel the momentum): dense momentum SGD exactly.
             wire, _, delivered = quantize(a, b.wire_dtype)
             self._pending.append(Proposal(b.index, None, delivered, False, a, u_new))
-            return self.wire.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
+            return self.path.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
         t_sel = time.perf_counter()
         new_core = None
         if is_refresh(t, cfg.refresh_interval) or b.index not in self.core:
@@ -113,9 +113,9 @@ class WorkerSide:
         self._pending.append(Proposal(b.index, sel, delivered, cfg.momentum_masking, a, u_new,
                                       new_core))
         if is_refresh(t, cfg.refresh_interval):
-            sec = self.wire.section(wm.M_SLICE, wire, b.numel, indices=core, exp=exp)
+            sec = self.path.section(wm.M_SLICE, wire, b.numel, indices=core, exp=exp)
         else:
-            sec = self.wire.section(wm.M_SLICE_CACHED, wire, b.numel, exp=exp)
+            sec = self.path.section(wm.M_SLICE_CACHED, wire, b.numel, exp=exp)
         return sec, _lossy(delivered, wire), sel
 
     def _select_core(self, b: Bucket, a: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ def simulate(device_payloads, size=3, steps=6, dtype=torch.float32, poison=None,
     def rank_fn(rank, transport):
         named = make_params(dtype)
         ex = SlimExchange(Layout(named, config, wire or (lambda dt: dt)), config, transport)
-        assert ex.wire.device_payloads == device_payloads
+        assert ex.path.device_payloads == device_payloads
         out = []
         for t in range(steps):
             for name, p in named:

@@ -36,10 +36,10 @@ def state_of(ex: Any) -> dict:
     return {"version": VERSION, "rank": ex.rank, "size": ex.size, "step": ex.step_count,
             "digest": ex.digest, "config": ex.cfg.to_dict(),
             "effective": ex.cfg.effective_dict(), "layout": ex.layout.description(),
-            "memory": {i: m.state_dict() for i, m in ex.memory.items()},
-            "selector": {i: s.state_dict() for i, s in ex.selector.items()},
-            "core": {i: c.clone() for i, c in ex.core.items()},
-            "pull_core": {i: c.clone() for i, c in ex.pull_core.items()},
+            "memory": {i: m.state_dict() for i, m in ex.worker.memory.items()},
+            "selector": {i: s.state_dict() for i, s in ex.worker.selector.items()},
+            "core": {i: c.clone() for i, c in ex.worker.core.items()},
+            "pull_core": {i: c.clone() for i, c in ex.worker.pull_core.items()},
             "server": None if ex.server is None else ex.server.state_dict(),
             "stats": ex.stats.state_dict()}
 
@@ -64,7 +64,7 @@ def validate(ex: Any, state: Any) -> None:
     for b in ex.layout.sparse:
         mem = _entry(state, "memory", b.index)
         _tensor(mem, "residual", (b.numel,), b.dtype, b.index)
-        if ex.memory[b.index].velocity is not None:
+        if ex.worker.memory[b.index].velocity is not None:
             _tensor(mem, "velocity", (b.numel,), b.dtype, b.index)
         elif "velocity" in mem:
             raise ValueError(f"hvd_slim checkpoint: bucket {b.index} has a momentum-correction "
@@ -83,11 +83,11 @@ def validate(ex: Any, state: Any) -> None:
 def load(ex: Any, state: dict) -> None:
     """Copy a :func:`validate`-d state into ``ex``."""
     ex.step_count = int(state["step"])
-    for i, m in ex.memory.items():
+    for i, m in ex.worker.memory.items():
         m.load_state_dict(state["memory"][i])
-        ex.selector[i].load_state_dict(state["selector"][i])
-    ex.core = {int(i): c.clone() for i, c in state["core"].items()}
-    ex.pull_core = {int(i): c.clone() for i, c in state["pull_core"].items()}
+        ex.worker.selector[i].load_state_dict(state["selector"][i])
+    ex.worker.core = {int(i): c.clone() for i, c in state["core"].items()}
+    ex.worker.pull_core = {int(i): c.clone() for i, c in state["pull_core"].items()}
     if ex.server is not None:
         ex.server.load_state_dict(state["server"])
     ex.stats.load_state_dict(state.get("stats", {}))

@@ -22,7 +22,7 @@ from ..wire import control
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
 from ..wire.values import quantize
-from .expect import is_refresh, pull_expect, pull_is_dense, push_expect
+from .expect import is_refresh, pull_is_dense, push_expect
 from .finite import describe, nonfinite_sent
 from .layout import DENSE, Bucket, Layout
 from .sections import indices_on, itemsizes, section_values
@@ -284,7 +284,6 @@ class _Plan:
         server.pull_core.update(self.pull_core)
         return old
 
-
     def undo(self) -> None:
         """The step does not go through: give residuals aggregated in place their old values
         back (exactly; a coordinate two pushes touched was saved twice, with the same value)."""
@@ -292,15 +291,3 @@ class _Plan:
             e.index_put_((idx,), before)
         self.saved = []
 
-
-def decode_pull(layout: Layout, cfg: SlimConfig, buf: Any, step: int, digest: int,
-                flush: bool = False, path: Optional[WirePath] = None,
-                size: Optional[int] = None) -> List[wm.Section]:
-    """A worker's strict decode of the server's pull (numpy, or a tensor with ``path`` the
-    device path). With the world ``size``, a union pull may hold at most ``size * k``
-    coordinates a bucket (what the workers could have pushed)."""
-    expect = pull_expect(layout.at_step(step), step, cfg.refresh_interval, cfg.pull, flush,
-                         size=size)
-    return (path or HostPath()).decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
-                                       sender=cfg.server_rank, step=step, digest=digest,
-                                       expect=expect, who="pull from the server")

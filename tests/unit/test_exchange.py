@@ -69,7 +69,7 @@ def total(dicts):
 
 def residual_by_name(ex, which="worker"):
     """Worker (or server) residual, cut back into parameter-shaped tensors."""
-    mems = ex.memory if which == "worker" else ex.server.memory
+    mems = ex.worker.memory if which == "worker" else ex.server.memory
     out = {}
     for b in ex.layout.sparse:
         r = mems[b.index].residual
@@ -228,7 +228,7 @@ def test_a_failed_step_loses_no_gradient():
             p.grad = torch.ones_like(p)
         with pytest.raises(ExchangeError):
             ex.step()
-        return sum(float(m.residual.sum()) for m in ex.memory.values())
+        return sum(float(m.residual.sum()) for m in ex.worker.memory.values())
 
     sums = run_ranks(2, rank_fn)
     assert sums[0] == sum(math.prod(s) for n, s in SHAPES.items() if math.prod(s) >= 1000)

@@ -9,12 +9,16 @@ state holds only tensors and plain Python values: ``torch.load(..., weights_only
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
 from ..config import RESUMABLE_FIELDS
 from .describe import config_difference, param_difference, params_of
+from .layout import Bucket
+
+if TYPE_CHECKING:   # step.py imports this module
+    from .step import SlimExchange
 
 # What fields added later meant before they existed: a checkpoint without one was made with
 # that behaviour (values at full precision, DGC's masking, decays from dense).
@@ -31,7 +35,7 @@ def _where(keys: list) -> str:
     return " and ".join(keys)
 
 
-def state_of(ex: Any) -> dict:
+def state_of(ex: SlimExchange) -> dict:
     """This rank's exchange state (see :meth:`SlimExchange.state_dict`)."""
     return {"version": VERSION, "rank": ex.rank, "size": ex.size, "step": ex.step_count,
             "digest": ex.digest, "config": ex.cfg.to_dict(),
@@ -44,7 +48,7 @@ def state_of(ex: Any) -> dict:
             "stats": ex.stats.state_dict()}
 
 
-def validate(ex: Any, state: Any) -> None:
+def validate(ex: SlimExchange, state: Any) -> None:
     """Raise ValueError (naming what differs and how to fix it) unless ``state`` can be loaded
     into ``ex`` completely. Reads only."""
     if not isinstance(state, dict) or state.get("version") not in (1, 2, VERSION):
@@ -80,7 +84,7 @@ def validate(ex: Any, state: Any) -> None:
         raise ValueError("hvd_slim checkpoint: 'stats' must be a dict")
 
 
-def load(ex: Any, state: dict) -> None:
+def load(ex: SlimExchange, state: dict) -> None:
     """Copy a :func:`validate`-d state into ``ex``."""
     ex.step_count = int(state["step"])
     for i, m in ex.worker.memory.items():
@@ -94,7 +98,7 @@ def load(ex: Any, state: dict) -> None:
 
 
 # --- checks ------------------------------------------------------------------------------------
-def _check_same_exchange(ex: Any, state: dict) -> None:
+def _check_same_exchange(ex: SlimExchange, state: dict) -> None:
     """Same model (by layout description when saved, else by digest) and same settings."""
     saved_cfg = _saved_effective(state)
     cfg_diff = config_difference({"in the checkpoint": saved_cfg, "now": ex.cfg.effective_dict()},
@@ -173,7 +177,7 @@ def _core(table: Any, index: int, k: int, d: int, what: str) -> None:
                          f"{k} sorted distinct indices in [0, {d})")
 
 
-def _check_server(ex: Any, srv: Any, sizes: Dict[int, Any]) -> None:
+def _check_server(ex: SlimExchange, srv: Any, sizes: Dict[int, Bucket]) -> None:
     if not isinstance(srv, dict):
         raise ValueError(f"rank {ex.rank} is the server but its checkpoint has no server state: "
                          "was server_rank changed?")

@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 
 from ..config import SlimConfig
+from .layout import Layout
 
 DESCRIPTION_VERSION = 1
 
 
-def describe(layout: Any, config: SlimConfig, rank: int, step: int, digest: int) -> dict:
+def describe(layout: Layout, config: SlimConfig, rank: int, step: int, digest: int) -> dict:
     """A JSON-ready description of one rank's exchange."""
     return {"version": DESCRIPTION_VERSION, "rank": rank, "step": step,
             "digest": f"{digest:016x}", "config": config.shared_dict(),

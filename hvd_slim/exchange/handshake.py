@@ -9,7 +9,7 @@ side, which every rank raises as the same :class:`ExchangeError`. Rank 0 leads w
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from .describe import config_difference, describe, grouped, param_difference, pa
     ranks_text
 from .errors import ExchangeError
 
+if TYPE_CHECKING:   # step.py imports this module
+    from .step import SlimExchange
+
 ROOT = 0
 REPLY_BOUND = 1 << 14  # every reply (AGREED, DESCRIBE, ERROR) fits; error texts are cut to fit
 FIX = ("Every rank must build the same model, freeze the same parameters, pass the same "
@@ -26,7 +29,7 @@ FIX = ("Every rank must build the same model, freeze the same parameters, pass t
        "same number of times (a resumed job: every rank loads its own checkpoint of one save)")
 
 
-def agree(ex: Any, step: int) -> None:
+def agree(ex: SlimExchange, step: int) -> None:
     """Collective over every rank of ``ex.transport``: return when all ranks agree with this
     one, else raise the same :class:`ExchangeError` on every rank."""
     tr, rank = ex.transport, ex.rank
@@ -43,7 +46,7 @@ def agree(ex: Any, step: int) -> None:
     raise ExchangeError(f"rank {rank}: the handshake of step {step} ended without a verdict")
 
 
-def _guard(judge: Any, step: int) -> np.ndarray:
+def _guard(judge: Callable[[], np.ndarray], step: int) -> np.ndarray:
     """Rank 0's verdict, or an ERROR carrying whatever went wrong while judging."""
     try:
         return judge()

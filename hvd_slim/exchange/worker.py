@@ -130,8 +130,10 @@ class Worker:
                 sections.append(self.path.empty())
                 continue
             wire = self.memory[b.index].residual.to(b.wire_dtype, copy=True)
-            self._pending.append(Proposal(b.index, None, wire.to(b.dtype)
-                                           if b.wire_dtype != b.dtype else None, False))
+            # Nothing is masked: the velocity stays (a flush sends residuals, not momentum).
+            delivered = wire.to(b.dtype) if b.wire_dtype != b.dtype else None
+            self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
+                                          mask_velocity=0.0))
             sections.append(self.path.section(wm.M_DENSE, wire, b.numel))
         return sections
 
@@ -159,7 +161,8 @@ class Worker:
             # A dense warm-up step: all of a goes, and the velocity is not masked (masking every
             # coordinate every step would cancel the momentum): dense momentum SGD exactly.
             wire, _, delivered = quantize(a, b.wire_dtype)
-            self._pending.append(Proposal(b.index, None, delivered, False, a, u_new))
+            self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
+                                          mask_velocity=0.0, a=a, u_new=u_new))
             return self.path.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
         t_sel = time.perf_counter()
         new_core = None
@@ -172,8 +175,9 @@ class Worker:
         # value_bits: the values travel in the slice dtype; what rounding lost stays in the
         # residual (``delivered`` is what the server decodes), to be sent later.
         wire, exp, delivered = quantize(a[sel], b.slice_dtype)
-        self._pending.append(Proposal(b.index, sel, delivered, cfg.momentum_masking, a, u_new,
-                                      new_core))
+        self._pending.append(Proposal(index=b.index, sel=sel, delivered=delivered,
+                                      mask_velocity=cfg.momentum_masking, a=a, u_new=u_new,
+                                      core=new_core))
         if is_refresh(t, cfg.refresh_interval):
             sec = self.path.section(wm.M_SLICE, wire, b.numel, indices=core, exp=exp)
         else:

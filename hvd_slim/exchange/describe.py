@@ -14,7 +14,7 @@ from .layout import Layout
 DESCRIPTION_VERSION = 1
 
 
-def describe(layout: Layout, config: SlimConfig, rank: int, step: int, digest: int) -> dict:
+def rank_description(layout: Layout, config: SlimConfig, rank: int, step: int, digest: int) -> dict:
     """A JSON-ready description of one rank's exchange."""
     return {"version": DESCRIPTION_VERSION, "rank": rank, "step": step,
             "digest": f"{digest:016x}", "config": config.shared_dict(),

@@ -44,7 +44,8 @@ def nonfinite_sent(b: Bucket, wire: torch.Tensor, sel: Optional[torch.Tensor]) -
     return [b.segments[i].name for i in which]
 
 
-def describe(names: List[str], overflow: bool, wire_dtype: Optional[torch.dtype] = None) -> str:
+def nonfinite_text(names: List[str], overflow: bool,
+                   wire_dtype: Optional[torch.dtype] = None) -> str:
     """A short report: the tensors named, and whether the values were NaN/Inf or overflowed."""
     shown = ", ".join(repr(n) for n in names[:MAX_NAMES])
     more = f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else ""

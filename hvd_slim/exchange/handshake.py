@@ -15,8 +15,8 @@ import numpy as np
 
 from ..wire import control
 from ..wire import message as wm
-from .describe import config_difference, describe, grouped, param_difference, params_of, \
-    ranks_text
+from .describe import (config_difference, grouped, param_difference, params_of, rank_description,
+                       ranks_text)
 from .errors import ExchangeError
 
 if TYPE_CHECKING:   # step.py imports this module
@@ -29,7 +29,7 @@ FIX = ("Every rank must build the same model, freeze the same parameters, pass t
        "same number of times (a resumed job: every rank loads its own checkpoint of one save)")
 
 
-def agree(ex: SlimExchange, step: int) -> None:
+def check_agreement(ex: SlimExchange, step: int) -> None:
     """Collective over every rank of ``ex.transport``: return when all ranks agree with this
     one, else raise the same :class:`ExchangeError` on every rank."""
     tr, rank = ex.transport, ex.rank
@@ -39,7 +39,7 @@ def agree(ex: SlimExchange, step: int) -> None:
     if _read_reply(tr.broadcast(reply, root=ROOT, bound=REPLY_BOUND), step) == wm.AGREED:
         return
     desc = control.encode_description(rank, step, ex.digest,
-                                      describe(ex.layout, ex.cfg, rank, step, ex.digest))
+                                      rank_description(ex.layout, ex.cfg, rank, step, ex.digest))
     got = tr.gather(desc, root=ROOT, bound=None)
     reply = _guard(lambda: _judge_descriptions(got, step), step) if rank == ROOT else None
     _read_reply(tr.broadcast(reply, root=ROOT, bound=REPLY_BOUND), step)

@@ -23,7 +23,7 @@ from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
 from ..wire.values import quantize
 from .expect import is_refresh, pull_is_dense, push_expect
-from .finite import describe, nonfinite_sent
+from .finite import nonfinite_sent, nonfinite_text
 from .layout import DENSE, Bucket, Layout
 from .sections import indices_on, itemsizes, section_values
 from .wirepath import HostPath, WirePath
@@ -106,7 +106,7 @@ class Server:
             plan.undo()
             for i, st in selectors.items():
                 self.selector[i].load_state_dict(st)
-            text = f"the server's aggregate: {describe(plan.overflow, True, plan.wire_dtype)}"
+            text = f"the server's aggregate: {nonfinite_text(plan.overflow, True, plan.wire_dtype)}"
             return self._verdict([(self.rank, text)], step, digest, limit)
         adopted = plan.commit(self)
         out = self.path.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,

@@ -112,7 +112,8 @@ class SlimExchange:
         """Once per exchange (and again after loading a checkpoint), before the first push:
         every rank checks that all run the same model and settings."""
         if not self._agreed:
-            self._collective(lambda: handshake.agree(self, t), f"the handshake of step {t}")
+            self._collective(lambda: handshake.check_agreement(self, t),
+                             f"the handshake of step {t}")
             self._agreed = True
 
     def _push(self, sections: List[wm.Section], report: Optional[str], t: int,

@@ -22,7 +22,7 @@ from ..wire import message as wm
 from ..wire.values import quantize
 from .errors import ExchangeError, NonFiniteGradientError
 from .expect import is_refresh, pull_expect
-from .finite import describe, nonfinite_params, nonfinite_sent
+from .finite import nonfinite_params, nonfinite_sent, nonfinite_text
 from .layout import DENSE, Bucket, Layout, sent_whole
 from .sections import indices_on, section_values
 from .stats import ExchangeStats
@@ -98,7 +98,7 @@ class Worker:
                 bad += nonfinite_params(b, x)
             folded.append((x, u_new))
         if bad:
-            return Compensated([], describe(bad, overflow=False))
+            return Compensated([], nonfinite_text(bad, overflow=False))
         return Compensated(folded)
 
     def select(self, t: int, compensated: Compensated
@@ -117,7 +117,7 @@ class Worker:
                 overflow, wire_dtype = overflow + found, (lossy[1] if found else wire_dtype)
             sections.append(sec)
         if overflow:
-            return [], describe(overflow, overflow=True, wire_dtype=wire_dtype)
+            return [], nonfinite_text(overflow, overflow=True, wire_dtype=wire_dtype)
         return sections, None
 
     def flush_sections(self) -> List[wm.Section]:

@@ -41,11 +41,11 @@ def grouped(values: Dict[Hashable, str], where: Callable[[List[Any]], str]) -> s
 def _signature(row: Optional[list]) -> str:
     if row is None:
         return "absent"
-    _, shape, dtype, wire, status = row
+    _, shape, dtype, sent_as, status = row
     text = f"shape {tuple(shape)} {dtype}"
     if status == "frozen":
         return f"frozen (requires_grad=False), {text}"
-    return text + (f" sent as {wire}" if wire and wire != dtype else "")
+    return text + (f" sent as {sent_as}" if sent_as and sent_as != dtype else "")
 
 
 def params_of(desc: Any) -> Dict[str, list]:

@@ -199,9 +199,9 @@ class Server:
         mem = self.memory[b.index]
         v = total.add_(mem.residual)   # e + G, proposed: e itself changes only at commit
         # Sent as a copy, since commit zeroes v's buffer.
-        wire, _, delivered = quantize(v.clone() if v.dtype == b.wire_dtype else v, b.wire_dtype)
+        coded, _, delivered = quantize(v.clone() if v.dtype == b.wire_dtype else v, b.wire_dtype)
         plan.memory.append((mem, v, None, delivered))
-        return self._checked(b, wire, delivered, None, plan, wm.M_DENSE)
+        return self._checked(b, coded, delivered, None, plan, wm.M_DENSE)
 
     def _slice_pull(self, b: Bucket, v: torch.Tensor, step: int, plan: "_Plan") -> wm.Section:
         """The pull slice of ``v`` (= e + G, the residual itself): its core by |v| plus
@@ -217,28 +217,28 @@ class Server:
                             role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
                             device=b.device)
         # value_bits: what rounding loses stays in the server's residual (forgotten: delivered).
-        wire, exp, delivered = quantize(v[sel], b.slice_dtype)
+        coded, exp, delivered = quantize(v[sel], b.slice_dtype)
         plan.forget.append((mem, sel, delivered))
         mode = wm.M_SLICE if refresh else wm.M_SLICE_CACHED
-        return self._checked(b, wire, delivered, sel, plan, mode, core if refresh else None, exp)
+        return self._checked(b, coded, delivered, sel, plan, mode, core if refresh else None, exp)
 
     def _sent(self, b: Bucket, values: torch.Tensor, sel: Optional[torch.Tensor], plan: "_Plan",
               mode: int, indices: Optional[torch.Tensor] = None) -> wm.Section:
         """The section carrying ``values`` in the bucket's wire dtype (dense, or the union)."""
-        wire, _, delivered = quantize(values, b.wire_dtype)
-        return self._checked(b, wire, delivered, sel, plan, mode, indices)
+        coded, _, delivered = quantize(values, b.wire_dtype)
+        return self._checked(b, coded, delivered, sel, plan, mode, indices)
 
-    def _checked(self, b: Bucket, wire: torch.Tensor, delivered: Optional[torch.Tensor],
+    def _checked(self, b: Bucket, coded: torch.Tensor, delivered: Optional[torch.Tensor],
                  sel: Optional[torch.Tensor], plan: "_Plan", mode: int,
                  indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
-        """The section for ``wire``; what a lossy wire dtype delivers is checked for overflow
+        """The section for ``coded``; what a lossy wire dtype delivers is checked for overflow
         (cheaply)."""
         if delivered is not None and self.cfg.nonfinite != "propagate":
             bad = nonfinite_sent(b, delivered, sel)
             if bad:
                 plan.overflow += bad
-                plan.wire_dtype = wire.dtype
-        return self.path.section(mode, wire, b.numel, indices, exp)
+                plan.wire_dtype = coded.dtype
+        return self.path.section(mode, coded, b.numel, indices, exp)
 
     # --- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:

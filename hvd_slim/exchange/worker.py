@@ -33,8 +33,8 @@ from .wirepath import WirePath
 Lossy = Tuple[torch.Tensor, torch.dtype]
 
 
-def _lossy(delivered: Optional[torch.Tensor], wire: torch.Tensor) -> Optional[Lossy]:
-    return None if delivered is None else (delivered, wire.dtype)
+def _lossy(delivered: Optional[torch.Tensor], coded: torch.Tensor) -> Optional[Lossy]:
+    return None if delivered is None else (delivered, coded.dtype)
 
 
 @dataclass
@@ -129,12 +129,12 @@ class Worker:
             if b.kind == DENSE:
                 sections.append(self.path.empty())
                 continue
-            wire = self.memory[b.index].residual.to(b.wire_dtype, copy=True)
+            values = self.memory[b.index].residual.to(b.wire_dtype, copy=True)
             # Nothing is masked: the velocity stays (a flush sends residuals, not momentum).
-            delivered = wire.to(b.dtype) if b.wire_dtype != b.dtype else None
+            delivered = values.to(b.dtype) if b.wire_dtype != b.dtype else None
             self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
                                           mask_velocity=0.0))
-            sections.append(self.path.section(wm.M_DENSE, wire, b.numel))
+            sections.append(self.path.section(wm.M_DENSE, values, b.numel))
         return sections
 
     def _fold(self, b: Bucket) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -155,15 +155,15 @@ class Worker:
         the overflow check; and the coordinates sent (None: all)."""
         cfg = self.cfg
         if b.kind == DENSE:
-            wire, _, delivered = quantize(a, b.wire_dtype)
-            return self.path.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
+            coded, _, delivered = quantize(a, b.wire_dtype)
+            return self.path.section(wm.M_DENSE, coded, b.numel), _lossy(delivered, coded), None
         if sent_whole(b):
             # A dense warm-up step: all of a goes, and the velocity is not masked (masking every
             # coordinate every step would cancel the momentum): dense momentum SGD exactly.
-            wire, _, delivered = quantize(a, b.wire_dtype)
+            coded, _, delivered = quantize(a, b.wire_dtype)
             self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
                                           mask_velocity=0.0, a=a, u_new=u_new))
-            return self.path.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
+            return self.path.section(wm.M_DENSE, coded, b.numel), _lossy(delivered, coded), None
         t_sel = time.perf_counter()
         new_core = None
         if is_refresh(t, cfg.refresh_interval) or b.index not in self.core:
@@ -174,15 +174,15 @@ class Worker:
         self.stats.select_seconds += time.perf_counter() - t_sel
         # value_bits: the values travel in the slice dtype; what rounding lost stays in the
         # residual (``delivered`` is what the server decodes), to be sent later.
-        wire, exp, delivered = quantize(a[sel], b.slice_dtype)
+        coded, exp, delivered = quantize(a[sel], b.slice_dtype)
         self._pending.append(Proposal(index=b.index, sel=sel, delivered=delivered,
                                       mask_velocity=cfg.momentum_masking, a=a, u_new=u_new,
                                       core=new_core))
         if is_refresh(t, cfg.refresh_interval):
-            sec = self.path.section(wm.M_SLICE, wire, b.numel, indices=core, exp=exp)
+            sec = self.path.section(wm.M_SLICE, coded, b.numel, indices=core, exp=exp)
         else:
-            sec = self.path.section(wm.M_SLICE_CACHED, wire, b.numel, exp=exp)
-        return sec, _lossy(delivered, wire), sel
+            sec = self.path.section(wm.M_SLICE_CACHED, coded, b.numel, exp=exp)
+        return sec, _lossy(delivered, coded), sel
 
     def _select_core(self, b: Bucket, a: torch.Tensor) -> torch.Tensor:
         """The ``k_core`` most significant coordinates of ``a`` (docs/design.md §2)."""

@@ -62,22 +62,22 @@ def _exponent_for(m: float, dtype: torch.dtype) -> int:
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, int,
                                                                Optional[torch.Tensor]]:
-    """``(wire, exp, delivered)``: ``x`` in ``dtype`` for the wire, its scale exponent, and what
+    """``(coded, exp, delivered)``: ``x`` in ``dtype`` for the wire, its scale exponent, and what
     the receiver will decode, in ``x``'s dtype (None when that is ``x`` exactly)."""
     if dtype == x.dtype:
         return x, 0, None
     m = _abs_max(x) if dtype == FP8 else 0.0
     exp = _exponent_for(m, x.dtype) if dtype == FP8 else 0
-    wire = (x.mul(2.0 ** -exp) if exp else x).to(dtype)
+    coded = (x.mul(2.0 ** -exp) if exp else x).to(dtype)
     if dtype == FP8 and not math.isfinite(m):
         # float8_e4m3fn has no Inf and torch saturates one to +-448: send NaN instead, so a
         # non-finite value (nonfinite="propagate") still arrives non-finite.
-        wire.view(torch.uint8)[~torch.isfinite(x)] = _FP8_NAN
-    return wire, exp, dequantize(wire, exp, x.dtype)
+        coded.view(torch.uint8)[~torch.isfinite(x)] = _FP8_NAN
+    return coded, exp, dequantize(coded, exp, x.dtype)
 
 
-def dequantize(wire: torch.Tensor, exp: int, dtype: torch.dtype) -> torch.Tensor:
-    """The values ``wire`` stands for, in ``dtype``: every rank decodes the same bytes with the
+def dequantize(coded: torch.Tensor, exp: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``coded`` stands for, in ``dtype``: every rank decodes the same bytes with the
     same two operations, so every rank gets bitwise the same values."""
-    out = wire.to(dtype)
+    out = coded.to(dtype)
     return out.mul_(2.0 ** exp) if exp else out

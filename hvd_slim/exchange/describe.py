@@ -84,7 +84,7 @@ def config_difference(configs: Dict[Hashable, Any], where: Callable[[List[Any]],
 def param_difference(params: Dict[Hashable, Dict[str, list]],
                      where: Callable[[List[Any]], str]) -> Optional[str]:
     """``parameter 'fc.weight': shape ... on ... vs. ...`` for the first parameter, by name, that
-    differs (shape, dtype, wire dtype, frozen or absent), plus a count of the others."""
+    differs (shape, dtype, comm dtype, frozen or absent), plus a count of the others."""
     names = sorted(set().union(*(p.keys() for p in params.values())))
     differing = [n for n in names
                  if len({_signature(p.get(n)) for p in params.values()}) > 1]

@@ -45,11 +45,11 @@ def nonfinite_sent(b: Bucket, values: torch.Tensor, sel: Optional[torch.Tensor])
 
 
 def nonfinite_text(names: List[str], overflow: bool,
-                   wire_dtype: Optional[torch.dtype] = None) -> str:
+                   sent_dtype: Optional[torch.dtype] = None) -> str:
     """A short report: the tensors named, and whether the values were NaN/Inf or overflowed."""
     shown = ", ".join(repr(n) for n in names[:MAX_NAMES])
     more = f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else ""
-    if overflow and wire_dtype == torch.float16:
+    if overflow and sent_dtype == torch.float16:
         return (f"values of {shown}{more} overflow float16 on the wire (Compression.fp16 "
                 "cannot carry values beyond 65504)")
     if overflow:   # scaled float8 and bfloat16 carry every finite float32: this was NaN/Inf

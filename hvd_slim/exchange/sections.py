@@ -13,20 +13,20 @@ from .layout import Bucket
 
 
 def itemsizes(buckets: List[Bucket], sections: List[wm.Section]) -> List[int]:
-    """Bytes per value of each section: the slice dtype's for slices, the wire dtype's else."""
+    """Bytes per value of each section: the slice dtype's for slices, the comm dtype's else."""
     return [b.slice_bytes if s.mode in wm.SLICED else b.value_bytes
             for b, s in zip(buckets, sections)]
 
 
 def section_values(sec: wm.Section, b: Bucket) -> torch.Tensor:
     """What a decoded section's values stand for, in the bucket's dtype on its device: a slice
-    in the bucket's slice dtype (value_bits) times ``2**exp``, anything else in its wire
+    in the bucket's slice dtype (value_bits) times ``2**exp``, anything else in its comm
     dtype."""
     if sec.mode in wm.SLICED:
         raw = from_bytes(sec.values, b.slice_dtype).to(b.device)
         return dequantize(raw, sec.exp, b.dtype)
     # No copy when the values are already on the bucket's device in its dtype.
-    return from_bytes(sec.values, b.wire_dtype).to(device=b.device, dtype=b.dtype)
+    return from_bytes(sec.values, b.comm_dtype).to(device=b.device, dtype=b.dtype)
 
 
 def indices_on(idx: Any, b: Bucket) -> torch.Tensor:

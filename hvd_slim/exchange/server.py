@@ -106,7 +106,7 @@ class Server:
             plan.undo()
             for i, st in selectors.items():
                 self.selector[i].load_state_dict(st)
-            text = f"the server's aggregate: {nonfinite_text(plan.overflow, True, plan.wire_dtype)}"
+            text = f"the server's aggregate: {nonfinite_text(plan.overflow, True, plan.sent_dtype)}"
             return self._verdict([(self.rank, text)], step, digest, limit)
         adopted = plan.commit(self)
         out = self.path.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,
@@ -188,7 +188,7 @@ class Server:
                 return self.path.empty()
             return self._sent(b, total, None, plan, wm.M_DENSE)
         if self.cfg.pull == "union" and not flush:
-            # The exact aggregate: at the wire dtype (not value_bits), as nothing keeps a
+            # The exact aggregate: at the comm dtype (not value_bits), as nothing keeps a
             # rounding error here.
             idx = touched.nonzero().reshape(-1)
             n = idx.numel()
@@ -199,7 +199,7 @@ class Server:
         mem = self.memory[b.index]
         v = total.add_(mem.residual)   # e + G, proposed: e itself changes only at commit
         # Sent as a copy, since commit zeroes v's buffer.
-        coded, _, delivered = quantize(v.clone() if v.dtype == b.wire_dtype else v, b.wire_dtype)
+        coded, _, delivered = quantize(v.clone() if v.dtype == b.comm_dtype else v, b.comm_dtype)
         plan.memory.append((mem, v, None, delivered))
         return self._checked(b, coded, delivered, None, plan, wm.M_DENSE)
 
@@ -224,20 +224,20 @@ class Server:
 
     def _sent(self, b: Bucket, values: torch.Tensor, sel: Optional[torch.Tensor], plan: "_Plan",
               mode: int, indices: Optional[torch.Tensor] = None) -> wm.Section:
-        """The section carrying ``values`` in the bucket's wire dtype (dense, or the union)."""
-        coded, _, delivered = quantize(values, b.wire_dtype)
+        """The section carrying ``values`` in the bucket's comm dtype (dense, or the union)."""
+        coded, _, delivered = quantize(values, b.comm_dtype)
         return self._checked(b, coded, delivered, sel, plan, mode, indices)
 
     def _checked(self, b: Bucket, coded: torch.Tensor, delivered: Optional[torch.Tensor],
                  sel: Optional[torch.Tensor], plan: "_Plan", mode: int,
                  indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
-        """The section for ``coded``; what a lossy wire dtype delivers is checked for overflow
+        """The section for ``coded``; what a lossy coding delivers is checked for overflow
         (cheaply)."""
         if delivered is not None and self.cfg.nonfinite != "propagate":
             bad = nonfinite_sent(b, delivered, sel)
             if bad:
                 plan.overflow += bad
-                plan.wire_dtype = coded.dtype
+                plan.sent_dtype = coded.dtype
         return self.path.section(mode, coded, b.numel, indices, exp)
 
     # --- checkpoint --------------------------------------------------------------------------
@@ -269,7 +269,7 @@ class _Plan:
         self.worker_cores: Dict[Tuple[int, int], torch.Tensor] = {}
         self.pull_core: Dict[int, torch.Tensor] = {}
         self.overflow: List[str] = []        # parameters whose pulled values overflow the wire
-        self.wire_dtype: Optional[torch.dtype] = None
+        self.sent_dtype: Optional[torch.dtype] = None
 
     def commit(self, server: Server) -> Dict[int, torch.Tensor]:
         """Apply the plan; returns each adopting memory's old residual buffer, by id(memory)."""

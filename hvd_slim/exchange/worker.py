@@ -29,7 +29,7 @@ from .stats import ExchangeStats
 from .wirepath import WirePath
 
 
-# The values a lossy wire dtype delivers, and that dtype (for an overflow report).
+# The values a lossy coding delivers, and the dtype coded to (for an overflow report).
 Lossy = Tuple[torch.Tensor, torch.dtype]
 
 
@@ -104,20 +104,20 @@ class Worker:
     def select(self, t: int, compensated: Compensated
                ) -> Tuple[List[wm.Section], Optional[str]]:
         """Every bucket's push section, or (NaN/Inf found by compensate, or made by a lossy
-        wire dtype, and nonfinite is not "propagate") no sections and a report naming the
+        coding, and nonfinite is not "propagate") no sections and a report naming the
         tensors."""
         if compensated.report is not None:
             return [], compensated.report
         check = self.cfg.nonfinite != "propagate"
-        sections, overflow, wire_dtype = [], [], None
+        sections, overflow, sent_dtype = [], [], None
         for b, (x, u_new) in zip(self.layout.at_step(t), compensated.proposed):
             sec, lossy, sel = self._select(b, t, x, u_new)
-            if check and lossy is not None:   # what a lossy wire dtype made of the values
+            if check and lossy is not None:   # what a lossy coding made of the values
                 found = nonfinite_sent(b, lossy[0], sel)
-                overflow, wire_dtype = overflow + found, (lossy[1] if found else wire_dtype)
+                overflow, sent_dtype = overflow + found, (lossy[1] if found else sent_dtype)
             sections.append(sec)
         if overflow:
-            return [], nonfinite_text(overflow, overflow=True, wire_dtype=wire_dtype)
+            return [], nonfinite_text(overflow, overflow=True, sent_dtype=sent_dtype)
         return sections, None
 
     def flush_sections(self) -> List[wm.Section]:
@@ -129,9 +129,9 @@ class Worker:
             if b.kind == DENSE:
                 sections.append(self.path.empty())
                 continue
-            values = self.memory[b.index].residual.to(b.wire_dtype, copy=True)
+            values = self.memory[b.index].residual.to(b.comm_dtype, copy=True)
             # Nothing is masked: the velocity stays (a flush sends residuals, not momentum).
-            delivered = values.to(b.dtype) if b.wire_dtype != b.dtype else None
+            delivered = values.to(b.dtype) if b.comm_dtype != b.dtype else None
             self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
                                           mask_velocity=0.0))
             sections.append(self.path.section(wm.M_DENSE, values, b.numel))
@@ -151,16 +151,16 @@ class Worker:
 
     def _select(self, b: Bucket, t: int, a: torch.Tensor, u_new: Optional[torch.Tensor]
                 ) -> Tuple[wm.Section, Optional[Lossy], Optional[torch.Tensor]]:
-        """This bucket's section; the values a lossy wire dtype delivers (and that dtype), for
+        """This bucket's section; the values a lossy coding delivers (and its dtype), for
         the overflow check; and the coordinates sent (None: all)."""
         cfg = self.cfg
         if b.kind == DENSE:
-            coded, _, delivered = quantize(a, b.wire_dtype)
+            coded, _, delivered = quantize(a, b.comm_dtype)
             return self.path.section(wm.M_DENSE, coded, b.numel), _lossy(delivered, coded), None
         if sent_whole(b):
             # A dense warm-up step: all of a goes, and the velocity is not masked (masking every
             # coordinate every step would cancel the momentum): dense momentum SGD exactly.
-            coded, _, delivered = quantize(a, b.wire_dtype)
+            coded, _, delivered = quantize(a, b.comm_dtype)
             self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
                                           mask_velocity=0.0, a=a, u_new=u_new))
             return self.path.section(wm.M_DENSE, coded, b.numel), _lossy(delivered, coded), None

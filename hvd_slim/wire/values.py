@@ -2,7 +2,7 @@
 
 ``value_bits`` (a Slim-DP keyword) sets the precision of sliced sections: the worker's push and
 the server's ``pull="slim"`` slice. Dense sections (small tensors, dense fallback, flush) and
-the exact union pull keep the bucket's wire dtype (the parameters' dtype, or float16 under
+the exact union pull keep the bucket's comm dtype (the parameters' dtype, or float16 under
 ``Compression.fp16``). Lower precision costs no accuracy in the long run because the sender
 keeps what rounding lost in its residual and sends it later (error feedback), so the same bytes
 carry more coordinates: 8-bit values with Elias-Fano indices cost about 2 bytes a coordinate at
@@ -25,17 +25,17 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _FP8_NAN = 0x7F  # its NaN bit pattern
 
 
-def slice_dtype(value_bits: int, wire_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of sliced values for ``value_bits``, given the bucket's wire dtype: 8 is scaled
-    float8, 16 keeps a 16-bit wire dtype and is bfloat16 otherwise (the range of float32, so it
-    cannot overflow), 32 is the wire dtype itself (no change: the values as computed)."""
+def slice_dtype(value_bits: int, comm_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of sliced values for ``value_bits``, given the bucket's comm dtype: 8 is scaled
+    float8, 16 keeps a 16-bit comm dtype and is bfloat16 otherwise (the range of float32, so it
+    cannot overflow), 32 is the comm dtype itself (no change: the values as computed)."""
     if value_bits not in VALUE_BITS:
         raise ValueError(f"value_bits must be one of {VALUE_BITS}, got {value_bits!r}")
-    if value_bits == 8 and wire_dtype.is_floating_point:
+    if value_bits == 8 and comm_dtype.is_floating_point:
         return FP8
-    if value_bits == 16 and wire_dtype.is_floating_point and wire_dtype.itemsize > 2:
+    if value_bits == 16 and comm_dtype.is_floating_point and comm_dtype.itemsize > 2:
         return torch.bfloat16
-    return wire_dtype
+    return comm_dtype
 
 
 def scale_exponent(x: torch.Tensor) -> int:

@@ -172,7 +172,7 @@ def test_index_bytes_stay_under_two_per_core_index_at_one_percent():
 
 @pytest.mark.parametrize("bits", [32, 8])
 def test_lossy_values_keep_their_rounding_error_in_the_residual(bits):
-    """Compression.fp16 (value_bits=32: slices in the wire dtype, fp16) and value_bits=8
+    """Compression.fp16 (value_bits=32: slices in the comm dtype, fp16) and value_bits=8
     (scaled fp8): what the wire rounds away stays in the senders' residuals."""
     config = SlimConfig(density=0.02, op="sum", min_compress_numel=1000, value_bits=bits)
 

@@ -72,6 +72,8 @@ class SlimExchange:
         try:
             compensated = worker.compensate(t)
             sections, report = worker.select(t, compensated)
+            # The first collective comes after the local phases, so a failed handshake keeps
+            # this step's gradient in the residual (absorb) like any other failure.
             self._handshake(t)
             pushed = self._push(sections, report, t)
             reply = self._aggregate(pushed, t)

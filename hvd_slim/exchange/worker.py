@@ -67,9 +67,8 @@ class Worker:
     def __init__(self, layout: Layout, config: SlimConfig, rank: int, size: int, digest: int,
                  path: WirePath, stats: ExchangeStats,
                  momentum: Optional[Dict[int, dict]] = None) -> None:
-        self.layout, self.cfg, self.rank, self.size, self.digest = layout, config, rank, size, \
-            digest
-        self.path, self.stats = path, stats
+        self.layout, self.cfg, self.path, self.stats = layout, config, path, stats
+        self.rank, self.size, self.digest = rank, size, digest
         momentum = momentum or {}
         self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device,
                                                **momentum.get(b.index, {}))
@@ -130,8 +129,8 @@ class Worker:
                 sections.append(self.path.empty())
                 continue
             values = self.memory[b.index].residual.to(b.comm_dtype, copy=True)
-            # Nothing is masked: the velocity stays (a flush sends residuals, not momentum).
             delivered = values.to(b.dtype) if b.comm_dtype != b.dtype else None
+            # Nothing is masked: the velocity stays (a flush sends residuals, not momentum).
             self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
                                           mask_velocity=0.0))
             sections.append(self.path.section(wm.M_DENSE, values, b.numel))

@@ -17,7 +17,7 @@ import torch
 from .exchange import SPARSE, Layout, SlimExchange
 from .inner import adam
 from .wrapping import (SlimSettings, momentum_plan, named_parameter_list, resolve_settings,
-                       wire_dtype_fn)
+                       comm_dtype_fn)
 
 
 class _SlimOptimizer(torch.optim.Optimizer):
@@ -37,7 +37,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._parameter_names = {p: n for n, p in named}
         self._requires_update = [p for _, p in named if p.requires_grad]
         self._layout = Layout([(n, p) for n, p in named if p.requires_grad], settings.config,
-                              wire_dtype_fn(settings.compression),
+                              comm_dtype_fn(settings.compression),
                               frozen=[(n, p) for n, p in named if not p.requires_grad])
         try:
             plan = momentum_plan(self, self._layout, settings.config)

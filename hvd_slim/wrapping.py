@@ -55,10 +55,10 @@ def named_parameter_list(optimizer: torch.optim.Optimizer,
     return [(by_id[id(p)], p) for p in opt_params]
 
 
-def wire_dtype_fn(compression: Any) -> Callable[[torch.dtype], torch.dtype]:
+def comm_dtype_fn(compression: Any) -> Callable[[torch.dtype], torch.dtype]:
     """Map a bucket dtype to the dtype its values travel in, by probing the compressor
     (``Compression.none`` keeps it, ``Compression.fp16`` halves floats)."""
-    def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    def comm_dtype(dtype: torch.dtype) -> torch.dtype:
         probe = torch.zeros(2, dtype=dtype)
         out, ctx = compression.compress(probe)
         if not isinstance(out, torch.Tensor) or out.shape != probe.shape:
@@ -66,7 +66,7 @@ def wire_dtype_fn(compression: Any) -> Callable[[torch.dtype], torch.dtype]:
                              "supports dtype-casting compressors only (Compression.none, "
                              "Compression.fp16)")
         return out.dtype
-    return wire_dtype
+    return comm_dtype
 
 
 def _check_horovod_args(backward_passes_per_step, op, gradient_predivide_factor, num_groups,

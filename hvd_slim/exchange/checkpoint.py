@@ -9,12 +9,16 @@ state holds only tensors and plain Python values: ``torch.load(..., weights_only
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
 from ..config import RESUMABLE_FIELDS
 from .describe import config_difference, param_difference, params_of
+from .layout import Bucket
+
+if TYPE_CHECKING:   # step.py imports this module
+    from .step import SlimExchange
 
 # What fields added later meant before they existed: a checkpoint without one was made with
 # that behaviour (values at full precision, DGC's masking, decays from dense).
@@ -31,20 +35,20 @@ def _where(keys: list) -> str:
     return " and ".join(keys)
 
 
-def state_of(ex: Any) -> dict:
+def state_of(ex: SlimExchange) -> dict:
     """This rank's exchange state (see :meth:`SlimExchange.state_dict`)."""
     return {"version": VERSION, "rank": ex.rank, "size": ex.size, "step": ex.step_count,
             "digest": ex.digest, "config": ex.cfg.to_dict(),
             "effective": ex.cfg.effective_dict(), "layout": ex.layout.description(),
-            "memory": {i: m.state_dict() for i, m in ex.memory.items()},
-            "selector": {i: s.state_dict() for i, s in ex.selector.items()},
-            "core": {i: c.clone() for i, c in ex.core.items()},
-            "pull_core": {i: c.clone() for i, c in ex.pull_core.items()},
+            "memory": {i: m.state_dict() for i, m in ex.worker.memory.items()},
+            "selector": {i: s.state_dict() for i, s in ex.worker.selector.items()},
+            "core": {i: c.clone() for i, c in ex.worker.core.items()},
+            "pull_core": {i: c.clone() for i, c in ex.worker.pull_core.items()},
             "server": None if ex.server is None else ex.server.state_dict(),
             "stats": ex.stats.state_dict()}
 
 
-def validate(ex: Any, state: Any) -> None:
+def validate(ex: SlimExchange, state: Any) -> None:
     """Raise ValueError (naming what differs and how to fix it) unless ``state`` can be loaded
     into ``ex`` completely. Reads only."""
     if not isinstance(state, dict) or state.get("version") not in (1, 2, VERSION):
@@ -64,7 +68,7 @@ def validate(ex: Any, state: Any) -> None:
     for b in ex.layout.sparse:
         mem = _entry(state, "memory", b.index)
         _tensor(mem, "residual", (b.numel,), b.dtype, b.index)
-        if ex.memory[b.index].velocity is not None:
+        if ex.worker.memory[b.index].velocity is not None:
             _tensor(mem, "velocity", (b.numel,), b.dtype, b.index)
         elif "velocity" in mem:
             raise ValueError(f"hvd_slim checkpoint: bucket {b.index} has a momentum-correction "
@@ -80,21 +84,21 @@ def validate(ex: Any, state: Any) -> None:
         raise ValueError("hvd_slim checkpoint: 'stats' must be a dict")
 
 
-def load(ex: Any, state: dict) -> None:
+def load(ex: SlimExchange, state: dict) -> None:
     """Copy a :func:`validate`-d state into ``ex``."""
     ex.step_count = int(state["step"])
-    for i, m in ex.memory.items():
+    for i, m in ex.worker.memory.items():
         m.load_state_dict(state["memory"][i])
-        ex.selector[i].load_state_dict(state["selector"][i])
-    ex.core = {int(i): c.clone() for i, c in state["core"].items()}
-    ex.pull_core = {int(i): c.clone() for i, c in state["pull_core"].items()}
+        ex.worker.selector[i].load_state_dict(state["selector"][i])
+    ex.worker.core = {int(i): c.clone() for i, c in state["core"].items()}
+    ex.worker.pull_core = {int(i): c.clone() for i, c in state["pull_core"].items()}
     if ex.server is not None:
         ex.server.load_state_dict(state["server"])
     ex.stats.load_state_dict(state.get("stats", {}))
 
 
 # --- checks ------------------------------------------------------------------------------------
-def _check_same_exchange(ex: Any, state: dict) -> None:
+def _check_same_exchange(ex: SlimExchange, state: dict) -> None:
     """Same model (by layout description when saved, else by digest) and same settings."""
     saved_cfg = _saved_effective(state)
     cfg_diff = config_difference({"in the checkpoint": saved_cfg, "now": ex.cfg.effective_dict()},
@@ -173,7 +177,7 @@ def _core(table: Any, index: int, k: int, d: int, what: str) -> None:
                          f"{k} sorted distinct indices in [0, {d})")
 
 
-def _check_server(ex: Any, srv: Any, sizes: Dict[int, Any]) -> None:
+def _check_server(ex: SlimExchange, srv: Any, sizes: Dict[int, Bucket]) -> None:
     if not isinstance(srv, dict):
         raise ValueError(f"rank {ex.rank} is the server but its checkpoint has no server state: "
                          "was server_rank changed?")

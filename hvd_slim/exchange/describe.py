@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 
 from ..config import SlimConfig
+from .layout import Layout
 
 DESCRIPTION_VERSION = 1
 
 
-def describe(layout: Any, config: SlimConfig, rank: int, step: int, digest: int) -> dict:
+def rank_description(layout: Layout, config: SlimConfig, rank: int, step: int, digest: int) -> dict:
     """A JSON-ready description of one rank's exchange."""
     return {"version": DESCRIPTION_VERSION, "rank": rank, "step": step,
             "digest": f"{digest:016x}", "config": config.shared_dict(),
@@ -40,11 +41,11 @@ def grouped(values: Dict[Hashable, str], where: Callable[[List[Any]], str]) -> s
 def _signature(row: Optional[list]) -> str:
     if row is None:
         return "absent"
-    _, shape, dtype, wire, status = row
+    _, shape, dtype, sent_as, status = row
     text = f"shape {tuple(shape)} {dtype}"
     if status == "frozen":
         return f"frozen (requires_grad=False), {text}"
-    return text + (f" sent as {wire}" if wire and wire != dtype else "")
+    return text + (f" sent as {sent_as}" if sent_as and sent_as != dtype else "")
 
 
 def params_of(desc: Any) -> Dict[str, list]:
@@ -83,7 +84,7 @@ def config_difference(configs: Dict[Hashable, Any], where: Callable[[List[Any]],
 def param_difference(params: Dict[Hashable, Dict[str, list]],
                      where: Callable[[List[Any]], str]) -> Optional[str]:
     """``parameter 'fc.weight': shape ... on ... vs. ...`` for the first parameter, by name, that
-    differs (shape, dtype, wire dtype, frozen or absent), plus a count of the others."""
+    differs (shape, dtype, comm dtype, frozen or absent), plus a count of the others."""
     names = sorted(set().union(*(p.keys() for p in params.values())))
     differing = [n for n in names
                  if len({_signature(p.get(n)) for p in params.values()}) > 1]

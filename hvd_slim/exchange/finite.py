@@ -30,25 +30,26 @@ def nonfinite_params(b: Bucket, flat: torch.Tensor) -> List[str]:
             if not bool(torch.isfinite(flat[s.offset:s.offset + s.numel]).all())]
 
 
-def nonfinite_sent(b: Bucket, wire: torch.Tensor, sel: Optional[torch.Tensor]) -> List[str]:
-    """Names of the parameters whose values in ``wire`` (the values sent, at coordinates ``sel``,
+def nonfinite_sent(b: Bucket, values: torch.Tensor, sel: Optional[torch.Tensor]) -> List[str]:
+    """Names of the parameters whose entries in ``values`` (the values sent, at coordinates ``sel``,
     or all of the bucket when None) are NaN/Inf, e.g. a float16 overflow under Compression.fp16."""
-    if wire.numel() == 0:
+    if values.numel() == 0:
         return []
-    if math.isfinite(float(wire.sum(dtype=torch.float32))):
+    if math.isfinite(float(values.sum(dtype=torch.float32))):
         return []
-    bad = (~torch.isfinite(wire)).nonzero().reshape(-1)
+    bad = (~torch.isfinite(values)).nonzero().reshape(-1)
     coords = bad if sel is None else sel.to(bad.device)[bad]
     starts = torch.tensor([s.offset for s in b.segments], device=coords.device)
     which = sorted(set((torch.searchsorted(starts, coords, right=True) - 1).tolist()))
     return [b.segments[i].name for i in which]
 
 
-def describe(names: List[str], overflow: bool, wire_dtype: Optional[torch.dtype] = None) -> str:
+def nonfinite_text(names: List[str], overflow: bool,
+                   sent_dtype: Optional[torch.dtype] = None) -> str:
     """A short report: the tensors named, and whether the values were NaN/Inf or overflowed."""
     shown = ", ".join(repr(n) for n in names[:MAX_NAMES])
     more = f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else ""
-    if overflow and wire_dtype == torch.float16:
+    if overflow and sent_dtype == torch.float16:
         return (f"values of {shown}{more} overflow float16 on the wire (Compression.fp16 "
                 "cannot carry values beyond 65504)")
     if overflow:   # scaled float8 and bfloat16 carry every finite float32: this was NaN/Inf

@@ -9,15 +9,18 @@ side, which every rank raises as the same :class:`ExchangeError`. Rank 0 leads w
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import numpy as np
 
 from ..wire import control
 from ..wire import message as wm
-from .describe import config_difference, describe, grouped, param_difference, params_of, \
-    ranks_text
+from .describe import (config_difference, grouped, param_difference, params_of, rank_description,
+                       ranks_text)
 from .errors import ExchangeError
+
+if TYPE_CHECKING:   # step.py imports this module
+    from .step import SlimExchange
 
 ROOT = 0
 REPLY_BOUND = 1 << 14  # every reply (AGREED, DESCRIBE, ERROR) fits; error texts are cut to fit
@@ -26,7 +29,7 @@ FIX = ("Every rank must build the same model, freeze the same parameters, pass t
        "same number of times (a resumed job: every rank loads its own checkpoint of one save)")
 
 
-def agree(ex: Any, step: int) -> None:
+def check_agreement(ex: SlimExchange, step: int) -> None:
     """Collective over every rank of ``ex.transport``: return when all ranks agree with this
     one, else raise the same :class:`ExchangeError` on every rank."""
     tr, rank = ex.transport, ex.rank
@@ -36,14 +39,14 @@ def agree(ex: Any, step: int) -> None:
     if _read_reply(tr.broadcast(reply, root=ROOT, bound=REPLY_BOUND), step) == wm.AGREED:
         return
     desc = control.encode_description(rank, step, ex.digest,
-                                      describe(ex.layout, ex.cfg, rank, step, ex.digest))
+                                      rank_description(ex.layout, ex.cfg, rank, step, ex.digest))
     got = tr.gather(desc, root=ROOT, bound=None)
     reply = _guard(lambda: _judge_descriptions(got, step), step) if rank == ROOT else None
     _read_reply(tr.broadcast(reply, root=ROOT, bound=REPLY_BOUND), step)
     raise ExchangeError(f"rank {rank}: the handshake of step {step} ended without a verdict")
 
 
-def _guard(judge: Any, step: int) -> np.ndarray:
+def _guard(judge: Callable[[], np.ndarray], step: int) -> np.ndarray:
     """Rank 0's verdict, or an ERROR carrying whatever went wrong while judging."""
     try:
         return judge()

@@ -41,7 +41,7 @@ class Bucket:
     index: int
     kind: str                 # DENSE or SPARSE
     dtype: torch.dtype
-    wire_dtype: torch.dtype   # dtype of dense values on the wire (fp16 with Compression.fp16)
+    comm_dtype: torch.dtype   # dtype of all values sent but slices (fp16 with Compression.fp16)
     segments: List[Segment]
     numel: int
     device: torch.device = torch.device("cpu")  # where the bucket's residual and buffers live
@@ -51,16 +51,16 @@ class Bucket:
     k_pull: int = 0           # pull slice size (pull="slim")
     k_pull_core: int = 0
     k_pull_explore: int = 0
-    slice_dtype: Optional[torch.dtype] = None  # sliced values (value_bits); None: wire_dtype
+    slice_dtype: Optional[torch.dtype] = None  # sliced values (value_bits); None: comm_dtype
 
     def __post_init__(self) -> None:
         if self.slice_dtype is None:
-            self.slice_dtype = self.wire_dtype
+            self.slice_dtype = self.comm_dtype
 
     @property
     def value_bytes(self) -> int:
         """Bytes of one dense value (dense sections and the exact union pull)."""
-        return self.wire_dtype.itemsize
+        return self.comm_dtype.itemsize
 
     @property
     def slice_bytes(self) -> int:
@@ -100,7 +100,7 @@ class Layout:
     """Buckets for a fixed, name-ordered list of parameters."""
 
     def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]], config: SlimConfig,
-                 wire_dtype_of: Callable[[torch.dtype], torch.dtype],
+                 comm_dtype_of: Callable[[torch.dtype], torch.dtype],
                  frozen: Sequence[Tuple[str, torch.Tensor]] = ()) -> None:
         # Frozen parameters (requires_grad=False) take no part in the exchange; they are kept
         # only so that a mismatch error can say "frozen on rank 1" rather than "missing".
@@ -112,8 +112,8 @@ class Layout:
             kind = SPARSE if p.numel() >= config.min_compress_numel and p.is_floating_point() \
                 else DENSE
             groups.setdefault((kind, p.dtype, p.device), []).append((name, p))
-        # Widest wire dtype first keeps every value section aligned for its own dtype.
-        keys = sorted(groups, key=lambda kd: (-torch.empty((), dtype=wire_dtype_of(kd[1]))
+        # Widest comm dtype first keeps every value section aligned for its own dtype.
+        keys = sorted(groups, key=lambda kd: (-torch.empty((), dtype=comm_dtype_of(kd[1]))
                                                .element_size(), kd[0] != DENSE, str(kd[1]),
                                                str(kd[2])))
         self.buckets: List[Bucket] = []
@@ -122,17 +122,17 @@ class Layout:
             for name, p in groups[(kind, dtype, device)]:
                 segs.append(Segment(name, p, off, p.numel()))
                 off += p.numel()
-            wire = wire_dtype_of(dtype)
-            b = Bucket(len(self.buckets), kind, dtype, wire, segs, off, device=device,
-                       slice_dtype=slice_dtype(config.value_bits, wire) if kind == SPARSE
-                       else wire)
+            comm = comm_dtype_of(dtype)
+            b = Bucket(len(self.buckets), kind, dtype, comm, segs, off, device=device,
+                       slice_dtype=slice_dtype(config.value_bits, comm) if kind == SPARSE
+                       else comm)
             if kind == SPARSE:
                 b.k, b.k_core, b.k_explore = slice_sizes(off, config.density, config.exploration)
                 b.k_pull, b.k_pull_core, b.k_pull_explore = slice_sizes(
                     off, config.effective_pull_density, config.exploration)
                 if not slice_is_smaller(off, b.k, b.k_core, b.slice_bytes, b.value_bytes):
                     b.kind = DENSE  # dense fallback: no residual, exactly a dense average
-                    b.slice_dtype = wire
+                    b.slice_dtype = comm
             self.buckets.append(b)
         self.names = [n for n, _ in ordered]
         self._config = config
@@ -167,7 +167,7 @@ class Layout:
         h = hashlib.sha256()
         for b in self.buckets:
             # The device type is deliberately left out: a CPU and a CUDA replica may interoperate.
-            h.update(f"{b.kind}|{b.dtype}|{b.wire_dtype}|{b.slice_dtype}|{b.numel}|{b.k}|"
+            h.update(f"{b.kind}|{b.dtype}|{b.comm_dtype}|{b.slice_dtype}|{b.numel}|{b.k}|"
                      f"{b.k_pull}\n".encode())
             for s in b.segments:
                 h.update(f"{s.name}|{tuple(s.param.shape)}\n".encode())
@@ -179,9 +179,9 @@ class Layout:
                 for b in self.buckets for s in b.segments]
 
     def description(self) -> List[list]:
-        """JSON-ready ``[name, shape, dtype, wire dtype, "trainable" | "frozen"]`` per parameter,
+        """JSON-ready ``[name, shape, dtype, comm dtype, "trainable" | "frozen"]`` per parameter,
         by name: what ranks (and checkpoints) compare to name the first parameter that differs."""
-        rows = [[s.name, list(s.param.shape), _dt(b.dtype), _dt(b.wire_dtype), "trainable"]
+        rows = [[s.name, list(s.param.shape), _dt(b.dtype), _dt(b.comm_dtype), "trainable"]
                 for b in self.buckets for s in b.segments]
         rows += [[n, list(shape), _dt(dtype), "", "frozen"] for n, shape, dtype in self.frozen]
         return sorted(rows, key=lambda row: row[0])

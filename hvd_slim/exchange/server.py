@@ -22,10 +22,10 @@ from ..wire import control
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
 from ..wire.values import quantize
-from .codec import (indices_on, is_refresh, itemsizes, pull_expect, pull_is_dense, push_expect,
-                    section_values)
-from .finite import describe, nonfinite_sent
+from .expect import is_refresh, pull_is_dense, push_expect
+from .finite import nonfinite_sent, nonfinite_text
 from .layout import DENSE, Bucket, Layout
+from .sections import indices_on, itemsizes, section_values
 from .wirepath import HostPath, WirePath
 
 
@@ -34,10 +34,10 @@ class Server:
     each worker last sent (for ``refresh_interval > 1``) and its own cached pull core."""
 
     def __init__(self, layout: Layout, config: SlimConfig, size: int, rank: int,
-                 wire: Optional[WirePath] = None) -> None:
+                 path: Optional[WirePath] = None) -> None:
         self.layout, self.cfg, self.size, self.rank = layout, config, size, rank
         # Messages as numpy or as device tensors: the path's choice, never asked here.
-        self.wire: WirePath = HostPath() if wire is None else wire
+        self.path: WirePath = HostPath() if path is None else path
         # The server's state lives beside the parameters: on a GPU, aggregation, selection and
         # the pull's encoding all stay there.
         self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device)
@@ -69,15 +69,15 @@ class Server:
         reports: List[Tuple[int, str]] = []
         for j, buf in enumerate(payloads):
             who = f"push from rank {j}"
-            if self.wire.is_error(buf):
+            if self.path.is_error(buf):
                 raise wm.WireError(f"{who}: an error message where a push belongs")
-            if not flush and self.wire.peek(buf, who) == wm.NONFINITE:
-                reports.append((j, control.decode_text(self.wire.host(buf), kind=wm.NONFINITE,
+            if not flush and self.path.peek(buf, who) == wm.NONFINITE:
+                reports.append((j, control.decode_text(self.path.host(buf), kind=wm.NONFINITE,
                                                        sender=j, step=step, digest=digest,
                                                        who=who)))
                 decoded.append(None)
                 continue
-            decoded.append(self.wire.decode(buf, kind=kind, sender=j, step=step, digest=digest,
+            decoded.append(self.path.decode(buf, kind=kind, sender=j, step=step, digest=digest,
                                             expect=expect, who=who))
         if reports:
             return self._verdict(reports, step, digest, limit)
@@ -106,10 +106,10 @@ class Server:
             plan.undo()
             for i, st in selectors.items():
                 self.selector[i].load_state_dict(st)
-            text = f"the server's aggregate: {describe(plan.overflow, True, plan.wire_dtype)}"
+            text = f"the server's aggregate: {nonfinite_text(plan.overflow, True, plan.sent_dtype)}"
             return self._verdict([(self.rank, text)], step, digest, limit)
         adopted = plan.commit(self)
-        out = self.wire.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,
+        out = self.path.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,
                                sections, itemsizes(buckets, sections))[0]
         # encode() copied every section: the aggregate buffers are free again. A residual that
         # adopted a bucket's aggregate handed back its old buffer instead.
@@ -124,10 +124,10 @@ class Server:
         """SKIP or ERROR for a step with non-finite values; nothing of the server has changed."""
         where = "; ".join(f"rank {j}: {text}" for j, text in reports)
         if self.cfg.nonfinite == "skip":
-            return self.wire.from_host(control.encode_text(
+            return self.path.from_host(control.encode_text(
                 wm.SKIP, self.rank, step, digest,
                 f"step {step} skipped on every rank (nonfinite='skip'): {where}", limit=limit))
-        return self.wire.from_host(wm.encode_error(
+        return self.path.from_host(wm.encode_error(
             self.rank, step, f"hvd_slim: non-finite gradient at step {step} (nonfinite='raise'): "
             f"{where}. No rank's parameters, residuals or optimizer state changed. Find the "
             "source (torch.autograd.set_detect_anomaly, a lower learning rate, gradient "
@@ -185,10 +185,10 @@ class Server:
                       step: int, flush: bool, plan: "_Plan") -> wm.Section:
         if b.kind == DENSE:
             if flush:
-                return self.wire.empty()
+                return self.path.empty()
             return self._sent(b, total, None, plan, wm.M_DENSE)
         if self.cfg.pull == "union" and not flush:
-            # The exact aggregate: at the wire dtype (not value_bits), as nothing keeps a
+            # The exact aggregate: at the comm dtype (not value_bits), as nothing keeps a
             # rounding error here.
             idx = touched.nonzero().reshape(-1)
             n = idx.numel()
@@ -199,9 +199,9 @@ class Server:
         mem = self.memory[b.index]
         v = total.add_(mem.residual)   # e + G, proposed: e itself changes only at commit
         # Sent as a copy, since commit zeroes v's buffer.
-        wire, _, delivered = quantize(v.clone() if v.dtype == b.wire_dtype else v, b.wire_dtype)
+        coded, _, delivered = quantize(v.clone() if v.dtype == b.comm_dtype else v, b.comm_dtype)
         plan.memory.append((mem, v, None, delivered))
-        return self._checked(b, wire, delivered, None, plan, wm.M_DENSE)
+        return self._checked(b, coded, delivered, None, plan, wm.M_DENSE)
 
     def _slice_pull(self, b: Bucket, v: torch.Tensor, step: int, plan: "_Plan") -> wm.Section:
         """The pull slice of ``v`` (= e + G, the residual itself): its core by |v| plus
@@ -217,28 +217,28 @@ class Server:
                             role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
                             device=b.device)
         # value_bits: what rounding loses stays in the server's residual (forgotten: delivered).
-        wire, exp, delivered = quantize(v[sel], b.slice_dtype)
+        coded, exp, delivered = quantize(v[sel], b.slice_dtype)
         plan.forget.append((mem, sel, delivered))
         mode = wm.M_SLICE if refresh else wm.M_SLICE_CACHED
-        return self._checked(b, wire, delivered, sel, plan, mode, core if refresh else None, exp)
+        return self._checked(b, coded, delivered, sel, plan, mode, core if refresh else None, exp)
 
     def _sent(self, b: Bucket, values: torch.Tensor, sel: Optional[torch.Tensor], plan: "_Plan",
               mode: int, indices: Optional[torch.Tensor] = None) -> wm.Section:
-        """The section carrying ``values`` in the bucket's wire dtype (dense, or the union)."""
-        wire, _, delivered = quantize(values, b.wire_dtype)
-        return self._checked(b, wire, delivered, sel, plan, mode, indices)
+        """The section carrying ``values`` in the bucket's comm dtype (dense, or the union)."""
+        coded, _, delivered = quantize(values, b.comm_dtype)
+        return self._checked(b, coded, delivered, sel, plan, mode, indices)
 
-    def _checked(self, b: Bucket, wire: torch.Tensor, delivered: Optional[torch.Tensor],
+    def _checked(self, b: Bucket, coded: torch.Tensor, delivered: Optional[torch.Tensor],
                  sel: Optional[torch.Tensor], plan: "_Plan", mode: int,
                  indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
-        """The section for ``wire``; what a lossy wire dtype delivers is checked for overflow
+        """The section for ``coded``; what a lossy coding delivers is checked for overflow
         (cheaply)."""
         if delivered is not None and self.cfg.nonfinite != "propagate":
             bad = nonfinite_sent(b, delivered, sel)
             if bad:
                 plan.overflow += bad
-                plan.wire_dtype = wire.dtype
-        return self.wire.section(mode, wire, b.numel, indices, exp)
+                plan.sent_dtype = coded.dtype
+        return self.path.section(mode, coded, b.numel, indices, exp)
 
     # --- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -269,7 +269,7 @@ class _Plan:
         self.worker_cores: Dict[Tuple[int, int], torch.Tensor] = {}
         self.pull_core: Dict[int, torch.Tensor] = {}
         self.overflow: List[str] = []        # parameters whose pulled values overflow the wire
-        self.wire_dtype: Optional[torch.dtype] = None
+        self.sent_dtype: Optional[torch.dtype] = None
 
     def commit(self, server: Server) -> Dict[int, torch.Tensor]:
         """Apply the plan; returns each adopting memory's old residual buffer, by id(memory)."""
@@ -284,7 +284,6 @@ class _Plan:
         server.pull_core.update(self.pull_core)
         return old
 
-
     def undo(self) -> None:
         """The step does not go through: give residuals aggregated in place their old values
         back (exactly; a coordinate two pushes touched was saved twice, with the same value)."""
@@ -292,15 +291,3 @@ class _Plan:
             e.index_put_((idx,), before)
         self.saved = []
 
-
-def decode_pull(layout: Layout, cfg: SlimConfig, buf: Any, step: int, digest: int,
-                flush: bool = False, wire: Optional[WirePath] = None,
-                size: Optional[int] = None) -> List[wm.Section]:
-    """A worker's strict decode of the server's pull (numpy, or a tensor with ``wire`` the
-    device path). With the world ``size``, a union pull may hold at most ``size * k``
-    coordinates a bucket (what the workers could have pushed)."""
-    expect = pull_expect(layout.at_step(step), step, cfg.refresh_interval, cfg.pull, flush,
-                         size=size)
-    return (wire or HostPath()).decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
-                                       sender=cfg.server_rank, step=step, digest=digest,
-                                       expect=expect, who="pull from the server")

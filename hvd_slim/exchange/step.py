@@ -2,9 +2,12 @@
 
     compensate -> select -> push -> aggregate (server) -> pull -> apply
 
-:meth:`SlimExchange.step` is the only place that fixes this order. It reads each parameter's
-``.grad`` and writes the pulled update back into it; the wrapped optimizer's ``step()`` runs
-afterwards. Nothing here knows about MPI: the transport is passed in.
+with the handshake once, before the first push (and again after a checkpoint is loaded).
+:meth:`SlimExchange.step` is the only place that fixes this order: one call a phase, the
+worker's (:class:`~hvd_slim.exchange.worker.Worker`) and the server's
+(:class:`~hvd_slim.exchange.server.Server`) halves on their own objects, the collectives here.
+It reads each parameter's ``.grad`` and writes the pulled update back into it; the wrapped
+optimizer's ``step()`` runs afterwards. Nothing here knows about MPI: the transport is passed in.
 
 Compensation is speculative: this rank's residual, velocity and cores change only when the
 pull says the step went through. A step can also end in a verdict every rank shares: SKIP (a
@@ -20,25 +23,25 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..config import SlimConfig
-from ..memory import ResidualMemory
-from ..selection import ROLE_PULL, CoreSelector, slice_indices
 from ..transport.base import Transport, TransportTimeout
 from ..wire import control
 from ..wire import message as wm
 from . import checkpoint, handshake
-from .codec import indices_on, itemsizes, message_bound, pull_expect, push_expect, section_values
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
-from .layout import DENSE, Bucket, Layout
-from .server import Server, decode_pull
+from .expect import message_bound, pull_expect, push_expect
+from .layout import Layout
+from .sections import itemsizes
+from .server import Server
 from .stats import ExchangeStats
 from .wirepath import WirePath, wire_path
-from .worker import Proposal, WorkerSide
+from .worker import Worker
 
 __all__ = ["ExchangeError", "NonFiniteGradientError", "SlimExchange"]
 
 
-class SlimExchange(WorkerSide):
-    """Per-rank Slim-DP state (residuals, cached cores, server state) and the step sequence."""
+class SlimExchange:
+    """Per-rank Slim-DP state (the worker, and the server on ``server_rank``) and the step
+    sequence."""
 
     def __init__(self, layout: Layout, config: SlimConfig, transport: Transport,
                  momentum: Optional[Dict[int, dict]] = None) -> None:
@@ -47,26 +50,16 @@ class SlimExchange(WorkerSide):
         self.rank, self.size = transport.rank, transport.size
         self.digest = layout.digest() ^ int(config.digest(), 16)
         self.step_count = 0
-        momentum = momentum or {}
-        self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device,
-                                               **momentum.get(b.index, {}))
-                       for b in layout.sparse}
-        self.selector = {b.index: CoreSelector() for b in layout.sparse}
-        self.core: Dict[int, torch.Tensor] = {}        # this worker's cached push cores
-        self.pull_core: Dict[int, torch.Tensor] = {}   # the server's cached pull cores
+        self.stats = ExchangeStats(layout, self.size)
         # Host numpy or device tensors for the messages: whichever the transport takes for the
         # parameters' device (the layout refuses parameters on more than one device).
         device = layout.buckets[0].device if layout.buckets else torch.device("cpu")
-        self.wire: WirePath = wire_path(transport, device)
-        self.server = Server(layout, config, self.size, self.rank, self.wire) \
+        self.path: WirePath = wire_path(transport, device)
+        self.worker = Worker(layout, config, self.rank, self.size, self.digest, self.path,
+                             self.stats, momentum)
+        self.server = Server(layout, config, self.size, self.rank, self.path) \
             if self.rank == config.server_rank else None
-        self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
-                      for b in layout.buckets}
-        self._score: Dict[int, torch.Tensor] = {}   # only with magnitude_weight > 0
-        self._pulled: Dict[int, torch.Tensor] = {}  # sliced pulls; each p.grad views it
-        self._pending: List[Proposal] = []
         self._agreed = False   # the handshake has not run yet
-        self.stats = ExchangeStats(layout, self.size)
 
     # --- the step ----------------------------------------------------------------------------
     def step(self) -> bool:
@@ -74,24 +67,28 @@ class SlimExchange(WorkerSide):
         Returns False when every rank skipped the step (a NaN/Inf gradient somewhere under
         ``nonfinite="skip"``): then nothing changed and ``p.grad`` is as the caller left it."""
         t, t0 = self.step_count, time.perf_counter()
-        self._pending = []
-        selectors = {i: s.state_dict() for i, s in self.selector.items()}
+        worker = self.worker
+        selectors = worker.selector_states()
         try:
-            sections, report = self._compensate_and_select_all(t)
-            self._agree(t)
+            compensated = worker.compensate(t)
+            sections, report = worker.select(t, compensated)
+            # The first collective comes after the local phases, so a failed handshake keeps
+            # this step's gradient in the residual (absorb) like any other failure.
+            self._handshake(t)
             pushed = self._push(sections, report, t)
-            pulled = self._aggregate_and_pull(pushed, t, flush=False)
+            reply = self._aggregate(pushed, t)
+            pulled = self._pull(reply, t)
         except NonFiniteGradientError:
-            self._rollback(selectors)
+            worker.rollback(selectors)
             raise
         except BaseException:
-            self._absorb()
+            worker.absorb()
             raise
         if pulled is None:
-            self._rollback(selectors)
+            worker.rollback(selectors)
             self.stats.skipped_steps += 1
             return False
-        self._apply(pulled, t)
+        worker.apply(pulled, t)
         self.step_count += 1
         self.stats.finish_step(time.perf_counter() - t0)
         return True
@@ -100,52 +97,80 @@ class SlimExchange(WorkerSide):
         """Send every residual (workers' and server's) densely; compressed ``p.grad`` then hold
         it and dense-bucket grads are untouched. Call the inner optimizer's step afterwards."""
         t = self.step_count
-        self._pending = []
-        sections = []
-        for b in self.layout.buckets:
-            if b.kind == DENSE:
-                sections.append(self.wire.empty())
-                continue
-            wire = self.memory[b.index].residual.to(b.wire_dtype, copy=True)
-            self._pending.append(Proposal(b.index, None, wire.to(b.dtype)
-                                           if b.wire_dtype != b.dtype else None, False))
-            sections.append(self.wire.section(wm.M_DENSE, wire, b.numel))
+        sections = self.worker.flush_sections()
         try:
-            self._agree(t)
+            self._handshake(t)
             pushed = self._push(sections, None, t, flush=True)
-            pulled = self._aggregate_and_pull(pushed, t, flush=True)
+            reply = self._aggregate(pushed, t, flush=True)
+            pulled = self._pull(reply, t, flush=True)
         except BaseException:
-            self._pending = []   # nothing was forgotten: every residual is still in place
+            self.worker.drop_pending()   # nothing was forgotten: every residual is in place
             raise
-        self._apply(pulled, t)
+        self.worker.apply(pulled, t)
         self.stats.flushes += 1
 
     # --- phases ------------------------------------------------------------------------------
-    def _agree(self, t: int) -> None:
-        """The handshake, once per exchange (and again after loading a checkpoint)."""
+    def _handshake(self, t: int) -> None:
+        """Once per exchange (and again after loading a checkpoint), before the first push:
+        every rank checks that all run the same model and settings."""
         if not self._agreed:
-            self._collective(lambda: handshake.agree(self, t), f"the handshake of step {t}")
+            self._collective(lambda: handshake.check_agreement(self, t),
+                             f"the handshake of step {t}")
             self._agreed = True
 
     def _push(self, sections: List[wm.Section], report: Optional[str], t: int,
               flush: bool = False) -> Optional[List[Any]]:
+        """Gather every rank's push (or NaN/Inf report) on the server; None off the server."""
         kind = wm.FLUSH_PUSH if flush else wm.PUSH
         bound = message_bound(push_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
                                           flush=flush))
         if report is None:
-            buf, sizes = self.wire.encode(kind, self.rank, t, self.digest, sections,
+            buf, sizes = self.path.encode(kind, self.rank, t, self.digest, sections,
                                           itemsizes(self.layout.at_step(t), sections))
             self.stats.record_push(sections, sizes)
         else:   # a NaN/Inf: report it instead of pushing; the server decides for every rank
-            buf = self.wire.from_host(control.encode_text(wm.NONFINITE, self.rank, t,
+            buf = self.path.from_host(control.encode_text(wm.NONFINITE, self.rank, t,
                                                           self.digest, report, limit=bound))
         before = self.transport.stats.bytes_sent
-        gathered = self._collective(lambda: self.wire.gather(
+        gathered = self._collective(lambda: self.path.gather(
             self.transport, buf, self.cfg.server_rank, bound), f"the push of step {t}")
         sent = self.transport.stats.bytes_sent - before
         self.stats.bytes_pushed += sent
         self.stats.last["bytes_pushed"] = sent
         return gathered
+
+    def _aggregate(self, gathered: Optional[List[Any]], t: int, flush: bool = False) -> Any:
+        """On the server: the reply to broadcast (the pull, a SKIP, or an ERROR every rank
+        raises, also for a failure of the server itself). None on the other ranks."""
+        if self.server is None:
+            return None
+        bound = self._pull_bound(t, flush)
+        try:
+            return self.server.serve(gathered, t, self.digest, flush, limit=bound)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
+            return self.path.from_host(wm.encode_error(
+                self.rank, t, f"server rank {self.rank} failed at step {t}: "
+                f"{type(exc).__name__}: {exc}", limit=bound))
+
+    def _pull(self, reply: Any, t: int, flush: bool = False) -> Optional[List[wm.Section]]:
+        """Broadcast the server's reply; every rank's decoded pull, or None for a step every
+        rank skips (an ERROR raises)."""
+        bound = self._pull_bound(t, flush)
+        before = self.transport.stats.bytes_received
+        buf = self._collective(lambda: self.path.broadcast(
+            self.transport, reply, self.cfg.server_rank, bound), f"the pull of step {t}")
+        received = self.transport.stats.bytes_received - before
+        self.stats.bytes_pulled += received
+        self.stats.last["bytes_pulled"] = received
+        sections = self.worker.read_pull(buf, t, flush)
+        if sections is not None:
+            self.stats.record_pull(buf, sections)
+        return sections
+
+    def _pull_bound(self, t: int, flush: bool) -> int:
+        """The most bytes the pull of step ``t`` can take (every rank computes the same)."""
+        return message_bound(pull_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
+                                         self.cfg.pull, flush, size=self.size))
 
     def _collective(self, fn: Callable[[], Any], what: str) -> Any:
         """Run collectives under the exchange timeout; a timeout error says what to do."""
@@ -156,82 +181,11 @@ class SlimExchange(WorkerSide):
             raise TransportTimeout(f"{exc}. {TIMEOUT_ADVICE} (now {self.cfg.timeout:g} s)"
                                    ) from None
 
-    def _aggregate_and_pull(self, gathered: Optional[List[Any]], t: int,
-                            flush: bool) -> Optional[List[wm.Section]]:
-        """The pulled sections, or None for a step every rank skips."""
-        bound = message_bound(pull_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
-                                          self.cfg.pull, flush, size=self.size))
-        reply = None
-        if self.server is not None:
-            try:
-                reply = self.server.serve(gathered, t, self.digest, flush, limit=bound)
-            except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
-                reply = self.wire.from_host(wm.encode_error(
-                    self.rank, t, f"server rank {self.rank} failed at step {t}: "
-                    f"{type(exc).__name__}: {exc}", limit=bound))
-        before = self.transport.stats.bytes_received
-        buf = self._collective(lambda: self.wire.broadcast(
-            self.transport, reply, self.cfg.server_rank, bound), f"the pull of step {t}")
-        received = self.transport.stats.bytes_received - before
-        self.stats.bytes_pulled += received
-        self.stats.last["bytes_pulled"] = received
-        who = "pull from the server"
-        try:
-            if not flush and self.wire.peek(buf, who) == wm.SKIP:
-                self.stats.last_skip = control.decode_text(
-                    self.wire.host(buf), kind=wm.SKIP, sender=self.cfg.server_rank, step=t,
-                    digest=self.digest, who=who)
-                return None
-            sections = decode_pull(self.layout, self.cfg, buf, t, self.digest, flush, self.wire,
-                                   self.size)
-        except wm.RemoteError as exc:
-            if exc.code == wm.E_NONFINITE:
-                raise NonFiniteGradientError(str(exc)) from None
-            raise ExchangeError(str(exc)) from None
-        except wm.WireError as exc:
-            raise ExchangeError(f"rank {self.rank}: {exc}") from None
-        self.stats.record_pull(buf, sections)
-        return sections
-
-    def _apply(self, sections: List[wm.Section], t: int) -> None:
-        self._commit()
-        for b, sec in zip(self.layout.at_step(t), sections):
-            if sec.mode == wm.M_EMPTY:
-                continue
-            vals = section_values(sec, b)
-            if sec.mode == wm.M_DENSE:
-                self.layout.write_grads(b, vals)
-                continue
-            idx = self._pull_indices(b, sec, t)
-            # The pull is scattered into a buffer this rank keeps, and each p.grad becomes a view
-            # of it (as DDP's gradient_as_bucket_view): no copy into separate .grad tensors.
-            flat = self._pulled.get(b.index)
-            if flat is None:
-                flat = self._pulled[b.index] = torch.zeros(b.numel, dtype=b.dtype,
-                                                           device=b.device)
-            else:
-                flat.zero_()
-            flat[idx] = vals
-            self.layout.point_grads(b, flat)
-
-    def _pull_indices(self, b: Bucket, sec: wm.Section, t: int) -> torch.Tensor:
-        """The coordinates of a pulled slice: explicit, or the server's core plus exploration."""
-        if sec.mode == wm.M_EXPLICIT:
-            return indices_on(sec.indices, b)
-        if sec.mode == wm.M_SLICE:
-            self.pull_core[b.index] = indices_on(sec.indices, b)
-        core = self.pull_core.get(b.index)
-        if core is None:
-            raise ExchangeError(f"rank {self.rank}: the server reused a cached pull core this "
-                                "rank does not have")
-        return slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
-                             role=ROLE_PULL, rank=self.cfg.server_rank, step=t,
-                             bucket=b.index, device=b.device)
-
     # --- checkpoint --------------------------------------------------------------------------
     def residual_norm(self) -> float:
         """Sum of squares of every residual this rank holds (worker and server)."""
-        total = sum(float(m.residual.double().pow(2).sum()) for m in self.memory.values())
+        total = sum(float(m.residual.double().pow(2).sum())
+                    for m in self.worker.memory.values())
         if self.server is not None:
             total += sum(float(m.residual.double().pow(2).sum())
                          for m in self.server.memory.values())
@@ -251,5 +205,5 @@ class SlimExchange(WorkerSide):
         next step repeats the handshake, so ranks resumed from different steps are caught."""
         checkpoint.validate(self, state)
         checkpoint.load(self, state)
-        self._pending = []
+        self.worker.drop_pending()
         self._agreed = False

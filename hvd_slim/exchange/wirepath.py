@@ -22,7 +22,7 @@ import torch
 from ..transport.base import Transport
 from ..wire import message as wm
 from ..wire import message_torch as wt
-from .codec import to_bytes
+from ..wire.views import to_bytes
 
 
 @runtime_checkable   # so a test can check both paths against it
@@ -34,9 +34,9 @@ class WirePath(Protocol):
 
     device_payloads: bool   # messages are device tensors (the transport's *_tensor calls)
 
-    def section(self, mode: int, wire: torch.Tensor, d: int,
+    def section(self, mode: int, values: torch.Tensor, d: int,
                 indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
-        """The section carrying ``wire`` (standing for ``wire * 2**exp``) and, for M_SLICE /
+        """The section carrying ``values`` (standing for ``values * 2**exp``) and, for M_SLICE /
         M_EXPLICIT, ``indices``."""
 
     def empty(self, mode: int = wm.M_EMPTY) -> wm.Section:
@@ -76,10 +76,10 @@ class HostPath:
 
     device_payloads = False
 
-    def section(self, mode: int, wire: torch.Tensor, d: int,
+    def section(self, mode: int, values: torch.Tensor, d: int,
                 indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
         idx = None if indices is None else indices.detach().cpu().numpy()
-        return wm.make_section(mode, to_bytes(wire), d, indices=idx, exp=exp)
+        return wm.make_section(mode, to_bytes(values), d, indices=idx, exp=exp)
 
     def empty(self, mode: int = wm.M_EMPTY) -> wm.Section:
         return wm.make_section(mode, np.empty(0, np.uint8), 0)
@@ -120,9 +120,9 @@ class DevicePath:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
 
-    def section(self, mode: int, wire: torch.Tensor, d: int,
+    def section(self, mode: int, values: torch.Tensor, d: int,
                 indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
-        return wt.make_section(mode, wire, d, indices, exp)
+        return wt.make_section(mode, values, d, indices, exp)
 
     def empty(self, mode: int = wm.M_EMPTY) -> wm.Section:
         return wt.empty_section(mode, self.device)

@@ -1,33 +1,40 @@
-"""The worker's side of a step: read the gradients, compensate and select (speculatively), and
-settle the outcome on this rank's memory once the pull says how the step ended.
+"""The worker's side of a step, for one rank: compensate and select (speculatively), read the
+server's pull and apply it, and settle the outcome on this rank's memory.
 
-Mixed into :class:`~hvd_slim.exchange.step.SlimExchange`, which owns the state used here
-(``layout``, ``cfg``, ``memory``, ``selector``, ``core``, ``_flat``, ``_score``, ``_pending``,
-and ``wire``: the host or device form of the sections, a
-:class:`~hvd_slim.exchange.wirepath.WirePath`).
+A :class:`Worker` is handed everything it reads when it is built (layout, settings, rank, world
+size, digest, the :class:`~hvd_slim.exchange.wirepath.WirePath` its sections take and the
+stats it adds to) and owns this rank's residuals, selectors and cached cores.
+:class:`~hvd_slim.exchange.step.SlimExchange` calls it phase by phase.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..selection import ROLE_PUSH, significance, slice_indices
+from ..config import SlimConfig
+from ..memory import ResidualMemory
+from ..selection import ROLE_PULL, ROLE_PUSH, CoreSelector, significance, slice_indices
+from ..wire import control
 from ..wire import message as wm
 from ..wire.values import quantize
-from .codec import is_refresh
-from .finite import describe, nonfinite_params, nonfinite_sent
-from .layout import DENSE, Bucket, sent_whole
+from .errors import ExchangeError, NonFiniteGradientError
+from .expect import is_refresh, pull_expect
+from .finite import nonfinite_params, nonfinite_sent, nonfinite_text
+from .layout import DENSE, Bucket, Layout, sent_whole
+from .sections import indices_on, section_values
+from .stats import ExchangeStats
+from .wirepath import WirePath
 
 
-# The values a lossy wire dtype delivers, and that dtype (for an overflow report).
+# The values a lossy coding delivers, and the dtype coded to (for an overflow report).
 Lossy = Tuple[torch.Tensor, torch.dtype]
 
 
-def _lossy(delivered: Optional[torch.Tensor], wire: torch.Tensor) -> Optional[Lossy]:
-    return None if delivered is None else (delivered, wire.dtype)
+def _lossy(delivered: Optional[torch.Tensor], coded: torch.Tensor) -> Optional[Lossy]:
+    return None if delivered is None else (delivered, coded.dtype)
 
 
 @dataclass
@@ -43,16 +50,46 @@ class Proposal:
     core: Optional[torch.Tensor] = None    # a freshly selected core, cached once committed
 
 
-class WorkerSide:
-    """Compensate/select and commit/absorb/rollback, for one rank."""
+@dataclass
+class Compensated:
+    """What the compensate phase hands to select: each bucket's proposed ``(a, u_new)`` (a dense
+    bucket's flat gradient and None), or, when a value is NaN/Inf, nothing and a report naming
+    the tensors."""
 
-    def _compensate_and_select_all(self, t: int) -> Tuple[List[wm.Section], Optional[str]]:
-        """Every bucket's section, or (when a value is NaN/Inf and nonfinite is not
-        "propagate") a report naming the tensors instead; nothing is folded in then."""
+    proposed: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
+    report: Optional[str] = None
+
+
+class Worker:
+    """One rank's worker state (residuals, selectors, cached push and pull cores) and its
+    phases of a step."""
+
+    def __init__(self, layout: Layout, config: SlimConfig, rank: int, size: int, digest: int,
+                 path: WirePath, stats: ExchangeStats,
+                 momentum: Optional[Dict[int, dict]] = None) -> None:
+        self.layout, self.cfg, self.path, self.stats = layout, config, path, stats
+        self.rank, self.size, self.digest = rank, size, digest
+        momentum = momentum or {}
+        self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device,
+                                               **momentum.get(b.index, {}))
+                       for b in layout.sparse}
+        self.selector = {b.index: CoreSelector() for b in layout.sparse}
+        self.core: Dict[int, torch.Tensor] = {}        # this worker's cached push cores
+        self.pull_core: Dict[int, torch.Tensor] = {}   # the server's cached pull cores
+        self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+                      for b in layout.buckets}
+        self._score: Dict[int, torch.Tensor] = {}   # only with magnitude_weight > 0
+        self._pulled: Dict[int, torch.Tensor] = {}  # sliced pulls; each p.grad views it
+        self._pending: List[Proposal] = []
+
+    # --- compensate and select ---------------------------------------------------------------
+    def compensate(self, t: int) -> Compensated:
+        """Every bucket's proposed ``a = r + u`` read straight from the ``.grad``s (speculative:
+        no memory changes), or (a NaN/Inf under nonfinite "raise"/"skip") a report instead."""
+        self._pending = []
         check = self.cfg.nonfinite != "propagate"
-        buckets = self.layout.at_step(t)
         folded, bad = [], []
-        for b in buckets:
+        for b in self.layout.at_step(t):
             x, u_new = self._fold(b)
             # Compressed buckets are checked after folding: residual and velocity are always
             # finite, so a NaN/Inf in ``a`` is one in this step's gradient.
@@ -60,17 +97,44 @@ class WorkerSide:
                 bad += nonfinite_params(b, x)
             folded.append((x, u_new))
         if bad:
-            return [], describe(bad, overflow=False)
-        sections, overflow, wire_dtype = [], [], None
-        for b, (x, u_new) in zip(buckets, folded):
-            sec, lossy, sel = self._compensate_and_select(b, t, x, u_new)
-            if check and lossy is not None:   # what a lossy wire dtype made of the values
+            return Compensated([], nonfinite_text(bad, overflow=False))
+        return Compensated(folded)
+
+    def select(self, t: int, compensated: Compensated
+               ) -> Tuple[List[wm.Section], Optional[str]]:
+        """Every bucket's push section, or (NaN/Inf found by compensate, or made by a lossy
+        coding, and nonfinite is not "propagate") no sections and a report naming the
+        tensors."""
+        if compensated.report is not None:
+            return [], compensated.report
+        check = self.cfg.nonfinite != "propagate"
+        sections, overflow, sent_dtype = [], [], None
+        for b, (x, u_new) in zip(self.layout.at_step(t), compensated.proposed):
+            sec, lossy, sel = self._select(b, t, x, u_new)
+            if check and lossy is not None:   # what a lossy coding made of the values
                 found = nonfinite_sent(b, lossy[0], sel)
-                overflow, wire_dtype = overflow + found, (lossy[1] if found else wire_dtype)
+                overflow, sent_dtype = overflow + found, (lossy[1] if found else sent_dtype)
             sections.append(sec)
         if overflow:
-            return [], describe(overflow, overflow=True, wire_dtype=wire_dtype)
+            return [], nonfinite_text(overflow, overflow=True, sent_dtype=sent_dtype)
         return sections, None
+
+    def flush_sections(self) -> List[wm.Section]:
+        """Every residual as a dense section (dense buckets send nothing), pending until the
+        flush's pull says it went through."""
+        self._pending = []
+        sections = []
+        for b in self.layout.buckets:
+            if b.kind == DENSE:
+                sections.append(self.path.empty())
+                continue
+            values = self.memory[b.index].residual.to(b.comm_dtype, copy=True)
+            delivered = values.to(b.dtype) if b.comm_dtype != b.dtype else None
+            # Nothing is masked: the velocity stays (a flush sends residuals, not momentum).
+            self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
+                                          mask_velocity=0.0))
+            sections.append(self.path.section(wm.M_DENSE, values, b.numel))
+        return sections
 
     def _fold(self, b: Bucket) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """A dense bucket's flat gradient, or a compressed bucket's proposed ``(a, u_new)``
@@ -84,21 +148,21 @@ class WorkerSide:
             return (g, None) if b.kind == DENSE else self.memory[b.index].propose(g)
         return self.memory[b.index].propose_parts(self.layout.grad_parts(b), flat)
 
-    def _compensate_and_select(self, b: Bucket, t: int, a: torch.Tensor,
-                               u_new: Optional[torch.Tensor]
-                               ) -> Tuple[wm.Section, Optional[Lossy], Optional[torch.Tensor]]:
-        """This bucket's section; the values a lossy wire dtype delivers (and that dtype), for
+    def _select(self, b: Bucket, t: int, a: torch.Tensor, u_new: Optional[torch.Tensor]
+                ) -> Tuple[wm.Section, Optional[Lossy], Optional[torch.Tensor]]:
+        """This bucket's section; the values a lossy coding delivers (and its dtype), for
         the overflow check; and the coordinates sent (None: all)."""
         cfg = self.cfg
         if b.kind == DENSE:
-            wire, _, delivered = quantize(a, b.wire_dtype)
-            return self.wire.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
+            coded, _, delivered = quantize(a, b.comm_dtype)
+            return self.path.section(wm.M_DENSE, coded, b.numel), _lossy(delivered, coded), None
         if sent_whole(b):
             # A dense warm-up step: all of a goes, and the velocity is not masked (masking every
             # coordinate every step would cancel the momentum): dense momentum SGD exactly.
-            wire, _, delivered = quantize(a, b.wire_dtype)
-            self._pending.append(Proposal(b.index, None, delivered, False, a, u_new))
-            return self.wire.section(wm.M_DENSE, wire, b.numel), _lossy(delivered, wire), None
+            coded, _, delivered = quantize(a, b.comm_dtype)
+            self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
+                                          mask_velocity=0.0, a=a, u_new=u_new))
+            return self.path.section(wm.M_DENSE, coded, b.numel), _lossy(delivered, coded), None
         t_sel = time.perf_counter()
         new_core = None
         if is_refresh(t, cfg.refresh_interval) or b.index not in self.core:
@@ -109,14 +173,15 @@ class WorkerSide:
         self.stats.select_seconds += time.perf_counter() - t_sel
         # value_bits: the values travel in the slice dtype; what rounding lost stays in the
         # residual (``delivered`` is what the server decodes), to be sent later.
-        wire, exp, delivered = quantize(a[sel], b.slice_dtype)
-        self._pending.append(Proposal(b.index, sel, delivered, cfg.momentum_masking, a, u_new,
-                                      new_core))
+        coded, exp, delivered = quantize(a[sel], b.slice_dtype)
+        self._pending.append(Proposal(index=b.index, sel=sel, delivered=delivered,
+                                      mask_velocity=cfg.momentum_masking, a=a, u_new=u_new,
+                                      core=new_core))
         if is_refresh(t, cfg.refresh_interval):
-            sec = self.wire.section(wm.M_SLICE, wire, b.numel, indices=core, exp=exp)
+            sec = self.path.section(wm.M_SLICE, coded, b.numel, indices=core, exp=exp)
         else:
-            sec = self.wire.section(wm.M_SLICE_CACHED, wire, b.numel, exp=exp)
-        return sec, _lossy(delivered, wire), sel
+            sec = self.path.section(wm.M_SLICE_CACHED, coded, b.numel, exp=exp)
+        return sec, _lossy(delivered, coded), sel
 
     def _select_core(self, b: Bucket, a: torch.Tensor) -> torch.Tensor:
         """The ``k_core`` most significant coordinates of ``a`` (docs/design.md §2)."""
@@ -129,7 +194,73 @@ class WorkerSide:
         w = self.layout.read_params(b, torch.empty_like(a))
         return selector.select(significance(a, w, lam, out=score), b.k_core)
 
+    # --- pull and apply ----------------------------------------------------------------------
+    def read_pull(self, buf: Any, t: int, flush: bool) -> Optional[List[wm.Section]]:
+        """The server's reply decoded strictly: the pulled sections, or None for a step every
+        rank skips. An ERROR reply raises its text (as NonFiniteGradientError for a NaN/Inf
+        under nonfinite="raise"), as does a malformed one (ExchangeError)."""
+        who = "pull from the server"
+        try:
+            if not flush and self.path.peek(buf, who) == wm.SKIP:
+                self.stats.last_skip = control.decode_text(
+                    self.path.host(buf), kind=wm.SKIP, sender=self.cfg.server_rank, step=t,
+                    digest=self.digest, who=who)
+                return None
+            # The world size bounds a union pull: at most ``size * k`` coordinates a bucket.
+            expect = pull_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
+                                 self.cfg.pull, flush, size=self.size)
+            return self.path.decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
+                                    sender=self.cfg.server_rank, step=t, digest=self.digest,
+                                    expect=expect, who=who)
+        except wm.RemoteError as exc:
+            if exc.code == wm.E_NONFINITE:
+                raise NonFiniteGradientError(str(exc)) from None
+            raise ExchangeError(str(exc)) from None
+        except wm.WireError as exc:
+            raise ExchangeError(f"rank {self.rank}: {exc}") from None
+
+    def apply(self, sections: List[wm.Section], t: int) -> None:
+        """The step went through: commit this rank's proposals, then write the pulled values
+        into ``p.grad`` (zeros where nothing was delivered; dense sections straight in)."""
+        self._commit()
+        for b, sec in zip(self.layout.at_step(t), sections):
+            if sec.mode == wm.M_EMPTY:
+                continue
+            vals = section_values(sec, b)
+            if sec.mode == wm.M_DENSE:
+                self.layout.write_grads(b, vals)
+                continue
+            idx = self._pull_indices(b, sec, t)
+            # The pull is scattered into a buffer this rank keeps, and each p.grad becomes a view
+            # of it (as DDP's gradient_as_bucket_view): no copy into separate .grad tensors.
+            flat = self._pulled.get(b.index)
+            if flat is None:
+                flat = self._pulled[b.index] = torch.zeros(b.numel, dtype=b.dtype,
+                                                           device=b.device)
+            else:
+                flat.zero_()
+            flat[idx] = vals
+            self.layout.point_grads(b, flat)
+
+    def _pull_indices(self, b: Bucket, sec: wm.Section, t: int) -> torch.Tensor:
+        """The coordinates of a pulled slice: explicit, or the server's core plus exploration."""
+        if sec.mode == wm.M_EXPLICIT:
+            return indices_on(sec.indices, b)
+        if sec.mode == wm.M_SLICE:
+            self.pull_core[b.index] = indices_on(sec.indices, b)
+        core = self.pull_core.get(b.index)
+        if core is None:
+            raise ExchangeError(f"rank {self.rank}: the server reused a cached pull core this "
+                                "rank does not have")
+        return slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
+                             role=ROLE_PULL, rank=self.cfg.server_rank, step=t,
+                             bucket=b.index, device=b.device)
+
     # --- the step's outcome on this rank's memory --------------------------------------------
+    def selector_states(self) -> Dict[int, dict]:
+        """The selectors' carried thresholds, for :meth:`rollback`."""
+        return {i: s.state_dict() for i, s in self.selector.items()}
+
     def _commit(self) -> None:
         """The step went through: forget what was sent, cache fresh cores."""
         for p in self._pending:
@@ -142,7 +273,7 @@ class WorkerSide:
                 self.core[p.index] = p.core
         self._pending = []
 
-    def _absorb(self) -> None:
+    def absorb(self) -> None:
         """The step failed: keep what was computed (nothing was delivered), so nothing is lost."""
         empty = torch.empty(0, dtype=torch.int64)
         for p in self._pending:
@@ -151,9 +282,14 @@ class WorkerSide:
                 self._flat[p.index] = mem.commit(p.a, p.u_new, empty.to(p.a.device))
         self._pending = []
 
-    def _rollback(self, selectors: Dict[int, dict]) -> None:
+    def rollback(self, selectors: Dict[int, dict]) -> None:
         """Every rank drops the step (NaN/Inf): no residual, velocity or core changes."""
         self._pending = []
         for i, st in selectors.items():
             self.selector[i].load_state_dict(st)
+
+    def drop_pending(self) -> None:
+        """Forget the step in flight without touching the memory (a failed flush, whose
+        residuals are all still in place, or a loaded checkpoint)."""
+        self._pending = []
 

@@ -2,7 +2,7 @@
 
 ``value_bits`` (a Slim-DP keyword) sets the precision of sliced sections: the worker's push and
 the server's ``pull="slim"`` slice. Dense sections (small tensors, dense fallback, flush) and
-the exact union pull keep the bucket's wire dtype (the parameters' dtype, or float16 under
+the exact union pull keep the bucket's comm dtype (the parameters' dtype, or float16 under
 ``Compression.fp16``). Lower precision costs no accuracy in the long run because the sender
 keeps what rounding lost in its residual and sends it later (error feedback), so the same bytes
 carry more coordinates: 8-bit values with Elias-Fano indices cost about 2 bytes a coordinate at
@@ -25,17 +25,17 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _FP8_NAN = 0x7F  # its NaN bit pattern
 
 
-def slice_dtype(value_bits: int, wire_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of sliced values for ``value_bits``, given the bucket's wire dtype: 8 is scaled
-    float8, 16 keeps a 16-bit wire dtype and is bfloat16 otherwise (the range of float32, so it
-    cannot overflow), 32 is the wire dtype itself (no change: the values as computed)."""
+def slice_dtype(value_bits: int, comm_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of sliced values for ``value_bits``, given the bucket's comm dtype: 8 is scaled
+    float8, 16 keeps a 16-bit comm dtype and is bfloat16 otherwise (the range of float32, so it
+    cannot overflow), 32 is the comm dtype itself (no change: the values as computed)."""
     if value_bits not in VALUE_BITS:
         raise ValueError(f"value_bits must be one of {VALUE_BITS}, got {value_bits!r}")
-    if value_bits == 8 and wire_dtype.is_floating_point:
+    if value_bits == 8 and comm_dtype.is_floating_point:
         return FP8
-    if value_bits == 16 and wire_dtype.is_floating_point and wire_dtype.itemsize > 2:
+    if value_bits == 16 and comm_dtype.is_floating_point and comm_dtype.itemsize > 2:
         return torch.bfloat16
-    return wire_dtype
+    return comm_dtype
 
 
 def scale_exponent(x: torch.Tensor) -> int:
@@ -62,22 +62,22 @@ def _exponent_for(m: float, dtype: torch.dtype) -> int:
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, int,
                                                                Optional[torch.Tensor]]:
-    """``(wire, exp, delivered)``: ``x`` in ``dtype`` for the wire, its scale exponent, and what
+    """``(coded, exp, delivered)``: ``x`` in ``dtype`` for the wire, its scale exponent, and what
     the receiver will decode, in ``x``'s dtype (None when that is ``x`` exactly)."""
     if dtype == x.dtype:
         return x, 0, None
     m = _abs_max(x) if dtype == FP8 else 0.0
     exp = _exponent_for(m, x.dtype) if dtype == FP8 else 0
-    wire = (x.mul(2.0 ** -exp) if exp else x).to(dtype)
+    coded = (x.mul(2.0 ** -exp) if exp else x).to(dtype)
     if dtype == FP8 and not math.isfinite(m):
         # float8_e4m3fn has no Inf and torch saturates one to +-448: send NaN instead, so a
         # non-finite value (nonfinite="propagate") still arrives non-finite.
-        wire.view(torch.uint8)[~torch.isfinite(x)] = _FP8_NAN
-    return wire, exp, dequantize(wire, exp, x.dtype)
+        coded.view(torch.uint8)[~torch.isfinite(x)] = _FP8_NAN
+    return coded, exp, dequantize(coded, exp, x.dtype)
 
 
-def dequantize(wire: torch.Tensor, exp: int, dtype: torch.dtype) -> torch.Tensor:
-    """The values ``wire`` stands for, in ``dtype``: every rank decodes the same bytes with the
+def dequantize(coded: torch.Tensor, exp: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``coded`` stands for, in ``dtype``: every rank decodes the same bytes with the
     same two operations, so every rank gets bitwise the same values."""
-    out = wire.to(dtype)
+    out = coded.to(dtype)
     return out.mul_(2.0 ** exp) if exp else out

@@ -71,7 +71,7 @@ def _train(device_path: bool):
         if step == 3 and hvd.rank() == hvd.size() - 1:
             model[0].weight.grad[0, 0] = float("nan")   # a skipped step, decided by the server
         opt.step()
-        assert opt._exchange.wire.device_payloads == device_path
+        assert opt._exchange.path.device_payloads == device_path
     opt.flush()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     stats = opt.comm_stats()

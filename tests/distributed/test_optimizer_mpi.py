@@ -152,7 +152,7 @@ def test_conservation_at_one_percent():
     for name, p in model.named_parameters():
         offsets[name] = (off, p.numel())
         off += p.numel()
-    memories = [ex.memory] + ([ex.server.memory] if ex.server is not None else [])
+    memories = [ex.worker.memory] + ([ex.server.memory] if ex.server is not None else [])
     for mem in memories:
         for b in ex.layout.sparse:
             r = mem[b.index].residual

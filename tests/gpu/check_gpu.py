@@ -193,7 +193,7 @@ def check_no_payload_goes_through_the_host(transport: str) -> str:
     finally:
         backend.FORCE_TORCH = False
     ex = opt._exchange
-    assert ex.wire.device_payloads, f"{transport} did not take the device path"
+    assert ex.path.device_payloads, f"{transport} did not take the device path"
     limit = metadata_limit(len(ex.layout.buckets), hvd.size())
     payload = min(b.k * b.value_bytes for b in ex.layout.sparse)
     biggest = max((n for _, n in seen), default=0)

@@ -95,7 +95,7 @@ def test_the_device_path_keeps_payloads_on_one_gpu():
         named = [("w", torch.nn.Parameter(torch.zeros(256, 512, device=dev))),
                  ("b", torch.nn.Parameter(torch.zeros(512, device=dev)))]
         ex = SlimExchange(Layout(named, config, lambda dt: dt), config, transport)
-        assert ex.wire.device_payloads
+        assert ex.path.device_payloads
         for t in range(5):
             g = torch.Generator(device=dev).manual_seed(100 * rank + t)
             for _, p in named:

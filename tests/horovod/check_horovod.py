@@ -169,7 +169,7 @@ def check_broadcast_optimizer_state() -> None:
 
 def check_fp16_compression() -> None:
     model = fresh_model()
-    # value_bits=32: slices at the wire dtype, which Horovod's compressor makes float16.
+    # value_bits=32: slices at the comm dtype, which Horovod's compressor makes float16.
     opt = slim(model, density=0.05, compression=hvd.Compression.fp16, value_bits=32,
                warmup_decay_steps=0)
     train(model, opt, steps=4)

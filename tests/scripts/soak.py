@@ -34,10 +34,11 @@ def rss_bytes() -> int:
 def exchange_bytes(opt) -> int:
     """Bytes of every tensor the exchange holds between steps."""
     ex = opt._exchange
-    tensors = [t for m in ex.memory.values()
+    worker = ex.worker
+    tensors = [t for m in worker.memory.values()
                for t in (m.residual, m.velocity, m._next_velocity) if t is not None]
-    tensors += list(ex._flat.values()) + list(ex._score.values())
-    tensors += list(ex.core.values()) + list(ex.pull_core.values())
+    tensors += list(worker._flat.values()) + list(worker._score.values())
+    tensors += list(worker.core.values()) + list(worker.pull_core.values())
     if ex.server is not None:
         tensors += [m.residual for m in ex.server.memory.values()]
         tensors += [c for d in ex.server.worker_cores for c in d.values()]

@@ -69,7 +69,7 @@ def total(dicts):
 
 def residual_by_name(ex, which="worker"):
     """Worker (or server) residual, cut back into parameter-shaped tensors."""
-    mems = ex.memory if which == "worker" else ex.server.memory
+    mems = ex.worker.memory if which == "worker" else ex.server.memory
     out = {}
     for b in ex.layout.sparse:
         r = mems[b.index].residual
@@ -172,7 +172,7 @@ def test_index_bytes_stay_under_two_per_core_index_at_one_percent():
 
 @pytest.mark.parametrize("bits", [32, 8])
 def test_lossy_values_keep_their_rounding_error_in_the_residual(bits):
-    """Compression.fp16 (value_bits=32: slices in the wire dtype, fp16) and value_bits=8
+    """Compression.fp16 (value_bits=32: slices in the comm dtype, fp16) and value_bits=8
     (scaled fp8): what the wire rounds away stays in the senders' residuals."""
     config = SlimConfig(density=0.02, op="sum", min_compress_numel=1000, value_bits=bits)
 
@@ -228,7 +228,7 @@ def test_a_failed_step_loses_no_gradient():
             p.grad = torch.ones_like(p)
         with pytest.raises(ExchangeError):
             ex.step()
-        return sum(float(m.residual.sum()) for m in ex.memory.values())
+        return sum(float(m.residual.sum()) for m in ex.worker.memory.values())
 
     sums = run_ranks(2, rank_fn)
     assert sums[0] == sum(math.prod(s) for n, s in SHAPES.items() if math.prod(s) >= 1000)

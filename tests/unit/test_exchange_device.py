@@ -50,7 +50,7 @@ def simulate(device_payloads, size=3, steps=6, dtype=torch.float32, poison=None,
     def rank_fn(rank, transport):
         named = make_params(dtype)
         ex = SlimExchange(Layout(named, config, wire or (lambda dt: dt)), config, transport)
-        assert ex.wire.device_payloads == device_payloads
+        assert ex.path.device_payloads == device_payloads
         out = []
         for t in range(steps):
             for name, p in named:
@@ -161,7 +161,7 @@ def test_a_malformed_push_on_the_device_path_names_the_sender(monkeypatch):
 
 def test_values_at_misaligned_offsets_are_read_correctly():
     """from_bytes on a tensor view whose offset is not a multiple of the itemsize."""
-    from hvd_slim.exchange.codec import from_bytes
+    from hvd_slim.wire.views import from_bytes
     x = torch.arange(10, dtype=torch.float32)
     raw = torch.cat([torch.zeros(3, dtype=torch.uint8), x.view(torch.uint8)])
     got = from_bytes(raw[3:], torch.float32)

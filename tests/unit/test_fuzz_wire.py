@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hvd_slim.config import SlimConfig
-from hvd_slim.exchange.codec import itemsizes, push_expect
+from hvd_slim.exchange.expect import push_expect
 from hvd_slim.exchange.layout import Layout
+from hvd_slim.exchange.sections import itemsizes
 from hvd_slim.exchange.server import Server
 from hvd_slim.wire import WireError, control
 from hvd_slim.wire import message as wm

@@ -203,7 +203,7 @@ def test_momentum_correction_moves_momentum_out_of_the_inner_optimizer():
         compressed = {id(p) for b in opt._layout.sparse for p in b.params()}
         has_buf = {id(p): opt.state.get(p, {}).get("momentum_buffer") is not None
                    for p in model.parameters()}
-        return compressed, has_buf, opt._exchange.memory
+        return compressed, has_buf, opt._exchange.worker.memory
 
     compressed, has_buf, memory = run_ranks(2, body)[0]
     assert compressed and all(not has_buf[i] for i in compressed)

@@ -1,4 +1,4 @@
-"""The byte bound of a ``pull="union"`` message (codec.message_bound of codec.pull_expect), which
+"""The byte bound of a ``pull="union"`` message (expect.message_bound of expect.pull_expect), which
 fixed-size transports (Gloo, NCCL) pad every pull to: it must be tight (the explicit section of
 the at most ``size * k`` coordinates the workers pushed, not dense) and safe (every pull the
 server really builds fits), and padding to it must not change any result."""
@@ -11,8 +11,8 @@ import torch
 
 from hvd_slim.config import SlimConfig
 from hvd_slim.exchange import Layout, SlimExchange
-from hvd_slim.exchange.codec import (explicit_section_bound, message_bound, pull_expect,
-                                     push_expect)
+from hvd_slim.exchange.expect import (explicit_section_bound, message_bound, pull_expect,
+                                      push_expect)
 from hvd_slim.transport import run_ranks
 from hvd_slim.transport.fake import FakeTransport
 from hvd_slim.wire import message as wm
@@ -114,7 +114,7 @@ def test_union_bound_caps_at_dense_when_the_workers_cover_everything():
 
 
 def test_push_and_pull_expectations_keep_their_shape():
-    """codec's one helper behind push_expect and pull_expect: each mode and count as before."""
+    """expect.py's one helper behind push_expect and pull_expect: each mode and count as before."""
     config = SlimConfig(density=0.01, min_compress_numel=1000, refresh_interval=2)
     _, layout = layout_for(config)
     (s,) = layout.sparse

@@ -22,7 +22,7 @@ def params(shapes=SHAPES, dtype=torch.float32):
 
 def first_step_error(size, make):
     """Run one exchange step per simulated rank; ``make(rank)`` returns (named params, config,
-    wire dtype function). Returns every rank's error text (None where a rank succeeded)."""
+    comm dtype function). Returns every rank's error text (None where a rank succeeded)."""
     def body(rank, transport):
         named, config, wire = make(rank)
         ex = SlimExchange(Layout(named, config, wire), config, transport)

@@ -92,7 +92,7 @@ def _worker_exchange_paths(rank: int, size: int) -> str:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-            assert opt._exchange.wire.device_payloads == device_path
+            assert opt._exchange.path.device_payloads == device_path
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         stats = opt.comm_stats()
         return flat, (stats["bytes_pushed"], stats["bytes_pulled"])

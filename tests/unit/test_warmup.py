@@ -150,7 +150,7 @@ def test_dense_warmup_step_leaves_no_residual_and_keeps_the_velocity():
             p.grad = grad_for(rank, 0, name, p.shape)
         ex.step()
         (b,) = ex.layout.sparse
-        return ex.residual_norm(), float(ex.memory[b.index].velocity.abs().sum())
+        return ex.residual_norm(), float(ex.worker.memory[b.index].velocity.abs().sum())
 
     for residual, velocity in run_ranks(2, rank_fn):
         assert residual == 0.0 and velocity > 0.0

@@ -1,68 +1,18 @@
-"""Tensor <-> wire bytes, and what each side expects of a message for a given step."""
+"""What each side expects of a message at a given step, and the most bytes it can take.
+
+A worker's push and the server's pull are decoded against these expectations (modes, counts,
+item sizes per bucket), and fixed-size transports pad every message to :func:`message_bound`,
+which every rank computes alike from the same expectations.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
-
-import numpy as np
-import torch
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
-from ..wire.values import FP8, dequantize
+from ..wire.values import FP8
 from .layout import DENSE, Bucket, slice_is_smaller, sent_whole
-
-
-def to_bytes(t: torch.Tensor) -> np.ndarray:
-    """Raw bytes of a (CPU) tensor as a uint8 numpy view, no copy when already contiguous. The
-    host path only: the device path keeps a tensor's bytes as a uint8 view on its device
-    (:func:`hvd_slim.wire.message_torch.make_section`)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.contiguous().view(-1).view(torch.uint8).numpy()
-
-
-def from_bytes(buf: Any, dtype: torch.dtype, like: Optional[Bucket] = None) -> torch.Tensor:
-    """A tensor of ``dtype`` over ``buf`` (numpy bytes, or a uint8 tensor in the device path;
-    the caller owns it and does not reuse it); with ``like``, converted to that bucket's dtype
-    and moved to its device (no copy when it is already there)."""
-    if isinstance(buf, torch.Tensor):
-        t = buf
-        if t.numel() and (t.storage_offset() % _itemsize(dtype) or not t.is_contiguous()):
-            t = t.clone()   # a view at a misaligned offset cannot be reinterpreted in place
-        t = t.view(dtype)
-    elif len(buf) == 0:
-        t = torch.empty(0, dtype=dtype)
-    else:
-        t = torch.from_numpy(np.ascontiguousarray(buf)).view(dtype)
-    return t if like is None else t.to(device=like.device, dtype=like.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def itemsizes(buckets: List[Bucket], sections: List[wm.Section]) -> List[int]:
-    """Bytes per value of each section: the slice dtype's for slices, the wire dtype's else."""
-    return [b.slice_bytes if s.mode in wm.SLICED else b.value_bytes
-            for b, s in zip(buckets, sections)]
-
-
-def section_values(sec: wm.Section, b: Bucket) -> torch.Tensor:
-    """What a decoded section's values stand for, in the bucket's dtype on its device: a slice
-    in the bucket's slice dtype (value_bits) times ``2**exp``, anything else in its wire
-    dtype."""
-    if sec.mode in wm.SLICED:
-        raw = from_bytes(sec.values, b.slice_dtype).to(b.device)
-        return dequantize(raw, sec.exp, b.dtype)
-    return from_bytes(sec.values, b.wire_dtype, like=b)
-
-
-def indices_on(idx: Any, b: Bucket) -> torch.Tensor:
-    """Decoded int64 indices (numpy, or a tensor in the device path) on the bucket's device."""
-    t = idx if isinstance(idx, torch.Tensor) else torch.from_numpy(idx)
-    return t.to(b.device)
 
 
 def is_refresh(step: int, refresh_interval: int) -> bool:

@@ -26,7 +26,7 @@ test-unit: install
 	$(PY) -m pytest tests -m unit -q -p no:cacheprovider
 
 test-mpi: install
-	$(PY) -m pytest tests/test_distributed_tier.py -q -p no:cacheprovider
+	$(PY) -m pytest tests/distributed/test_tier_mpi.py -q -p no:cacheprovider
 
 ## make install-horovod: build Horovod 0.28.1 against the venv's torch (system CMake 3.x, a C++17
 ## compiler wrapper; README "Running inside Horovod"). Skips when `import horovod.torch` works.
@@ -36,7 +36,7 @@ install-horovod: install
 
 ## make test-horovod: only the Horovod tier (horovodrun -np 2, mpirun -np 3); make test runs it too
 test-horovod: install
-	$(PY) -m pytest tests/test_horovod_tier.py -q -p no:cacheprovider
+	$(PY) -m pytest tests/horovod/test_tier_horovod.py -q -p no:cacheprovider
 
 ## make test-gpu: CUDA parameters at 2 ranks over NCCL, MPI and Gloo (skipped without a GPU)
 test-gpu: install

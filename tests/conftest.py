@@ -23,8 +23,7 @@ MARKERS = {"unit": "one process, the fake N-rank transport (pytest -m unit)",
            "slow": "starts real processes without mpirun"}
 HERE = Path(__file__).resolve().parent
 # The tiers whose every test has one kind: by the folder or launcher file it lives in.
-KIND_OF = {"distributed": "mpi", "test_distributed_tier.py": "mpi", "horovod": "horovod",
-           "test_horovod_tier.py": "horovod", "gpu": "gpu"}
+KIND_OF = {"distributed": "mpi", "horovod": "horovod", "gpu": "gpu"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

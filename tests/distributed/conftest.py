@@ -1,6 +1,7 @@
 """Distributed tier: one pytest process per MPI rank, all running the same tests in the same order.
 
-Launched by ``tests/test_distributed_tier.py`` (or by hand:
+Launched by ``test_tier_mpi.py``, this tier's launcher, which runs as an ordinary test outside
+MPI (or by hand:
 ``mpirun -np 2 python -m pytest tests/distributed -q -p no:cacheprovider``).
 
 * Without MPI launcher variables the modules here are not even imported: each is reported as
@@ -24,7 +25,8 @@ from hvd_slim.runtime import env_rank_size
 _ENV = env_rank_size()
 UNDER_MPI = _ENV is not None
 _HERE = Path(__file__).resolve().parent
-_REASON = ("tests/distributed needs one process per MPI rank: run tests/test_distributed_tier.py, or "
+LAUNCHER = "test_tier_mpi.py"   # the tier's launcher: collected outside MPI only
+_REASON = ("tests/distributed needs one process per MPI rank: run tests/distributed/test_tier_mpi.py, or "
            "`mpirun -np 2 python -m pytest tests/distributed -p no:cacheprovider`")
 _counts: Dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0}
 
@@ -37,9 +39,15 @@ class _SkippedModule(pytest.Module):
 
 
 def pytest_pycollect_makemodule(module_path: Path, parent: Any) -> Any:
-    if not UNDER_MPI and _HERE in Path(module_path).resolve().parents:
+    if not UNDER_MPI and _HERE in Path(module_path).resolve().parents \
+            and Path(module_path).name != LAUNCHER:
         return _SkippedModule.from_parent(parent, path=Path(module_path))
     return None
+
+
+def pytest_ignore_collect(collection_path: Path, config: Any) -> Any:
+    # Under MPI the launcher would start the tier again from inside it.
+    return True if UNDER_MPI and collection_path.name == LAUNCHER else None
 
 
 def _rank_tag() -> str:

@@ -448,7 +448,7 @@ def test_world_transport_payloads_and_byte_accounting(hvd):
 def test_a_collective_a_rank_skips_times_out_naming_it(hvd):
     """On a private communicator: the last rank arrives only after the others have timed out
     (and their roll call found it absent), then completes the abandoned collective so the test
-    leaves nothing pending. The whole job launch is in test_distributed_tier.py."""
+    leaves nothing pending. The whole job launch is in test_tier_mpi.py."""
     import re
     from hvd_slim.transport import mpi_api
     n, r = hvd.size(), hvd.rank()

@@ -3,7 +3,7 @@ before it starts MPI (which would come up as a lone singleton on every rank).
 
 Prints ``hvd_slim-horovod: rank R of N PASS check_gloo_refused`` when both entry points (building
 a DistributedOptimizer, and hvd_slim.init()) raise that message. Launched by
-tests/test_horovod_tier.py.
+tests/horovod/test_tier_horovod.py.
 """
 import os
 import sys

@@ -6,7 +6,7 @@ baseline, and ``hvd_slim.DistributedOptimizer`` without ever calling ``hvd_slim.
 Each check prints ``hvd_slim-horovod: rank R of N PASS <check>`` (also appended to
 ``$HVD_SLIM_REPORT_DIR/rank<R>.txt`` when set: launchers interleave the ranks' stdout mid-line);
 any failure prints the traceback and aborts every rank (MPI Abort), so the launcher never hangs.
-Launched by tests/test_horovod_tier.py.
+Launched by tests/horovod/test_tier_horovod.py.
 """
 import hashlib
 import os

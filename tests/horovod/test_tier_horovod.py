@@ -25,7 +25,7 @@ import pytest
 
 from tests.mpi_launch import run_mpi, run_session, session_env, tail
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "horovod"
 TIMEOUT = float(os.environ.get("HVD_SLIM_HOROVOD_TIMEOUT", "300"))
 REQUIRE = os.environ.get("HVD_SLIM_REQUIRE_HOROVOD", "") == "1"

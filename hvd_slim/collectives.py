@@ -182,9 +182,37 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               compression: Any = Compression.none, op: Optional[int] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: Any = None) -> torch.Tensor:
-    """The reduction of ``tensor`` over all ranks (default: the average), as a new tensor on the
-    input's device; differentiable. ``compression`` wraps the transfer (compress, reduce,
-    decompress); the factors multiply before and after the reduction."""
+    """Reduce ``tensor`` over all ranks (by default the average) into a new tensor.
+
+    Collective: every rank calls it, in the same order, with the same dtype, shape and op (a
+    mismatch raises the same ValueError on every rank). Differentiable: the gradient is reduced
+    with the same op and factors. CUDA tensors are staged through host memory; float16 and
+    bfloat16 are reduced in float32.
+
+    Args:
+        tensor: This rank's dense tensor (floating point or integer; bool and complex raise
+            TypeError).
+        average: Deprecated Horovod flag (DeprecationWarning): True means ``op=Average``,
+            False ``op=Sum``. Passing it together with ``op`` raises ValueError.
+        name: Optional str naming the tensor in error messages; calls are matched by order.
+        compression: A Horovod compressor (default ``Compression.none``): the tensor is
+            compressed before the reduction and decompressed after it.
+        op: ``Average`` (default when ``average`` is also None), ``Sum``, ``Min``, ``Max`` or
+            ``Product``; ``Adasum`` and anything else raise ValueError.
+        prescale_factor: Multiplies each rank's tensor before the reduction (default 1.0).
+        postscale_factor: Multiplies the reduced result (default 1.0); ``Average`` divides by
+            ``size()`` after it. Integer tensors are scaled in float64, truncated toward zero.
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        A new tensor of the input's shape, dtype and device holding the reduction.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised, or an argument is bad or
+            differs between ranks (see above).
+        TypeError: ``tensor`` is not a dense torch.Tensor, or ``name`` is not a str.
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+    """
     check_tensor_args("allreduce", tensor, name, process_set)
     op = _resolve_op("allreduce", op, average)
     sent, ctx = compression.compress(tensor)
@@ -198,15 +226,50 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = None) -> torch.Tensor:
-    """In-place :func:`allreduce`; returns ``tensor``."""
+    """Reduce ``tensor`` over all ranks in place; :func:`allreduce` without compression.
+
+    Collective, with :func:`allreduce`'s checks and errors. Not differentiable: the result is
+    written into ``tensor``'s own memory.
+
+    Args:
+        tensor: The dense tensor to reduce and overwrite.
+        average: Deprecated flag, as in :func:`allreduce`.
+        name: Optional str naming the tensor in error messages.
+        op: The reduction, as in :func:`allreduce` (default ``Average``).
+        prescale_factor: Multiplies each rank's tensor before the reduction (default 1.0).
+        postscale_factor: Multiplies the reduced result (default 1.0).
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        ``tensor`` itself, now holding the reduction.
+    """
     check_tensor_args("allreduce_", tensor, name, process_set)
     op = _resolve_op("allreduce_", op, average)
     return _allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_", out=tensor)
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> torch.Tensor:
-    """Every rank's tensor concatenated along dim 0 in rank order; the first dimension may differ
-    between ranks, the others and the dtype may not. Differentiable."""
+    """Concatenate every rank's ``tensor`` along dimension 0, in rank order.
+
+    Collective: the first dimension may differ between ranks; the dtype and the other
+    dimensions may not (the same ValueError on every rank). A 0-d tensor counts as one row.
+    Differentiable: the backward pass averages the gradient over ranks and hands each rank the
+    rows it contributed.
+
+    Args:
+        tensor: This rank's dense tensor.
+        name: Optional str naming the tensor in error messages.
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        A new tensor on the input's device whose first dimension is the sum of every rank's.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised, ``process_set`` is given, or
+            the ranks' dtypes or trailing dimensions differ.
+        TypeError: ``tensor`` is not a dense torch.Tensor, or ``name`` is not a str.
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+    """
     check_tensor_args("allgather", tensor, name, process_set)
     if _differentiable(tensor):
         return _AllgatherFn.apply(tensor, name)
@@ -215,7 +278,28 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: Any = None) -> torch.Tensor:
-    """A new tensor holding ``root_rank``'s value of ``tensor``; differentiable."""
+    """Return ``root_rank``'s value of ``tensor`` on every rank, as a new tensor.
+
+    Collective: every rank passes the same ``root_rank``, dtype and shape (else the same
+    ValueError on every rank). Differentiable: the root gets the gradient averaged over ranks,
+    the other ranks get zeros.
+
+    Args:
+        tensor: The root's value to send; on the other ranks, a tensor of the same dtype and
+            shape (its values are ignored).
+        root_rank: The sending rank, an int in ``[0, size())`` (ValueError otherwise).
+        name: Optional str naming the tensor in error messages.
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        A new tensor on the input's device holding the root's value.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised, or an argument is bad or
+            differs between ranks.
+        TypeError: ``tensor`` is not a dense torch.Tensor, or ``name`` is not a str.
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+    """
     check_tensor_args("broadcast", tensor, name, process_set)
     if _differentiable(tensor):
         return _BroadcastFn.apply(tensor, root_rank, name)
@@ -224,7 +308,19 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: Any = None) -> torch.Tensor:
-    """Overwrite ``tensor`` in place with ``root_rank``'s value; returns ``tensor``."""
+    """Overwrite ``tensor`` in place with ``root_rank``'s value.
+
+    Collective, with :func:`broadcast`'s checks and errors; not differentiable.
+
+    Args:
+        tensor: The root's value; on the other ranks, the tensor to overwrite.
+        root_rank: The sending rank, an int in ``[0, size())``.
+        name: Optional str naming the tensor in error messages.
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        ``tensor`` itself, now holding the root's value.
+    """
     check_tensor_args("broadcast_", tensor, name, process_set)
     return _broadcast(tensor, root_rank, name, "broadcast_", out=tensor)
 
@@ -243,7 +339,23 @@ def _handle(result: torch.Tensor) -> int:
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set: Any = None) -> int:
-    """Start :func:`allreduce` (without compression); returns a handle for :func:`synchronize`."""
+    """:func:`allreduce` (without compression) behind a handle.
+
+    The reduction runs, collectively, before this returns, with :func:`allreduce`'s checks and
+    errors (not differentiable); the handle keeps the result until :func:`synchronize`.
+
+    Args:
+        tensor: This rank's dense tensor.
+        average: Deprecated flag, as in :func:`allreduce`.
+        name: Optional str naming the tensor in error messages.
+        op: The reduction, as in :func:`allreduce` (default ``Average``).
+        prescale_factor: Multiplies each rank's tensor before the reduction (default 1.0).
+        postscale_factor: Multiplies the reduced result (default 1.0).
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        An int handle; :func:`synchronize` returns the new reduced tensor.
+    """
     check_tensor_args("allreduce_async", tensor, name, process_set)
     op = _resolve_op("allreduce_async", op, average)
     return _handle(_allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_async"))
@@ -252,31 +364,91 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[int] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set: Any = None) -> int:
-    """Start :func:`allreduce_`; returns a handle for :func:`synchronize`."""
+    """:func:`allreduce_` behind a handle: ``tensor`` is reduced in place before this returns.
+
+    Collective, with :func:`allreduce_`'s checks; its errors are worded as ``allreduce_``'s.
+
+    Args:
+        tensor: The dense tensor to reduce and overwrite.
+        average: Deprecated flag, as in :func:`allreduce`.
+        name: Optional str naming the tensor in error messages.
+        op: The reduction, as in :func:`allreduce` (default ``Average``).
+        prescale_factor: Multiplies each rank's tensor before the reduction (default 1.0).
+        postscale_factor: Multiplies the reduced result (default 1.0).
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        An int handle; :func:`synchronize` returns ``tensor`` itself.
+    """
     return _handle(allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> int:
-    """Start :func:`allgather`; returns a handle for :func:`synchronize`."""
+    """:func:`allgather` behind a handle; it runs, collectively, before this returns.
+
+    Same checks and errors as :func:`allgather`; not differentiable.
+
+    Args:
+        tensor: This rank's dense tensor.
+        name: Optional str naming the tensor in error messages.
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        An int handle; :func:`synchronize` returns the concatenated tensor.
+    """
     check_tensor_args("allgather_async", tensor, name, process_set)
     return _handle(_allgather(tensor, name, "allgather_async")[0])
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: Any = None) -> int:
-    """Start :func:`broadcast`; returns a handle for :func:`synchronize`."""
+    """:func:`broadcast` behind a handle; it runs, collectively, before this returns.
+
+    Same checks and errors as :func:`broadcast`; not differentiable.
+
+    Args:
+        tensor: The root's value; on the other ranks, a tensor of the same dtype and shape.
+        root_rank: The sending rank, an int in ``[0, size())``.
+        name: Optional str naming the tensor in error messages.
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        An int handle; :func:`synchronize` returns a new tensor holding the root's value.
+    """
     check_tensor_args("broadcast_async", tensor, name, process_set)
     return _handle(_broadcast(tensor, root_rank, name, "broadcast_async"))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: Any = None) -> int:
-    """Start :func:`broadcast_`; returns a handle for :func:`synchronize`."""
+    """:func:`broadcast_` behind a handle: ``tensor`` is overwritten before this returns.
+
+    Collective, with :func:`broadcast_`'s checks; its errors are worded as ``broadcast_``'s.
+
+    Args:
+        tensor: The root's value; on the other ranks, the tensor to overwrite.
+        root_rank: The sending rank, an int in ``[0, size())``.
+        name: Optional str naming the tensor in error messages.
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        An int handle; :func:`synchronize` returns ``tensor`` itself.
+    """
     return _handle(broadcast_(tensor, root_rank, name, process_set))
 
 
 def poll(handle: int) -> bool:
-    """Whether the operation behind ``handle`` has finished (always True: operations run eagerly)."""
+    """Whether the operation behind ``handle`` has finished. Local: no communication.
+
+    Args:
+        handle: A handle from an ``*_async`` call not yet passed to :func:`synchronize`.
+
+    Returns:
+        Always True: every ``*_async`` operation has completed by the time it returns.
+
+    Raises:
+        ValueError: ``handle`` is unknown or was already synchronized.
+    """
     if handle not in _handles:
         raise ValueError(f"poll: unknown handle {handle!r}; it was not returned by an *_async call "
                          f"or was already passed to synchronize()")
@@ -284,7 +456,17 @@ def poll(handle: int) -> bool:
 
 
 def synchronize(handle: int) -> Optional[torch.Tensor]:
-    """The output of the operation behind ``handle``, releasing the handle; None for a handle
-    that is unknown or already synchronized (as in Horovod)."""
+    """Hand back the output of the operation behind ``handle`` and release the handle.
+
+    Local (the operation already ran); until then the handle keeps its output alive.
+
+    Args:
+        handle: A handle from an ``*_async`` call.
+
+    Returns:
+        The operation's output tensor (the input tensor itself for ``allreduce_async_`` and
+        ``broadcast_async_``), or None for a handle that is unknown or already synchronized,
+        as in Horovod (no error is raised).
+    """
     return _handles.pop(handle, None)
 

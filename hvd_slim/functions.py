@@ -66,10 +66,26 @@ def _check_same(api: "MpiCollectives", what: str, values: List[int], meaning: st
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: Any = None) -> Any:
-    """``root_rank``'s ``obj`` on every rank (the root gets its own object back), via pickle.
+    """Send ``root_rank``'s ``obj`` to every rank, pickled (with cloudpickle when installed).
 
-    Unpickling runs code chosen by the sender: use it between trusted ranks only, as Horovod's.
-    The optimizer's data path never unpickles."""
+    Collective: every rank calls it with the same ``root_rank``. Unpickling runs code chosen by
+    the sender: use it between trusted ranks only, as Horovod's. The optimizer's data path never
+    unpickles.
+
+    Args:
+        obj: The object to send; only the root's is used (other ranks may pass None).
+        root_rank: The sending rank (default 0), an int in ``[0, size())``.
+        name: Optional label for error messages.
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        The root's object: on the root the very object it passed, elsewhere an unpickled copy.
+
+    Raises:
+        ValueError: ``process_set`` given, ``root_rank`` invalid or not the same on every rank,
+            or the root's object cannot be pickled (then every rank raises, the root too).
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+    """
     what = "broadcast_object" + (f" ({name!r})" if name else "")
     if process_set is not None:
         raise ValueError(f"{what}: process_set is not supported by hvd_slim; omit it")
@@ -85,9 +101,23 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 
 def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
-    """Every rank's ``obj``, as a list in rank order, via pickle.
+    """Collect every rank's ``obj`` on every rank, pickled (with cloudpickle when installed).
 
-    Unpickling runs code chosen by the sender: use it between trusted ranks only, as Horovod's."""
+    Collective: every rank calls it. Unpickling runs code chosen by the sender: use it between
+    trusted ranks only, as Horovod's.
+
+    Args:
+        obj: This rank's object.
+        name: Optional label for error messages.
+
+    Returns:
+        A list of ``size()`` objects in rank order; every entry, this rank's own included, is
+        an unpickled copy.
+
+    Raises:
+        ValueError: some rank's object cannot be pickled (every rank raises, naming it).
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+    """
     what = "allgather_object" + (f" ({name!r})" if name else "")
     with operation(what, basics.job_collectives) as api:
         parts = api.allgather_bytes(_dumps(obj)[0])
@@ -112,9 +142,26 @@ def _named_tensors(params: Any, what: str) -> List[Tuple[Any, torch.Tensor]]:
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
-    """Overwrite every tensor in ``params`` in place with ``root_rank``'s values. ``params`` is a
-    dict (``model.state_dict()``, taken in key order) or a list of tensors or (name, tensor)
-    tuples (``model.named_parameters()``)."""
+    """Overwrite every tensor in ``params`` in place with ``root_rank``'s values.
+
+    Collective: every rank passes the same ``root_rank`` and the same number of tensors with
+    the same dtypes and shapes. One check covers the whole list first, so a mismatch raises the
+    same ValueError (naming the first difference) on every rank before anything is sent.
+
+    Args:
+        params: A dict such as ``model.state_dict()`` (taken in sorted key order), or an
+            iterable of tensors or of ``(name, tensor)`` tuples such as
+            ``model.named_parameters()``. A single tensor or a string is refused.
+        root_rank: The sending rank, an int in ``[0, size())``; no default.
+
+    Returns:
+        None; the tensors in ``params`` hold the root's values.
+
+    Raises:
+        ValueError: ``params`` has the wrong type or an entry that is not a tensor or a
+            ``(name, tensor)`` pair, ``root_rank`` is invalid, or the ranks' lists differ.
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+    """
     what = "broadcast_parameters"
     items = _named_tensors(params, what)
     root = check_root_rank(what, root_rank, basics.size())
@@ -184,9 +231,29 @@ def _initialise_state(optimizer: torch.optim.Optimizer, model: Optional[torch.nn
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               model: Optional[torch.nn.Module] = None) -> None:
     """Make every rank's optimizer state and param-group options equal to ``root_rank``'s.
-    An empty state is first created by a step on zero gradients (``model`` marks sparse
-    embeddings). Tensors are broadcast in place; scalars and options go through
-    :func:`broadcast_object`."""
+
+    Collective. An empty state is first created by one step on zero gradients, which leaves the
+    parameters and their gradients as they were (for an hvd_slim or Horovod
+    ``DistributedOptimizer`` the wrapped class's step runs, so no exchange). State tensors are
+    broadcast in place; scalar state and the options of every param group (all but
+    ``"params"``, e.g. ``lr``) go through :func:`broadcast_object`, even for a stateless
+    optimizer, unlike Horovod.
+
+    Args:
+        optimizer: A ``torch.optim.Optimizer`` (not ``torch.optim.LBFGS``), wrapped or not.
+        root_rank: The sending rank, an int in ``[0, size())``; no default.
+        model: Optional module whose sparse ``nn.Embedding``/``nn.EmbeddingBag`` weights get
+            sparse zero gradients in that first step.
+
+    Returns:
+        None; the optimizer's state and options hold the root's values.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        ValueError: an LBFGS optimizer, an invalid ``root_rank``, state tensors that differ
+            between ranks, or (on non-root ranks) a different number of param groups.
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+    """
     what = "broadcast_optimizer_state"
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(f"{what}: cannot broadcast torch.optim.LBFGS state")
@@ -232,15 +299,38 @@ def _broadcast_state(optimizer: torch.optim.Optimizer, root: int,
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has joined; returns the rank that joined last. (Collectives run
-    eagerly, so there are no pending operations for joined ranks to fill in.)"""
+    """Wait until every rank has called ``join``.
+
+    Collective. Collectives run eagerly, so there are no pending operations for joined ranks to
+    fill in: this is a barrier that also reports who arrived last.
+
+    Args:
+        device: Accepted for Horovod compatibility and ignored (default -1).
+
+    Returns:
+        The rank that joined last, judged by each rank's wall clock at arrival.
+
+    Raises:
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+    """
     with operation("join", basics.job_collectives) as api:
         arrived = api.allgather_int64([time.time_ns()])[:, 0]
     return int(np.argmax(arrived))
 
 
 def barrier(process_set: Any = None) -> None:
-    """Block until every rank has called barrier()."""
+    """Block until every rank has called ``barrier``.
+
+    Args:
+        process_set: Not supported: anything but None raises ValueError.
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: ``process_set`` is given.
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+    """
     if process_set is not None:
         raise ValueError("barrier: process_set is not supported by hvd_slim; omit it")
     with operation("barrier", basics.job_collectives) as api:

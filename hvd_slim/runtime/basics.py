@@ -77,9 +77,27 @@ def _job_comm(mpi: Any, comm: Any) -> Any:
 
 
 def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None:
-    """Start hvd_slim on ``comm``: None for all ranks (a Dup of MPI.COMM_WORLD), an mpi4py
-    communicator (duplicated), or a list of COMM_WORLD ranks (a sub-communicator). Collective
-    over those ranks. Idempotent: later calls before :func:`shutdown` do nothing."""
+    """Start hvd_slim (and MPI, through mpi4py) on the ranks of ``comm``.
+
+    Collective over those ranks. Idempotent: later calls before :func:`shutdown` do nothing.
+    The launcher's rank variables, and an initialised Horovod, are checked against MPI's view.
+
+    Args:
+        comm: None (default) for every rank (a Dup of MPI.COMM_WORLD), an mpi4py
+            intracommunicator (duplicated), or a non-empty list of distinct COMM_WORLD ranks
+            (a sub-communicator, ranked in list order; only the listed ranks call init).
+        process_sets: Not supported: anything but None raises ValueError.
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: ``process_sets`` given, or a bad rank list (or this rank is not in it).
+        TypeError: ``comm`` is neither None, a list of ranks nor a communicator.
+        ImportError: mpi4py (or an MPI library) is not installed.
+        RuntimeError: the launcher or Horovod disagrees with MPI on rank or size, or Horovod
+            runs on Gloo without MPI.
+    """
     global _state
     if process_sets is not None:
         raise ValueError("hvd_slim.init(process_sets=...): process sets are not supported; omit the "
@@ -113,7 +131,14 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
 
 
 def shutdown() -> None:
-    """Release hvd_slim's communicators; :func:`init` may be called again afterwards."""
+    """Release hvd_slim's communicators and transports; :func:`init` may be called again.
+
+    Call it on every rank. Without a running hvd_slim it only closes the torch.distributed
+    transports (``transport="gloo"``/``"nccl"``), if any.
+
+    Returns:
+        None.
+    """
     global _state
     with _lock:
         state, _state = _state, None
@@ -131,7 +156,14 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` has been called (and :func:`shutdown` has not)."""
+    """Whether hvd_slim is running: :func:`init` was called and :func:`shutdown` was not.
+
+    Inside an initialised Horovod it stays False until hvd_slim starts itself (first
+    collective or optimizer), though :func:`rank` and :func:`size` already answer.
+
+    Returns:
+        True when hvd_slim is initialised, else False.
+    """
     return _state is not None
 
 
@@ -162,51 +194,128 @@ def _query(attr: str) -> int:
 
 
 def job_comm() -> Any:
-    """The job communicator the public tensor API runs its collectives on."""
+    """The job communicator the public tensor API runs its collectives on.
+
+    Collective only when it starts hvd_slim from an initialised Horovod.
+
+    Returns:
+        The mpi4py communicator (hvd_slim's private duplicate).
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised.
+    """
     return _require_started().comm
 
 
 def job_collectives() -> Any:
     """The :class:`~hvd_slim.transport.mpi_api.MpiCollectives` on :func:`job_comm`, which the
     public tensor API is handed (as the exchange is handed :func:`world_transport`). Collective
-    only when it starts hvd_slim from an initialised Horovod."""
+    only when it starts hvd_slim from an initialised Horovod.
+
+    Returns:
+        The job's ``MpiCollectives``.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised.
+    """
     return _require_started().api
 
 
 def rank() -> int:
-    """This process's rank in the job, in [0, size())."""
+    """This process's rank in the job.
+
+    Before hvd_slim starts inside an initialised Horovod, Horovod answers.
+
+    Returns:
+        An int in ``[0, size())``.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised.
+    """
     return _query("rank")
 
 
 def size() -> int:
-    """Number of processes in the job."""
+    """Number of processes in the job.
+
+    Before hvd_slim starts inside an initialised Horovod, Horovod answers.
+
+    Returns:
+        An int >= 1.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised.
+    """
     return _query("size")
 
 
 def local_rank() -> int:
-    """Rank among the processes on this node (use it to pick a GPU)."""
+    """Rank among the job's processes on this node (use it to pick a GPU).
+
+    Before hvd_slim starts inside an initialised Horovod, Horovod answers.
+
+    Returns:
+        An int in ``[0, local_size())``.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised.
+    """
     return _query("local_rank")
 
 
 def local_size() -> int:
-    """Number of the job's processes on this node."""
+    """Number of the job's processes on this node.
+
+    Before hvd_slim starts inside an initialised Horovod, Horovod answers.
+
+    Returns:
+        An int >= 1.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised.
+    """
     return _query("local_size")
 
 
 def cross_rank() -> int:
-    """Rank among the job's processes that have this process's local rank (the node index)."""
+    """Rank among the job's processes that share this local rank (normally the node index).
+
+    Before hvd_slim starts inside an initialised Horovod, Horovod answers.
+
+    Returns:
+        An int in ``[0, cross_size())``.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised.
+    """
     return _query("cross_rank")
 
 
 def cross_size() -> int:
-    """Number of processes that share this process's local rank (normally the node count)."""
+    """Number of processes that share this process's local rank (normally the node count).
+
+    Before hvd_slim starts inside an initialised Horovod, Horovod answers.
+
+    Returns:
+        An int >= 1.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised.
+    """
     return _query("cross_size")
 
 
 def world_transport() -> Any:
     """The :class:`~hvd_slim.transport.mpi.MpiTransport` for the optimizer's exchange, on a
     communicator of its own so API collectives never interleave with it. Cached; collective only
-    when it starts hvd_slim from an initialised Horovod."""
+    when it starts hvd_slim from an initialised Horovod.
+
+    Returns:
+        The MPI transport (the same object on every call until :func:`shutdown`).
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised.
+    """
     state = _require_started()
     if state.transport is None:
         from ..transport.mpi import MpiTransport  # importable: init() imported mpi4py
@@ -215,53 +324,99 @@ def world_transport() -> Any:
 
 
 def mpi_threads_supported() -> bool:
-    """Whether MPI runs with MPI_THREAD_MULTIPLE."""
+    """Whether MPI runs with MPI_THREAD_MULTIPLE.
+
+    Returns:
+        True when MPI provides MPI_THREAD_MULTIPLE, else False.
+
+    Raises:
+        ValueError: hvd_slim is not initialised (an initialised Horovod does not answer).
+    """
     _require()
     return bool(_mpi().thread_multiple())
 
 
 def mpi_enabled() -> bool:
-    """True once initialised: hvd_slim always runs its collectives over MPI."""
+    """Whether MPI is in use: hvd_slim always runs its collectives over MPI.
+
+    Returns:
+        True once hvd_slim is initialised, else False.
+    """
     return _state is not None
 
 
 def mpi_built() -> bool:
-    """Whether mpi4py is installed (hvd_slim's only MPI binding); does not initialise MPI."""
+    """Whether mpi4py is installed (hvd_slim's only MPI binding); does not initialise MPI.
+
+    Returns:
+        True when mpi4py can be imported, else False.
+    """
     return importlib.util.find_spec("mpi4py") is not None
 
 
 def gloo_enabled() -> bool:
-    """Always False: hvd_slim has no Gloo controller."""
+    """Whether Gloo runs the collectives: never, hvd_slim has no Gloo controller.
+
+    Returns:
+        False.
+    """
     return False
 
 
 def gloo_built() -> bool:
-    """Always False: hvd_slim has no Gloo controller."""
+    """Whether Gloo support is built in: no, hvd_slim has no Gloo controller.
+
+    (``transport="gloo"`` for the optimizer uses torch.distributed's Gloo, not this.)
+
+    Returns:
+        False.
+    """
     return False
 
 
 def nccl_built() -> bool:
-    """Always False: collectives go through MPI (CUDA tensors are staged through host memory)."""
+    """Whether NCCL collectives are built in: no, they go through MPI (CUDA tensors are staged
+    through host memory).
+
+    Returns:
+        False.
+    """
     return False
 
 
 def ddl_built() -> bool:
-    """Always False (IBM DDL is not supported)."""
+    """Whether IBM DDL support is built in: no, DDL is not supported.
+
+    Returns:
+        False.
+    """
     return False
 
 
 def ccl_built() -> bool:
-    """Always False (oneCCL is not supported)."""
+    """Whether oneCCL support is built in: no, oneCCL is not supported.
+
+    Returns:
+        False.
+    """
     return False
 
 
 def cuda_built() -> bool:
-    """Always False: there are no GPU kernels; CUDA tensors work by staging through the CPU."""
+    """Whether CUDA kernels are built in: no; CUDA tensors work by staging through the CPU.
+
+    Returns:
+        False.
+    """
     return False
 
 
 def rocm_built() -> bool:
-    """Always False: there are no ROCm kernels."""
+    """Whether ROCm kernels are built in: no, there are none.
+
+    Returns:
+        False.
+    """
     return False
 
 

@@ -4,9 +4,10 @@
 ``rank``, collectives and ``broadcast_*`` helpers, and a ``DistributedOptimizer`` whose
 exchange sends a small, well-chosen slice of each gradient instead of all of it. See README.md.
 """
-from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
-                          allreduce, allreduce_, allreduce_async, allreduce_async_, broadcast,
-                          broadcast_, broadcast_async, broadcast_async_, poll, synchronize)
+from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce,
+                          allreduce_, broadcast, broadcast_)
+from .collectives_async import (allgather_async, allreduce_async, allreduce_async_,
+                                broadcast_async, broadcast_async_, poll, synchronize)
 from .compression import Compression
 from .config import ConfigError, SlimConfig
 from .exchange import ExchangeError

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .collectives import _broadcast
+from .collective_ops import _broadcast
 from .runtime import basics
 from .runtime.api_timeout import operation
 from .runtime.checks import check_root_rank

@@ -173,11 +173,6 @@ class Layout:
                 h.update(f"{s.name}|{tuple(s.param.shape)}\n".encode())
         return int.from_bytes(h.digest()[:8], "little")
 
-    def describe(self) -> List[str]:
-        """One line per parameter: name, shape, dtype, bucket kind; used in mismatch errors."""
-        return [f"{s.name} {tuple(s.param.shape)} {b.dtype} {b.kind}"
-                for b in self.buckets for s in b.segments]
-
     def description(self) -> List[list]:
         """JSON-ready ``[name, shape, dtype, comm dtype, "trainable" | "frozen"]`` per parameter,
         by name: what ranks (and checkpoints) compare to name the first parameter that differs."""

@@ -1,5 +1,5 @@
-"""Process-level state in Horovod's shape: ``init``/``shutdown``, rank and size queries, build
-flags, and the two objects the rest of the package reaches MPI through, both handed out from
+"""Process-level state in Horovod's shape: ``init``/``shutdown``, rank and size queries (the
+build flags are in build_flags.py), and the two objects the rest of the package reaches MPI through, both handed out from
 here: :func:`job_collectives` (the tensor API's collectives on the job communicator) and
 :func:`world_transport` (the optimizer's exchange, on a communicator of its own).
 
@@ -12,7 +12,6 @@ needed: rank queries answer from Horovod, and the first collective (building a
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 import threading
 from dataclasses import dataclass
@@ -345,84 +344,8 @@ def mpi_enabled() -> bool:
     return _state is not None
 
 
-def mpi_built() -> bool:
-    """Whether mpi4py is installed (hvd_slim's only MPI binding); does not initialise MPI.
-
-    Returns:
-        True when mpi4py can be imported, else False.
-    """
-    return importlib.util.find_spec("mpi4py") is not None
-
-
-def gloo_enabled() -> bool:
-    """Whether Gloo runs the collectives: never, hvd_slim has no Gloo controller.
-
-    Returns:
-        False.
-    """
-    return False
-
-
-def gloo_built() -> bool:
-    """Whether Gloo support is built in: no, hvd_slim has no Gloo controller.
-
-    (``transport="gloo"`` for the optimizer uses torch.distributed's Gloo, not this.)
-
-    Returns:
-        False.
-    """
-    return False
-
-
-def nccl_built() -> bool:
-    """Whether NCCL collectives are built in: no, they go through MPI (CUDA tensors are staged
-    through host memory).
-
-    Returns:
-        False.
-    """
-    return False
-
-
-def ddl_built() -> bool:
-    """Whether IBM DDL support is built in: no, DDL is not supported.
-
-    Returns:
-        False.
-    """
-    return False
-
-
-def ccl_built() -> bool:
-    """Whether oneCCL support is built in: no, oneCCL is not supported.
-
-    Returns:
-        False.
-    """
-    return False
-
-
-def cuda_built() -> bool:
-    """Whether CUDA kernels are built in: no; CUDA tensors work by staging through the CPU.
-
-    Returns:
-        False.
-    """
-    return False
-
-
-def rocm_built() -> bool:
-    """Whether ROCm kernels are built in: no, there are none.
-
-    Returns:
-        False.
-    """
-    return False
-
-
 __all__: List[str] = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
-    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "world_transport", "job_comm",
+    "cross_size", "mpi_threads_supported", "mpi_enabled", "world_transport", "job_comm",
     "job_collectives", "NOT_INITIALIZED",
 ]

@@ -12,8 +12,8 @@ import pytest
 import hvd_slim
 from hvd_slim.runtime import basics
 
-API_MODULES = ("hvd_slim.collectives", "hvd_slim.functions", "hvd_slim.runtime.basics",
-               "hvd_slim.optimizer")
+API_MODULES = ("hvd_slim.collectives", "hvd_slim.collectives_async", "hvd_slim.functions",
+               "hvd_slim.runtime.basics", "hvd_slim.runtime.build_flags", "hvd_slim.optimizer")
 SECTION = re.compile(r"^(Args|Arguments|Returns|Raises|Yields|Examples?|Notes?|Attributes):\s*$")
 # An entry of the Args section: four spaces, the name (``*args``/``**kwargs`` with their stars),
 # an optional ``(type)``, then a colon.

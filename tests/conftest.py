@@ -35,7 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     for item in items:
         try:
-            top = Path(str(item.fspath)).resolve().relative_to(HERE).parts[0]
+            top = Path(item.path).resolve().relative_to(HERE).parts[0]
         except ValueError:   # a test outside tests/ (none today)
             continue
         if top in KIND_OF:

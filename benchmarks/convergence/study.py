@@ -13,15 +13,12 @@ import time
 from typing import Any, Dict, List, Optional
 
 from benchmarks import netem
-from benchmarks.launch import MpiTimeout, run
+from benchmarks.launch import ROOT, MpiTimeout, run
 
 from . import train, untuned
 from .plan import (DEFAULT_GROUPS, EPOCH_BUDGET_S, NET_SLOWDOWN, TARGET_GAP, TTA_TARGET,
                    build_plan, segments)
 from .report import write_report
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 PINGPONG = ("import json; from mpi4py import MPI; from benchmarks.worker import pingpong; "
             "r = pingpong(MPI.COMM_WORLD, {mib}); "

@@ -285,3 +285,24 @@ def test_topk_error_feedback_sends_the_largest_and_keeps_the_rest():
                        torch.tensor([1.0, 0.0, 0.0, 3.0, 0.0]))
     with pytest.raises(ValueError, match="density"):
         TopKErrorFeedback(10, 0)
+
+
+# --- the untuned battery's report (benchmarks/convergence/untuned.py) ----------------------
+def test_lm_table_compares_each_run_with_dense_on_the_same_seeds():
+    from benchmarks.convergence import untuned
+
+    def run(variant, seed, bpb):
+        rec = {"val_bpb": bpb, "steps": 10, "bytes_pushed": 10.0, "bytes_pulled": 10.0,
+               "dense_bytes": 100.0}
+        return {"dataset": "pystdlib", "case": "lm", "variant": variant, "seed": seed,
+                "seconds": 1.0, "records": [rec]}
+
+    rows = untuned.summarise([run("dense", 0, 2.0), run("dense", 1, 3.0),
+                              run("default", 0, 2.5), run("default", 1, 3.3),
+                              run("top-k 0.02", 0, 2.2)])
+    assert rows[("lm", "dense")]["end"] == 2.5
+    table = untuned.lm_table(rows)
+    # The 2-seed row against dense's 2-seed mean; the seed-0 peer against seed 0's dense (2.0),
+    # not against the mean (which would read -12%).
+    assert "| default | 2 | 2.9000 | +16.00% |" in table
+    assert "| top-k 0.02 | 1 | 2.2000 | +10.00% |" in table

@@ -13,14 +13,16 @@ bfloat16 are reduced in float32, because MPI has no half-precision sum.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 
 from .runtime import basics
 from .runtime.api_timeout import operation
-from .runtime.checks import agree, check_root_rank, label
+from .runtime.checks import agree, label
+from .runtime.process_sets import Group, resolve
 
 # Horovod's reduce-op values.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -50,6 +52,20 @@ def _resolve_op(what: str, op: Optional[int], average: Optional[bool]) -> int:
 
 # ---- implementations ----------------------------------------------------------------------
 
+@contextmanager
+def on_group(what: str, process_set: Any) -> Iterator[Tuple[Any, Group]]:
+    """:func:`operation` for one call named ``what``, on ``process_set``'s group (None: every
+    rank); yields its collectives and the group. The set is resolved inside the operation,
+    so a bad ``HVD_SLIM_TIMEOUT`` is reported before hvd_slim starts."""
+    found = []
+
+    def fetch() -> Any:
+        found.append(resolve(what.split(" of ")[0], process_set))
+        return found[0].api
+    with operation(what, fetch) as api:
+        yield api, found[0]
+
+
 def _host_copy(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """A fresh contiguous CPU copy (the staging buffer that MPI writes into)."""
     return torch.empty(t.shape, dtype=dtype or t.dtype).copy_(t.detach())
@@ -77,9 +93,9 @@ def _scale_(buf: torch.Tensor, factor: float, divisor: int = 1) -> None:
 
 
 def _allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float, name: Optional[str],
-               what: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    size = basics.size()
-    with operation(f"{what}{label(name)}", basics.job_collectives) as api:
+               what: str, out: Optional[torch.Tensor] = None, process_set: Any = None) -> torch.Tensor:
+    with on_group(f"{what}{label(name)}", process_set) as (api, group):
+        size = group.size
         agree(api, what, name, tensor, {"op": op})
         work = torch.float32 if tensor.dtype in _HALF else tensor.dtype
         if work not in _REDUCIBLE:
@@ -98,10 +114,11 @@ def _allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
     return out
 
 
-def _allgather(tensor: torch.Tensor, name: Optional[str], what: str) -> Tuple[torch.Tensor, np.ndarray]:
+def _allgather(tensor: torch.Tensor, name: Optional[str], what: str, process_set: Any = None
+               ) -> Tuple[torch.Tensor, np.ndarray]:
     """The concatenation along dim 0 (0-d tensors count as one row) and every rank's row count."""
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    with operation(f"{what}{label(name)}", basics.job_collectives) as api:
+    with on_group(f"{what}{label(name)}", process_set) as (api, _):
         rows = agree(api, what, name, t, {}, dim0_free=True)
         host = t if _direct(t, t.dtype) else _host_copy(t)
         row_bytes = host.element_size() * int(np.prod(host.shape[1:], dtype=np.int64))
@@ -111,13 +128,15 @@ def _allgather(tensor: torch.Tensor, name: Optional[str], what: str) -> Tuple[to
 
 
 def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str], what: str,
-               out: Optional[torch.Tensor] = None, checked: bool = True) -> torch.Tensor:
-    """Root's ``tensor`` as a new tensor, or written into ``out``. ``checked=False`` skips the
-    cross-rank check, for callers that already made one for a whole batch of tensors."""
-    root = check_root_rank(what, root_rank, basics.size())
-    with operation(f"{what}{label(name)}", basics.job_collectives) as api:
+               out: Optional[torch.Tensor] = None, checked: bool = True,
+               process_set: Any = None) -> torch.Tensor:
+    """Root's ``tensor`` as a new tensor, or written into ``out``. ``root_rank`` is a job rank,
+    within ``process_set``. ``checked=False`` skips the cross-rank check, for callers that
+    already made one for a whole batch of tensors."""
+    with on_group(f"{what}{label(name)}", process_set) as (api, group):
+        root = group.local_root(what, root_rank)
         if checked:
-            agree(api, what, name, tensor, {"root_rank": root})
+            agree(api, what, name, tensor, {"root_rank": root_rank})
         direct = _direct(out, tensor.dtype)
         with torch.no_grad():
             buf = out.detach() if direct else _host_copy(tensor)
@@ -132,41 +151,47 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str], what: 
 # Out-of-place collectives are differentiable, with Horovod's gradients.
 class _AllreduceFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: int, pre: float, post: float, name: Optional[str]) -> torch.Tensor:
-        ctx.args = (op, pre, post, name)
-        return _allreduce(tensor, op, pre, post, name, "allreduce")
+    def forward(ctx: Any, tensor: torch.Tensor, op: int, pre: float, post: float, name: Optional[str],
+                process_set: Any = None) -> torch.Tensor:
+        ctx.args = (op, pre, post, name, process_set)
+        return _allreduce(tensor, op, pre, post, name, "allreduce", process_set=process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        op, pre, post, name = ctx.args
-        return _allreduce(grad, op, pre, post, name, "allreduce (backward)"), None, None, None, None
+        op, pre, post, name, ps = ctx.args
+        return (_allreduce(grad, op, pre, post, name, "allreduce (backward)", process_set=ps),
+                None, None, None, None, None)
 
 
 class _AllgatherFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str]) -> torch.Tensor:
-        out, rows = _allgather(tensor, name, "allgather")
-        ctx.name, ctx.shape, ctx.rows = name, tensor.shape, rows
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], process_set: Any = None) -> torch.Tensor:
+        out, rows = _allgather(tensor, name, "allgather", process_set)
+        ctx.name, ctx.shape, ctx.rows, ctx.ps = name, tensor.shape, rows, process_set
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        reduced = _allreduce(grad, Average, 1.0, 1.0, ctx.name, "allgather (backward)")
-        r = basics.rank()
+        reduced = _allreduce(grad, Average, 1.0, 1.0, ctx.name, "allgather (backward)",
+                             process_set=ctx.ps)
+        r = resolve("allgather (backward)", ctx.ps).rank
         start = int(ctx.rows[:r].sum())
-        return reduced.narrow(0, start, int(ctx.rows[r])).reshape(ctx.shape), None
+        return reduced.narrow(0, start, int(ctx.rows[r])).reshape(ctx.shape), None, None
 
 
 class _BroadcastFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root: int, name: Optional[str]) -> torch.Tensor:
-        ctx.root, ctx.name = root, name
-        return _broadcast(tensor, root, name, "broadcast")
+    def forward(ctx: Any, tensor: torch.Tensor, root: int, name: Optional[str],
+                process_set: Any = None) -> torch.Tensor:
+        ctx.root, ctx.name, ctx.ps = root, name, process_set
+        return _broadcast(tensor, root, name, "broadcast", process_set=process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        reduced = _allreduce(grad, Average, 1.0, 1.0, ctx.name, "broadcast (backward)")
-        return (reduced if basics.rank() == ctx.root else torch.zeros_like(reduced)), None, None
+        reduced = _allreduce(grad, Average, 1.0, 1.0, ctx.name, "broadcast (backward)",
+                             process_set=ctx.ps)
+        mine = reduced if basics.rank() == ctx.root else torch.zeros_like(reduced)
+        return mine, None, None, None
 
 
 def _differentiable(tensor: torch.Tensor) -> bool:

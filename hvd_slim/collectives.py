@@ -46,7 +46,8 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
         prescale_factor: Multiplies each rank's tensor before the reduction (default 1.0).
         postscale_factor: Multiplies the reduced result (default 1.0); ``Average`` divides by
             ``size()`` after it. Integer tensors are scaled in float64, truncated toward zero.
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only
+            its ranks call this.
 
     Returns:
         A new tensor of the input's shape, dtype and device holding the reduction.
@@ -57,13 +58,14 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
         TypeError: ``tensor`` is not a dense torch.Tensor, or ``name`` is not a str.
         TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
     """
-    check_tensor_args("allreduce", tensor, name, process_set)
+    check_tensor_args("allreduce", tensor, name)
     op = _resolve_op("allreduce", op, average)
     sent, ctx = compression.compress(tensor)
     if _differentiable(sent):
-        out = _AllreduceFn.apply(sent, op, prescale_factor, postscale_factor, name)
+        out = _AllreduceFn.apply(sent, op, prescale_factor, postscale_factor, name, process_set)
     else:
-        out = _allreduce(sent, op, prescale_factor, postscale_factor, name, "allreduce")
+        out = _allreduce(sent, op, prescale_factor, postscale_factor, name, "allreduce",
+                         process_set=process_set)
     return compression.decompress(out, ctx)
 
 
@@ -82,14 +84,16 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
         op: The reduction, as in :func:`allreduce` (default ``Average``).
         prescale_factor: Multiplies each rank's tensor before the reduction (default 1.0).
         postscale_factor: Multiplies the reduced result (default 1.0).
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only
+            its ranks call this.
 
     Returns:
         ``tensor`` itself, now holding the reduction.
     """
-    check_tensor_args("allreduce_", tensor, name, process_set)
+    check_tensor_args("allreduce_", tensor, name)
     op = _resolve_op("allreduce_", op, average)
-    return _allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_", out=tensor)
+    return _allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_", out=tensor,
+                      process_set=process_set)
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> torch.Tensor:
@@ -103,21 +107,23 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any
     Args:
         tensor: This rank's dense tensor.
         name: Optional str naming the tensor in error messages.
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only
+            its ranks call this.
 
     Returns:
         A new tensor on the input's device whose first dimension is the sum of every rank's.
 
     Raises:
-        ValueError: neither hvd_slim nor Horovod is initialised, ``process_set`` is given, or
-            the ranks' dtypes or trailing dimensions differ.
+        ValueError: neither hvd_slim nor Horovod is initialised, ``process_set`` is not a
+            registered set of this rank, or the ranks' dtypes or trailing dimensions differ
+            (a :class:`MismatchError`, also a RuntimeError).
         TypeError: ``tensor`` is not a dense torch.Tensor, or ``name`` is not a str.
         TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
     """
-    check_tensor_args("allgather", tensor, name, process_set)
+    check_tensor_args("allgather", tensor, name)
     if _differentiable(tensor):
-        return _AllgatherFn.apply(tensor, name)
-    return _allgather(tensor, name, "allgather")[0]
+        return _AllgatherFn.apply(tensor, name, process_set)
+    return _allgather(tensor, name, "allgather", process_set)[0]
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -133,7 +139,8 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
             shape (its values are ignored).
         root_rank: The sending rank, an int in ``[0, size())`` (ValueError otherwise).
         name: Optional str naming the tensor in error messages.
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only
+            its ranks call this.
 
     Returns:
         A new tensor on the input's device holding the root's value.
@@ -144,10 +151,10 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
         TypeError: ``tensor`` is not a dense torch.Tensor, or ``name`` is not a str.
         TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
     """
-    check_tensor_args("broadcast", tensor, name, process_set)
+    check_tensor_args("broadcast", tensor, name)
     if _differentiable(tensor):
-        return _BroadcastFn.apply(tensor, root_rank, name)
-    return _broadcast(tensor, root_rank, name, "broadcast")
+        return _BroadcastFn.apply(tensor, root_rank, name, process_set)
+    return _broadcast(tensor, root_rank, name, "broadcast", process_set=process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -160,10 +167,11 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
         tensor: The root's value; on the other ranks, the tensor to overwrite.
         root_rank: The sending rank, an int in ``[0, size())``.
         name: Optional str naming the tensor in error messages.
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only
+            its ranks call this.
 
     Returns:
         ``tensor`` itself, now holding the root's value.
     """
-    check_tensor_args("broadcast_", tensor, name, process_set)
-    return _broadcast(tensor, root_rank, name, "broadcast_", out=tensor)
+    check_tensor_args("broadcast_", tensor, name)
+    return _broadcast(tensor, root_rank, name, "broadcast_", out=tensor, process_set=process_set)

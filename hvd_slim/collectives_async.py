@@ -39,14 +39,16 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
         op: The reduction, as in :func:`allreduce` (default ``Average``).
         prescale_factor: Multiplies each rank's tensor before the reduction (default 1.0).
         postscale_factor: Multiplies the reduced result (default 1.0).
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only
+            its ranks call this.
 
     Returns:
         An int handle; :func:`synchronize` returns the new reduced tensor.
     """
-    check_tensor_args("allreduce_async", tensor, name, process_set)
+    check_tensor_args("allreduce_async", tensor, name)
     op = _resolve_op("allreduce_async", op, average)
-    return _handle(_allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_async"))
+    return _handle(_allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_async",
+                              process_set=process_set))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -63,7 +65,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
         op: The reduction, as in :func:`allreduce` (default ``Average``).
         prescale_factor: Multiplies each rank's tensor before the reduction (default 1.0).
         postscale_factor: Multiplies the reduced result (default 1.0).
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only
+            its ranks call this.
 
     Returns:
         An int handle; :func:`synchronize` returns ``tensor`` itself.
@@ -79,13 +82,14 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_se
     Args:
         tensor: This rank's dense tensor.
         name: Optional str naming the tensor in error messages.
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only
+            its ranks call this.
 
     Returns:
         An int handle; :func:`synchronize` returns the concatenated tensor.
     """
-    check_tensor_args("allgather_async", tensor, name, process_set)
-    return _handle(_allgather(tensor, name, "allgather_async")[0])
+    check_tensor_args("allgather_async", tensor, name)
+    return _handle(_allgather(tensor, name, "allgather_async", process_set)[0])
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -98,13 +102,14 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
         tensor: The root's value; on the other ranks, a tensor of the same dtype and shape.
         root_rank: The sending rank, an int in ``[0, size())``.
         name: Optional str naming the tensor in error messages.
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only
+            its ranks call this.
 
     Returns:
         An int handle; :func:`synchronize` returns a new tensor holding the root's value.
     """
-    check_tensor_args("broadcast_async", tensor, name, process_set)
-    return _handle(_broadcast(tensor, root_rank, name, "broadcast_async"))
+    check_tensor_args("broadcast_async", tensor, name)
+    return _handle(_broadcast(tensor, root_rank, name, "broadcast_async", process_set=process_set))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -117,7 +122,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
         tensor: The root's value; on the other ranks, the tensor to overwrite.
         root_rank: The sending rank, an int in ``[0, size())``.
         name: Optional str naming the tensor in error messages.
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only
+            its ranks call this.
 
     Returns:
         An int handle; :func:`synchronize` returns ``tensor`` itself.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .collective_ops import _broadcast
+from .collective_ops import _broadcast, on_group
 from .runtime import basics
 from .runtime.api_timeout import operation
 from .runtime.checks import check_root_rank
@@ -76,23 +76,23 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
         obj: The object to send; only the root's is used (other ranks may pass None).
         root_rank: The sending rank (default 0), an int in ``[0, size())``.
         name: Optional label for error messages.
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only its
+            ranks call this, and ``root_rank`` (a job rank) must be one of them.
 
     Returns:
         The root's object: on the root the very object it passed, elsewhere an unpickled copy.
 
     Raises:
-        ValueError: ``process_set`` given, ``root_rank`` invalid or not the same on every rank,
-            or the root's object cannot be pickled (then every rank raises, the root too).
+        ValueError: ``root_rank`` invalid or not the same on every rank, ``process_set`` not a
+            registered set of this rank, or the root's object cannot be pickled (then every
+            rank raises, the root too).
         TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
     """
     what = "broadcast_object" + (f" ({name!r})" if name else "")
-    if process_set is not None:
-        raise ValueError(f"{what}: process_set is not supported by hvd_slim; omit it")
-    root = check_root_rank(what, root_rank, basics.size())
-    with operation(what, basics.job_collectives) as api:
+    with on_group(what, process_set) as (api, group):
+        root = group.local_root(what, root_rank)
         _check_same(api, what, [root], "root_rank")
-        is_root = basics.rank() == root
+        is_root = group.rank == root
         payload, failed = _dumps(obj) if is_root else (None, False)
         data = api.bcast_bytes(payload, root)
     if is_root and not failed:
@@ -100,7 +100,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     return _loads(data, what)  # raises on every rank (the root too) after a pickling failure
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
+def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = None) -> List[Any]:
     """Collect every rank's ``obj`` on every rank, pickled (with cloudpickle when installed).
 
     Collective: every rank calls it. Unpickling runs code chosen by the sender: use it between
@@ -109,9 +109,11 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
     Args:
         obj: This rank's object.
         name: Optional label for error messages.
+        process_set: The :class:`ProcessSet` to run on (default None: every rank); only its
+            ranks call this.
 
     Returns:
-        A list of ``size()`` objects in rank order; every entry, this rank's own included, is
+        A list of one object per rank of the set, in rank order; every entry, this rank's own included, is
         an unpickled copy.
 
     Raises:
@@ -119,7 +121,7 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
         TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
     """
     what = "allgather_object" + (f" ({name!r})" if name else "")
-    with operation(what, basics.job_collectives) as api:
+    with on_group(what, process_set) as (api, _):
         parts = api.allgather_bytes(_dumps(obj)[0])
     return [_loads(p, what) for p in parts]
 
@@ -322,16 +324,15 @@ def barrier(process_set: Any = None) -> None:
     """Block until every rank has called ``barrier``.
 
     Args:
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: The :class:`ProcessSet` whose ranks wait for each other (default None:
+            every rank); only its ranks call this.
 
     Returns:
         None.
 
     Raises:
-        ValueError: ``process_set`` is given.
+        ValueError: ``process_set`` is not a registered set of this rank.
         TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
     """
-    if process_set is not None:
-        raise ValueError("barrier: process_set is not supported by hvd_slim; omit it")
-    with operation("barrier", basics.job_collectives) as api:
+    with on_group("barrier", process_set) as (api, _):
         api.barrier()

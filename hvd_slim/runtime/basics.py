@@ -85,22 +85,21 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
         comm: None (default) for every rank (a Dup of MPI.COMM_WORLD), an mpi4py
             intracommunicator (duplicated), or a non-empty list of distinct COMM_WORLD ranks
             (a sub-communicator, ranked in list order; only the listed ranks call init).
-        process_sets: Not supported: anything but None raises ValueError.
+        process_sets: None (default) or ``"dynamic"``, or a list of
+            :class:`~hvd_slim.ProcessSet` to register now (each built from job ranks or, on
+            its members, an mpi4py communicator); sets can be added later either way.
 
     Returns:
         None.
 
     Raises:
-        ValueError: ``process_sets`` given, or a bad rank list (or this rank is not in it).
+        ValueError: a bad ``process_sets`` or rank list (or this rank is not in it).
         TypeError: ``comm`` is neither None, a list of ranks nor a communicator.
         ImportError: mpi4py (or an MPI library) is not installed.
         RuntimeError: the launcher or Horovod disagrees with MPI on rank or size, or Horovod
             runs on Gloo without MPI.
     """
     global _state
-    if process_sets is not None:
-        raise ValueError("hvd_slim.init(process_sets=...): process sets are not supported; omit the "
-                         "argument (every collective runs on all ranks of the job)")
     with _lock:
         if _state is not None:
             return
@@ -127,6 +126,12 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
                         cross_rank=cross.Get_rank(), cross_size=cross.Get_size())
         if horovod.initialized_horovod() is not None:
             horovod.register_exit_barrier()
+    from . import process_sets as sets
+    try:
+        sets.init_sets(process_sets)
+    except BaseException:
+        shutdown()
+        raise
 
 
 def shutdown() -> None:
@@ -147,6 +152,8 @@ def shutdown() -> None:
         torch_dist.close_all()
     if state is None:
         return
+    from . import process_sets as sets
+    sets.clear(_mpi())
     if state.transport is not None:
         state.transport.close()
     mpi = _mpi()

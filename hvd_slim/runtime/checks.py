@@ -13,11 +13,15 @@ if TYPE_CHECKING:   # pragma: no cover
     from ..transport.mpi_api import MpiCollectives
 
 
-def check_tensor_args(what: str, tensor: Any, name: Any, process_set: Any) -> None:
+class MismatchError(RuntimeError, ValueError):
+    """Ranks passed a collective mismatched arguments (dtype, shape, root, op, process set).
+
+    Raised on every rank alike. A RuntimeError, as Horovod raises for such a mismatch, and a
+    ValueError, as hvd_slim raised before, so either ``except`` catches it."""
+
+
+def check_tensor_args(what: str, tensor: Any, name: Any) -> None:
     """Local checks of a collective's common arguments; ``what`` names the call in errors."""
-    if process_set is not None:
-        raise ValueError(f"{what}: process_set is not supported by hvd_slim; omit it (collectives "
-                         f"always run on every rank of the job)")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
@@ -48,7 +52,8 @@ def _crc(obj: Any) -> int:
 def agree(api: "MpiCollectives", what: str, name: Optional[str], tensor: torch.Tensor,
           extra: Dict[str, int], dim0_free: bool = False) -> np.ndarray:
     """Collective check over ``api`` that every rank passed the same dtype, shape (except dim 0
-    when ``dim0_free``) and ``extra`` values; raises the same ValueError on every rank otherwise.
+    when ``dim0_free``) and ``extra`` values; raises the same :class:`MismatchError` on every
+    rank otherwise.
     Returns every rank's first dimension (0 when the tensor is 0-d)."""
     shape = tuple(tensor.shape)
     compared = shape[1:] if dim0_free else shape
@@ -60,7 +65,7 @@ def agree(api: "MpiCollectives", what: str, name: Optional[str], tensor: torch.T
         descs = api.allgather_bytes(np.frombuffer(mine.encode(), dtype=np.uint8))
         listing = "; ".join(f"rank {r}: {d.tobytes().decode()}" for r, d in enumerate(descs))
         rule = "the same dtype and trailing dimensions" if dim0_free else "the same dtype and shape"
-        raise ValueError(f"{what}{label(name)}: ranks passed mismatched arguments ({listing}); every "
+        raise MismatchError(f"{what}{label(name)}: ranks passed mismatched arguments ({listing}); every "
                          f"rank must pass {rule}" + (" and the same " + ", ".join(extra) if extra else ""))
     return rows[:, -1]
 

@@ -82,6 +82,13 @@ def split(comm: Any, color: int, key: int) -> Any:
     return comm.Split(color, key)
 
 
+@mpi_errors("Comm_split")
+def split_members(comm: Any, member: bool, key: int) -> Any:
+    """The members of ``comm`` (those passing ``member=True``) as a new communicator ordered by
+    ``key``; COMM_NULL on the others. Collective over ``comm``."""
+    return comm.Split(0 if member else MPI.UNDEFINED, key)
+
+
 def free(comm: Any) -> None:
     """Free a communicator this package created; errors are ignored (shutdown must not fail)."""
     try:

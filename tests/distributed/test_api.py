@@ -73,8 +73,8 @@ def test_init_on_rank_lists_and_communicators(hvd):
                 hvd.init(comm=[0])
         hvd.init(comm=MPI.COMM_WORLD)
         assert hvd.rank() == wr and hvd.job_comm() != MPI.COMM_WORLD
-        with pytest.raises(ValueError, match="process sets"):
-            hvd.shutdown() or hvd.init(process_sets="dynamic")
+        with pytest.raises(ValueError, match="process_sets"):
+            hvd.shutdown() or hvd.init(process_sets="every")
     finally:
         hvd.shutdown()
         hvd.init()

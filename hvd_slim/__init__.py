@@ -19,6 +19,7 @@ from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
                       gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                       mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
                       size)
+from .sync_batch_norm import SyncBatchNorm
 from .transport.base import TransportError, TransportTimeout
 
 __version__ = "0.1.0"
@@ -34,7 +35,7 @@ __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize",
     "join", "barrier", "broadcast_object", "allgather_object", "broadcast_parameters",
-    "broadcast_optimizer_state",
+    "broadcast_optimizer_state", "SyncBatchNorm",
     # Slim-DP
     "DistributedOptimizer", "SlimConfig", "ConfigError", "ExchangeError",
     "NonFiniteGradientError", "TransportError", "TransportTimeout",

@@ -45,7 +45,7 @@ def _global_stats(x: torch.Tensor, eps: float, process_set: Any) -> Tuple[torch.
     """The global batch's per-channel mean, biased variance and 1/sqrt(var + eps), and its
     number of values per channel (a float64 scalar), from one allgather."""
     channels, dims = x.shape[1], _reduced_dims(x)
-    count = x.numel() // channels if channels else 0
+    count = x.numel() // channels
     # Merged in float64: the stats are 2C+1 numbers, so the precision costs nothing.
     xs = x.to(torch.float64)
     if count:

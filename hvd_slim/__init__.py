@@ -22,6 +22,7 @@ from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
 from .runtime.checks import MismatchError
 from .runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
                                    remove_process_set)
+from .sync_batch_norm import SyncBatchNorm
 from .transport.base import TransportError, TransportTimeout
 
 __version__ = "0.1.0"
@@ -37,7 +38,7 @@ __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize",
     "join", "barrier", "broadcast_object", "allgather_object", "broadcast_parameters",
-    "broadcast_optimizer_state", "MismatchError",
+    "broadcast_optimizer_state", "MismatchError", "SyncBatchNorm",
     # process sets
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     # Slim-DP

@@ -296,8 +296,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         backward_passes_per_step: Backward passes whose gradients accumulate (sum) locally
             before one exchange (default 1); one more pass before ``step()`` raises
             AssertionError.
-        op: ``hvd.Average`` (default, also for None) or ``hvd.Sum``; ``hvd.Adasum`` and
-            other ops raise ValueError.
+        op: ``hvd.Average`` (default, also for None) or ``hvd.Sum``; ``hvd.Adasum`` (a
+            dense reduction, not implemented at any density, 1.0 included) and other ops
+            raise ValueError.
         gradient_predivide_factor: As Horovod's: gradients are scaled by ``1/f`` before the
             exchange and ``f/size`` after it (default 1.0; only with ``op=Average``).
         num_groups: Accepted (an int >= 0; non-zero warns as deprecated) with no effect.

@@ -19,7 +19,9 @@ from .wire.values import VALUE_BITS
 
 PULL_MODES = ("slim", "union")
 OPS = ("average", "sum")
-NONFINITE_MODES = ("raise", "skip", "propagate")
+# "flag" (default): skip the step everywhere and hand every rank NaN gradients, so that
+# torch.amp.GradScaler's found_inf is set identically on every rank (Horovod's AMP pattern).
+NONFINITE_MODES = ("flag", "skip", "raise", "propagate")
 ADAM_VARIANCE_MODES = ("auto", "rescaled", "live")
 ENV_PREFIX = "HVD_SLIM_"
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
@@ -117,7 +119,9 @@ class SlimConfig:
     # --- randomness --------------------------------------------------------------------------
     seed: int = 0                      # keys every replica's exploration generator
     # --- failure handling --------------------------------------------------------------------
-    nonfinite: str = "raise"           # NaN/Inf gradient: "raise", "skip" the step, "propagate"
+    # NaN/Inf gradient on any rank: "flag" (skip the step, NaN grads on every rank), "skip" (keep
+    # this rank's grads), "raise" NonFiniteGradientError on every rank, or "propagate" (no check)
+    nonfinite: str = "flag"
     timeout: Optional[float] = DEFAULT_TIMEOUT  # seconds to wait in the exchange; None: forever
 
     def __post_init__(self) -> None:

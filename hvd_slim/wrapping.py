@@ -76,11 +76,8 @@ def _check_horovod_args(backward_passes_per_step, op, gradient_predivide_factor,
     if process_set is not None:
         raise ValueError("process_set is not supported by hvd_slim: the exchange always spans "
                          "every rank of hvd_slim.init(); leave process_set unset")
-    if op is None:
+    if op is None or op == Adasum:   # Adasum: refused once the density is known
         op = Average
-    if op == Adasum:
-        raise ValueError("op=Adasum is not supported by hvd_slim: use op=hvd.Average (default) "
-                         "or op=hvd.Sum")
     if op not in (Average, Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
@@ -95,6 +92,19 @@ def _check_horovod_args(backward_passes_per_step, op, gradient_predivide_factor,
     return "average" if op == Average else "sum"
 
 
+def _adasum_refusal(config: SlimConfig) -> str:
+    """Why op=hvd.Adasum is refused, and what to pass instead, at the density in force."""
+    supported = "use op=hvd.Average (the default) or op=hvd.Sum"
+    if config.density < 1.0:
+        return (f"op=hvd.Adasum is not supported by hvd_slim's DistributedOptimizer: Adasum is a "
+                f"dense reduction, and a sparse exchange (density={config.density:g}"
+                f"{config.env_note('density')}) cannot carry it; {supported}. density=1.0 "
+                "gives an exact dense exchange, but it averages or sums too: Adasum is not "
+                "implemented at any density")
+    return ("op=hvd.Adasum is not supported by hvd_slim, also at density=1.0: its dense exchange "
+            f"(and hvd.allreduce) only average or sum; {supported}")
+
+
 def resolve_settings(named, compression, backward_passes_per_step, op, gradient_predivide_factor,
                      num_groups, groups, sparse_as_dense, process_set,
                      slim_kwargs: Dict[str, Any]) -> SlimSettings:
@@ -103,6 +113,9 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
     if unknown:
         raise TypeError(f"DistributedOptimizer() got unexpected keyword arguments "
                         f"{sorted(unknown)}; Slim-DP keywords are {sorted(SLIM_KEYWORDS)}")
+    from .collectives import Adasum
+
+    adasum = op is not None and op == Adasum
     op_name = _check_horovod_args(backward_passes_per_step, op, gradient_predivide_factor,
                                   num_groups, groups, process_set)
     if compression is None:
@@ -117,6 +130,8 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
     config = resolve_config(dict(kwargs, op=op_name,
                                  gradient_predivide_factor=gradient_predivide_factor,
                                  backward_passes_per_step=backward_passes_per_step))
+    if adasum:
+        raise ValueError(_adasum_refusal(config))
     transport = _resolve_transport(transport, named)
     config.check_world(transport.size)
     return SlimSettings(config, named, compression, transport)

@@ -11,7 +11,8 @@ optimizer's ``step()`` runs afterwards. Nothing here knows about MPI: the transp
 
 Compensation is speculative: this rank's residual, velocity and cores change only when the
 pull says the step went through. A step can also end in a verdict every rank shares: SKIP (a
-NaN/Inf gradient under ``nonfinite="skip"``: nothing changes anywhere) or an ERROR every rank
+NaN/Inf gradient under ``nonfinite="flag"`` or ``"skip"``: nothing of the exchange changes
+anywhere; ``"flag"`` then sets every gradient to NaN on every rank) or an ERROR every rank
 raises (a NaN/Inf under ``"raise"``: nothing changes; any other failure: each worker keeps what
 it computed in its residual, so nothing is lost).
 """
@@ -65,7 +66,8 @@ class SlimExchange:
     def step(self) -> bool:
         """Exchange the current gradients; afterwards every ``p.grad`` holds the pulled update.
         Returns False when every rank skipped the step (a NaN/Inf gradient somewhere under
-        ``nonfinite="skip"``): then nothing changed and ``p.grad`` is as the caller left it."""
+        ``nonfinite="flag"`` or ``"skip"``): then nothing of the exchange changed, and ``p.grad``
+        is NaN on every rank (``"flag"``) or as the caller left it (``"skip"``)."""
         t, t0 = self.step_count, time.perf_counter()
         worker = self.worker
         selectors = worker.selector_states()
@@ -87,6 +89,8 @@ class SlimExchange:
         if pulled is None:
             worker.rollback(selectors)
             self.stats.skipped_steps += 1
+            if self.cfg.nonfinite == "flag":
+                worker.flag_grads()
             return False
         worker.apply(pulled, t)
         self.step_count += 1

@@ -293,6 +293,27 @@ def test_bad_arguments_are_rejected_up_front(kw, match):
         hvd_slim.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kw)
 
 
+@pytest.mark.parametrize("density, env, says", [
+    (None, {}, "a sparse exchange (density=0.02) cannot carry it"),
+    (None, {"HVD_SLIM_DENSITY": "0.001"},
+     "density=0.001 (from environment variable HVD_SLIM_DENSITY)"),
+    (1.0, {}, "also at density=1.0: its dense exchange (and hvd.allreduce) only average or sum"),
+])
+def test_adasum_is_refused_saying_what_is_supported(density, env, says, monkeypatch):
+    """Adasum is a dense reduction: refused below density 1, and at 1.0 too (no dense Adasum
+    either); the error names the density in force and the ops to use."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    model, opt = _opt()
+    kw = {} if density is None else {"density": density}
+    with pytest.raises(ValueError) as info:
+        hvd_slim.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                      op=hvd_slim.Adasum, transport=FakeCluster(1).transport(0),
+                                      **kw)
+    msg = str(info.value)
+    assert says in msg and "use op=hvd.Average (the default) or op=hvd.Sum" in msg, msg
+
+
 def test_unknown_keyword_is_a_type_error():
     model, opt = _opt()
     with pytest.raises(TypeError, match="densty"):

@@ -49,18 +49,26 @@ class _ModelHandler(_Handler):
 
 
 class _OptimizerHandler(_Handler):
+    def restore(self) -> None:
+        self._load_commit()
+
     def reset(self) -> None:
         # Called after restore() (the run loop's order, as Horovod's): if hvd_slim was rebuilt,
         # move the exchange onto it and load the commit again, now into the new exchange.
-        if not rebind.rebind(self.value):
-            return
+        if rebind.rebind(self.value):
+            self._load_commit()
+
+    def _load_commit(self) -> None:
+        """Load the commit; its exchange state only where it belongs to this exchange (same
+        rank and size), else the exchange keeps what it has (empty after a rebuild)."""
         saved = copy.deepcopy(self.saved)
-        if not rebind.exchange_fits(self.value, saved) and saved.pop("hvd_slim", None) is not None:
+        if (rebind.is_slim_optimizer(self.value) and not rebind.exchange_fits(self.value, saved)
+                and saved.pop("hvd_slim", None) is not None):
             from ..runtime import basics
             if basics.rank() == 0:
-                sys.stderr.write("hvd_slim.elastic: the job size changed; the optimizer's "
-                                 "exchange (residuals, server state) restarts empty on "
-                                 f"{basics.size()} ranks\n")
+                sys.stderr.write("hvd_slim.elastic: the job size changed since the commit; the "
+                                 "optimizer's exchange (residuals, server state) restarts empty "
+                                 f"on {basics.size()} ranks\n")
         self.value.load_state_dict(saved)
 
     def sync(self) -> None:

@@ -48,6 +48,7 @@ def digest(model) -> str:
 
 def main(mode: str, directory: Path, fail_rank: int, fail_step: int) -> None:
     hvd.init()
+    world_rank = hvd.rank()
     model, opt, (xs, ys) = build()
     sampler = hvd.elastic.ElasticSampler(range(N_DATA), shuffle=True, seed=3)
     state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=0, step=0)
@@ -75,7 +76,8 @@ def main(mode: str, directory: Path, fail_rank: int, fail_step: int) -> None:
         while state.epoch < EPOCHS:
             indices = list(state.sampler)
             for b in range(0, len(indices) - BATCH + 1, BATCH):
-                if state.step == fail_step and hvd.rank() == fail_rank and not failed:
+                # COMM_WORLD's rank: hvd.rank() renumbers the survivors.
+                if state.step == fail_step and world_rank == fail_rank and not failed:
                     failed = True
                     print(f"elastic: rank {fail_rank} fails with {mode} at step {fail_step}",
                           flush=True)

@@ -8,6 +8,7 @@ from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, al
                           allreduce_, broadcast, broadcast_)
 from .collectives_async import (allgather_async, allreduce_async, allreduce_async_,
                                 broadcast_async, broadcast_async_, poll, synchronize)
+from . import elastic
 from .compression import Compression
 from .config import ConfigError, SlimConfig
 from .exchange import ExchangeError
@@ -44,4 +45,6 @@ __all__ = [
     # Slim-DP
     "DistributedOptimizer", "SlimConfig", "ConfigError", "ExchangeError",
     "NonFiniteGradientError", "TransportError", "TransportTimeout",
+    # elastic training (hvd.elastic.run, TorchState, ...)
+    "elastic",
 ]

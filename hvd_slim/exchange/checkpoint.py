@@ -38,7 +38,7 @@ def _where(keys: list) -> str:
 def state_of(ex: SlimExchange) -> dict:
     """This rank's exchange state (see :meth:`SlimExchange.state_dict`)."""
     return {"version": VERSION, "rank": ex.rank, "size": ex.size, "step": ex.step_count,
-            "ranks": list(ex.ranks), "digest": ex.digest, "config": ex.cfg.to_dict(),
+            "ranks": list(ex.ranks), "in_set": ex.in_set, "digest": ex.digest, "config": ex.cfg.to_dict(),
             "effective": ex.cfg.effective_dict(), "layout": ex.layout.description(),
             "memory": {i: m.state_dict() for i, m in ex.worker.memory.items()},
             "selector": {i: s.state_dict() for i, s in ex.worker.selector.items()},
@@ -128,11 +128,8 @@ def _check_same_ranks(ex: SlimExchange, state: dict) -> None:
     ranks. (Checkpoints without "ranks" come from before process sets: the whole job.)"""
     size = state.get("size")
     saved = state.get("ranks", list(range(size)) if isinstance(size, int) else None)
-    if saved == ex.ranks:
-        return
-    if isinstance(saved, list) and saved == list(range(len(saved))) \
-            and ex.ranks == list(range(ex.size)):
-        return   # both span a whole job: the size check that follows names the sizes
+    if saved == ex.ranks or not (state.get("in_set") or ex.in_set):
+        return   # the same ranks, or both span a whole job (the size check names the sizes)
     raise ValueError(f"hvd_slim checkpoint was saved by an exchange among the job ranks {saved}; "
                      f"this optimizer exchanges among {ex.ranks}. Resume with the same "
                      f"process_set (the same job ranks). {FIX_RANK}")

@@ -57,6 +57,7 @@ class SlimExchange:
         else:
             config = config.for_ranks(ranks)
         self.ranks = list(range(transport.size)) if ranks is None else list(ranks)
+        self.in_set = ranks is not None
         self.layout, self.cfg, self.transport = layout, config, transport
         self.rank, self.size = transport.rank, transport.size
         self.digest = layout.digest() ^ int(config.digest(), 16)

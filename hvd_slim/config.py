@@ -13,7 +13,7 @@ import hashlib
 import math
 import numbers
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from .wire.values import VALUE_BITS
 
@@ -235,6 +235,19 @@ class SlimConfig:
             raise ConfigError(f"server_rank must be in [0, {size}) for a job of {size} ranks, "
                               f"got {self.server_rank}{self.env_note('server_rank')}",
                               "server_rank")
+
+    def for_ranks(self, ranks: Sequence[int]) -> "SlimConfig":
+        """The config of an exchange among the job ranks ``ranks`` (a process set, in order),
+        which numbers its ranks by their position there: ``server_rank``, a job rank, must be one
+        of them and becomes its position."""
+        ranks = list(ranks)
+        if self.server_rank not in ranks:
+            raise ConfigError(f"server_rank must be a rank of the process set {ranks} (a job "
+                              f"rank), got {self.server_rank}{self.env_note('server_rank')}",
+                              "server_rank")
+        out = dataclasses.replace(self, server_rank=ranks.index(self.server_rank))
+        object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
+        return out
 
     def env_note(self, name: str) -> str:
         """`` (from environment variable HVD_SLIM_X)`` when ``name`` came from the environment."""

@@ -50,7 +50,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
                            for p in b.params()}
         self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
         self._rescaled_params = adam.rescaled_parameters(self, self._layout, settings.config)
-        self._exchange = SlimExchange(self._layout, settings.config, settings.transport, plan)
+        self._exchange = SlimExchange(self._layout, settings.config, settings.transport, plan,
+                                      ranks=settings.ranks)
         self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
         self._pending = set()
         self._synchronized = False
@@ -305,7 +306,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         groups: Accepted (None, a positive int or a list of lists of parameters) with no
             effect: the exchange is always one fused message per step.
         sparse_as_dense: Accepted with no effect: sparse gradients are always densified.
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: None or ``hvd.global_process_set`` (default: every rank), or a
+            registered ``hvd.ProcessSet``: the exchange runs among its ranks only, on MPI
+            (``transport="gloo"``/``"nccl"`` raise ValueError there), with ``server_rank`` a
+            job rank in the set (default: its first). Build it on every rank alike: as in
+            Horovod, a rank outside the set gets the plain optimizer (no exchange).
         **slim_kwargs: The Slim-DP keywords, one line each here:
 
             * ``density``: fraction of the compressed coordinates each worker pushes.
@@ -321,7 +326,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             * ``pull``: ``"slim"`` (the server keeps a residual) or ``"union"``.
             * ``pull_density``: slice size of the server's pull (``pull="slim"``).
             * ``min_compress_numel``: tensors smaller than this are fused and sent dense.
-            * ``server_rank``: the rank that aggregates (it is also a worker).
+            * ``server_rank``: the job rank that aggregates (it is also a worker).
             * ``seed``: keys the exploration generator.
             * ``warmup_dense_steps``, ``warmup_decay_steps`` and ``warmup_start_density``:
               dense first steps, then a geometric decay from the start density to the
@@ -368,6 +373,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     settings = resolve_settings(named, compression, backward_passes_per_step, op,
                                 gradient_predivide_factor, num_groups, groups, sparse_as_dense,
                                 process_set, slim_kwargs)
+    if not settings.included:
+        from .outside_set import outside_set_optimizer
+        return outside_set_optimizer(optimizer, settings)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_SlimOptimizer.__dict__))
     return cls(optimizer.param_groups, settings, optimizer)

@@ -19,7 +19,7 @@ it computed in its residual, so nothing is lost).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -45,8 +45,20 @@ class SlimExchange:
     sequence."""
 
     def __init__(self, layout: Layout, config: SlimConfig, transport: Transport,
-                 momentum: Optional[Dict[int, dict]] = None) -> None:
-        config.check_world(transport.size)
+                 momentum: Optional[Dict[int, dict]] = None,
+                 ranks: Optional[Sequence[int]] = None) -> None:
+        # ranks: the job ranks of the transport's members, in its order (a process set); None:
+        # every rank of the job, numbered as the transport numbers them. Everything below runs
+        # in the transport's numbering, so a set's server_rank (a job rank) is translated.
+        if ranks is None:
+            config.check_world(transport.size)
+        elif len(ranks) != transport.size:
+            raise ValueError(f"the process set has {len(ranks)} ranks but its exchange "
+                             f"transport {transport.size}")
+        else:
+            config = config.for_ranks(ranks)
+        self.ranks = list(range(transport.size)) if ranks is None else list(ranks)
+        self.in_set = ranks is not None
         self.layout, self.cfg, self.transport = layout, config, transport
         self.rank, self.size = transport.rank, transport.size
         self.digest = layout.digest() ^ int(config.digest(), 16)

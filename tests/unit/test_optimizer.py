@@ -282,7 +282,8 @@ def _opt():
     (dict(pull="both"), "pull must be one of"),
     (dict(server_rank=2), "server_rank must be in \\[0, 1\\)"),
     (dict(op=hvd_slim.collectives.Adasum), "Adasum is not supported"),
-    (dict(process_set=object()), "process_set is not supported"),
+    (dict(process_set=object()), "process_set must be an hvd.ProcessSet"),
+    (dict(process_set=hvd_slim.ProcessSet([0])), "process_set: .*not registered"),
     (dict(op=hvd_slim.collectives.Sum, gradient_predivide_factor=2.0), "predivide"),
     (dict(transport="carrier-pigeon"), "available"),
 ])

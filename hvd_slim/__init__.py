@@ -24,7 +24,8 @@ from .runtime.checks import MismatchError
 from .runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
                                    remove_process_set)
 from .sync_batch_norm import SyncBatchNorm
-from .transport.base import TransportError, TransportTimeout
+from .elastic.errors import HostsUpdatedInterrupt
+from .transport.base import HorovodInternalError, TransportError, TransportTimeout
 
 __version__ = "0.1.0"
 
@@ -44,7 +45,8 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     # Slim-DP
     "DistributedOptimizer", "SlimConfig", "ConfigError", "ExchangeError",
-    "NonFiniteGradientError", "TransportError", "TransportTimeout",
+    "NonFiniteGradientError", "TransportError", "TransportTimeout", "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     # elastic training (hvd.elastic.run, TorchState, ...)
     "elastic",
 ]

@@ -2,22 +2,14 @@
 (``horovod.common.exceptions``), and which other errors count as the first.
 
 hvd_slim's collectives and exchange report a failed or timed-out communication as
-:class:`~hvd_slim.transport.base.TransportError` (:class:`TransportTimeout` a subclass; both
-RuntimeErrors). Rather than change what they raise (other code and tests rely on those types),
-:func:`is_internal` makes the elastic loop treat them as :class:`HorovodInternalError`.
+:class:`~hvd_slim.transport.base.TransportError` (:class:`TransportTimeout` a subclass), which
+is a :class:`HorovodInternalError`, defined with them.
 """
 from __future__ import annotations
 
-from ..transport.base import TransportError
+from ..transport.base import HorovodInternalError, TransportError
 
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed (a peer died, timed out, or raised it on purpose).
-
-    Inside :func:`hvd_slim.elastic.run` it is recoverable: the survivors agree who is alive,
-    rebuild hvd_slim on them, restore the last commit and retry. Outside it, it ends the job like
-    any other uncaught exception.
-    """
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "is_internal"]
 
 
 class HostsUpdatedInterrupt(RuntimeError):

@@ -66,7 +66,7 @@ def reducescatter_many(tensors: Sequence[torch.Tensor], op: int, prescale: float
             splits = [split_rows(tensors[i].shape[0], size) for i in idx]
             row = [int(np.prod(tensors[i].shape[1:], dtype=np.int64)) for i in idx]
             with torch.no_grad():
-                flat = [tensors[i].detach().reshape(tensors[i].shape[0], -1) for i in idx]
+                flat = [tensors[i].detach().reshape(tensors[i].shape[0], k) for i, k in zip(idx, row)]
                 parts = [f.narrow(0, s[0][r], s[1][r]).reshape(-1)
                          for r in range(size) for f, s in zip(flat, splits)]
                 send = _host_copy(torch.cat(parts) if parts else torch.empty(0, dtype=dtype), work)

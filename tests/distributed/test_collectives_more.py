@@ -43,7 +43,7 @@ def _calls():
 def test_reducescatter_is_the_slice_of_the_sum(hvd, dtype):
     r, n = hvd.rank(), hvd.size()
     total = n * (n - 1) // 2
-    for rows in (2 * n, 2 * n + 1, 3 * n - 1, 1):
+    for rows in (2 * n, 2 * n + 1, 3 * n - 1, 1, 0):
         base = torch.arange(rows * 3, dtype=torch.float64).reshape(rows, 3)
         t = (base + r).to(dtype)
         starts, counts = _expected_rows(rows, n)

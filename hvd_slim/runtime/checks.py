@@ -53,6 +53,9 @@ def check_root_rank(what: str, root_rank: Any, size: int) -> int:
     return int(root_rank)
 
 
+_DESC_MAX = 1 << 20   # a mismatch description's bytes; more means the ranks are out of step
+
+
 def _crc(obj: Any) -> int:
     return zlib.crc32(repr(obj).encode())
 
@@ -70,7 +73,7 @@ def agree(api: "MpiCollectives", what: str, name: Optional[str], tensor: torch.T
     if (rows[:, :-1] != rows[0, :-1]).any():
         mine = f"{str(tensor.dtype).replace('torch.', '')} shape {list(shape)}" + "".join(
             f" {k}={v}" for k, v in extra.items())
-        descs = api.allgather_bytes(np.frombuffer(mine.encode(), dtype=np.uint8))
+        descs = api.allgather_bytes(np.frombuffer(mine.encode(), dtype=np.uint8), _DESC_MAX)
         listing = "; ".join(f"rank {r}: {d.tobytes().decode()}" for r, d in enumerate(descs))
         rule = "the same dtype and trailing dimensions" if dim0_free else "the same dtype and shape"
         raise MismatchError(f"{what}{label(name)}: ranks passed mismatched arguments ({listing}); every "
@@ -97,7 +100,7 @@ def agree_many(api: "MpiCollectives", what: str, name: Optional[str],
     rows = api.allgather_int64(key)   # fixed size on every rank, so it can be compared safely
     if (rows != rows[0]).any():
         mine = f"[{_describe(tensors)}]" + "".join(f" {k}={v}" for k, v in extra.items())
-        descs = api.allgather_bytes(np.frombuffer(mine.encode(), dtype=np.uint8))
+        descs = api.allgather_bytes(np.frombuffer(mine.encode(), dtype=np.uint8), _DESC_MAX)
         listing = "; ".join(f"rank {r}: {d.tobytes().decode()}" for r, d in enumerate(descs))
         rule = "the same dtypes and trailing dimensions" if dim0_free else "the same dtypes and shapes"
         raise MismatchError(f"{what}{label(name)}: ranks passed mismatched tensor lists ({listing}); "

@@ -253,10 +253,16 @@ class MpiCollectives(Deadlines):
         self._run("Iallgatherv", lambda: self.comm.Iallgatherv(flat, spec), flat, spec)
         return out
 
-    def allgather_bytes(self, payload: np.ndarray) -> List[np.ndarray]:
-        """Every rank's variable-size uint8 payload, in rank order, as views of one buffer."""
+    def allgather_bytes(self, payload: np.ndarray, max_bytes: Optional[int] = None) -> List[np.ndarray]:
+        """Every rank's variable-size uint8 payload, in rank order, as views of one buffer.
+        With ``max_bytes``, a length outside ``[0, max_bytes]`` from any rank (ranks that called
+        collectives in different orders) raises TransportError instead of being allocated."""
         payload = as_payload(payload)
         lengths = self.allgather_int64([payload.size])[:, 0]
+        if max_bytes is not None and ((lengths < 0) | (lengths > max_bytes)).any():
+            raise TransportError(f"rank {self.comm.Get_rank()}: the ranks announced payloads of "
+                                 f"{lengths.tolist()} bytes where at most {max_bytes} were expected; "
+                                 f"they probably called collectives in different orders")
         return np.split(self.allgatherv_bytes(payload, lengths), _offsets(lengths)[1:])
 
     @mpi_errors("Barrier")

@@ -6,8 +6,15 @@ exchange sends a small, well-chosen slice of each gradient instead of all of it.
 """
 from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce,
                           allreduce_, broadcast, broadcast_)
+from .collectives_alltoall import alltoall, alltoall_async
 from .collectives_async import (allgather_async, allreduce_async, allreduce_async_,
                                 broadcast_async, broadcast_async_, poll, synchronize)
+from .collectives_grouped import (grouped_allgather, grouped_allgather_async, grouped_allreduce,
+                                  grouped_allreduce_, grouped_allreduce_async,
+                                  grouped_allreduce_async_, grouped_reducescatter,
+                                  grouped_reducescatter_async)
+from .collectives_scatter import reducescatter, reducescatter_async
+from .collectives_sparse import sparse_allreduce_async
 from . import elastic
 from .compression import Compression
 from .config import ConfigError, SlimConfig
@@ -25,6 +32,7 @@ from .runtime.process_sets import (ProcessSet, add_process_set, global_process_s
                                    remove_process_set)
 from .sync_batch_norm import SyncBatchNorm
 from .elastic.errors import HostsUpdatedInterrupt
+from .timeline import start_timeline, stop_timeline
 from .transport.base import HorovodInternalError, TransportError, TransportTimeout
 
 __version__ = "0.1.0"
@@ -41,6 +49,11 @@ __all__ = [
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize",
     "join", "barrier", "broadcast_object", "allgather_object", "broadcast_parameters",
     "broadcast_optimizer_state", "MismatchError", "SyncBatchNorm",
+    "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async",
+    "start_timeline", "stop_timeline",
     # process sets
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     # Slim-DP

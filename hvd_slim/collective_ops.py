@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from . import adasum, timeline
 from .runtime import basics
 from .runtime.api_timeout import operation
 from .runtime.checks import agree, label
@@ -42,11 +43,9 @@ def _resolve_op(what: str, op: Optional[int], average: Optional[bool]) -> int:
             warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
                           DeprecationWarning, stacklevel=3)
         op = Sum if average is False else Average
-    if op == Adasum:
-        raise ValueError(f"{what}: op=Adasum is not supported by hvd_slim; use hvd.Average or hvd.Sum")
-    if op not in _MPI_OPS:
-        raise ValueError(f"{what}: op={op!r} is not one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max, "
-                         f"hvd.Product")
+    if op not in _MPI_OPS and op != Adasum:
+        raise ValueError(f"{what}: op={op!r} is not one of hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, "
+                         f"hvd.Max, hvd.Product")
     return op
 
 
@@ -62,7 +61,7 @@ def on_group(what: str, process_set: Any) -> Iterator[Tuple[Any, Group]]:
     def fetch() -> Any:
         found.append(resolve(what.split(" of ")[0], process_set))
         return found[0].api
-    with operation(what, fetch) as api:
+    with operation(what, fetch) as api, timeline.span(what):
         yield api, found[0]
 
 
@@ -101,11 +100,19 @@ def _allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
         if work not in _REDUCIBLE:
             raise TypeError(f"{what}{label(name)}: cannot reduce dtype {tensor.dtype}; use a "
                             f"floating point or integer tensor")
+        if op == Adasum:
+            if work not in adasum.FLOATS:
+                raise TypeError(f"{what}{label(name)}: Adasum combines floating point tensors only, "
+                                f"got {tensor.dtype}")
+            adasum.check_size(what, size)
         direct = _direct(out, work)
         with torch.no_grad():
             buf = out.detach() if direct else _host_copy(tensor, work)
             _scale_(buf, prescale)
-            api.allreduce_inplace(buf.numpy(), _MPI_OPS[op])
+            if op == Adasum:
+                adasum.adasum_(api, group.rank, size, buf.reshape(-1), [buf.numel()])
+            else:
+                api.allreduce_inplace(buf.numpy(), _MPI_OPS[op])
             _scale_(buf, postscale, size if op == Average else 1)
             if out is None:
                 return buf.to(device=tensor.device, dtype=tensor.dtype)

@@ -41,8 +41,10 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
         name: Optional str naming the tensor in error messages; calls are matched by order.
         compression: A Horovod compressor (default ``Compression.none``): the tensor is
             compressed before the reduction and decompressed after it.
-        op: ``Average`` (default when ``average`` is also None), ``Sum``, ``Min``, ``Max`` or
-            ``Product``; ``Adasum`` and anything else raise ValueError.
+        op: ``Average`` (default when ``average`` is also None), ``Sum``, ``Min``, ``Max``,
+            ``Product`` or ``Adasum`` (floating point only, on a power-of-two number of ranks,
+            else NotImplementedError: see :mod:`hvd_slim.adasum`); anything else raises
+            ValueError.
         prescale_factor: Multiplies each rank's tensor before the reduction (default 1.0).
         postscale_factor: Multiplies the reduced result (default 1.0); ``Average`` divides by
             ``size()`` after it. Integer tensors are scaled in float64, truncated toward zero.

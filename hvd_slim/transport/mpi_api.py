@@ -4,7 +4,8 @@ The API (``hvd_slim.allreduce``, ``broadcast``, ``allgather``, the object and pa
 ``join``, ``barrier``) gets one instance from the runtime, on the job communicator
 (:func:`hvd_slim.runtime.basics.job_collectives`), as the exchange gets its transport, and hands
 in numpy views that alias tensor memory. Each collective is started nonblocking
-(``Iallreduce``, ``Ibcast``, ``Iallgather(v)``, ``Ibarrier``) and polled
+(``Iallreduce``, ``Ireduce_scatter``, ``Ibcast``, ``Iallgather(v)``, ``Ialltoallv``, ``Ibarrier``,
+and ``Isend``/``Irecv`` pairs for Adasum) and polled
 (:func:`~hvd_slim.transport.deadline.poll_until`) against the deadline of
 :meth:`~hvd_slim.transport.base.Deadlines.watch`, the timeout mechanism every transport uses, so
 a rank that never arrives ends the call with a :class:`TransportTimeout` instead of a hang.
@@ -36,6 +37,8 @@ _OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
 _REDUCIBLE = {np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64,
                                     np.float32, np.float64)}
 _TAG_ROLL_CALL = 0x5D2
+_TAG_PAIR = 0x5D3   # sendrecv_bytes (Adasum's pairwise exchange)
+_INT_MAX = (1 << 31) - 1
 ROLL_CALL_S = 5.0   # the most a timed-out rank listens for the others' roll calls
 
 
@@ -76,6 +79,24 @@ def _flat(buf: np.ndarray, what: str) -> np.ndarray:
     if not buf.flags.c_contiguous:
         raise ValueError(f"{what}: the buffer must be C-contiguous so that MPI writes into it in place")
     return buf.reshape(-1)
+
+
+def _int_counts(what: str, counts: np.ndarray) -> None:
+    """Refuse counts or displacements past MPI's int32 limit (the same on every rank, since every
+    rank computes them from the same agreed numbers)."""
+    if counts.size and (int(counts.max()) > _INT_MAX or int(counts.sum()) > _INT_MAX):
+        raise ValueError(f"{what}: {int(counts.sum())} elements in one call exceed MPI's int32 "
+                         f"count limit; split the tensor into smaller calls")
+
+
+class _Both:
+    """Two MPI requests polled as one (a send and a receive)."""
+
+    def __init__(self, reqs: List[Any]) -> None:
+        self.reqs = reqs
+
+    def Test(self) -> bool:
+        return bool(MPI.Request.Testall(self.reqs))
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -133,6 +154,58 @@ class MpiCollectives(Deadlines):
             self._run("Iallreduce",
                       lambda: self.comm.Iallreduce(MPI.IN_PLACE, part, op=_OPS[op]), part)
 
+    @mpi_errors("Reduce_scatter")
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: np.ndarray, op: str) -> None:
+        """Reduce ``send`` (every rank's, the same length) elementwise with ``op`` and leave block
+        ``r`` (``counts[r]`` elements, blocks in rank order) on rank ``r``, in ``recv``."""
+        counts = np.asarray(counts, dtype=np.int64)
+        flat = _flat(send, "reduce_scatter")
+        out = _flat(recv, "reduce_scatter")
+        if flat.dtype not in _REDUCIBLE or out.dtype != flat.dtype:
+            raise TypeError(f"reduce_scatter: MPI cannot reduce dtype {flat.dtype} into {out.dtype}")
+        rank = self.comm.Get_rank()
+        if flat.size != int(counts.sum()) or out.size != int(counts[rank]):
+            raise ValueError(f"reduce_scatter: rank {rank} sends {flat.size} and receives "
+                             f"{out.size} elements, but the counts say {int(counts.sum())} and "
+                             f"{int(counts[rank])}")
+        _int_counts("reduce_scatter", counts)
+        spec = counts.astype(np.int32)
+        self._run("Ireduce_scatter",
+                  lambda: self.comm.Ireduce_scatter(flat, out, spec, op=_OPS[op]), flat, out, spec)
+
+    @mpi_errors("Alltoallv")
+    def alltoallv_bytes(self, send: np.ndarray, send_counts: np.ndarray, recv: np.ndarray,
+                        recv_counts: np.ndarray) -> None:
+        """Send block ``j`` of ``send`` (``send_counts[j]`` bytes, blocks in rank order) to rank
+        ``j`` and receive rank ``i``'s block for this rank (``recv_counts[i]`` bytes) into
+        ``recv``, in rank order. Both arrays are contiguous uint8 views."""
+        send_counts = np.asarray(send_counts, dtype=np.int64)
+        recv_counts = np.asarray(recv_counts, dtype=np.int64)
+        flat = _flat(send, "alltoallv_bytes").view(np.uint8)
+        out = _flat(recv, "alltoallv_bytes").view(np.uint8)
+        if flat.size != int(send_counts.sum()) or out.size != int(recv_counts.sum()):
+            raise ValueError(f"alltoallv_bytes: buffers of {flat.size} and {out.size} bytes, but the "
+                             f"counts say {int(send_counts.sum())} and {int(recv_counts.sum())}")
+        _int_counts("alltoallv_bytes", send_counts)
+        _int_counts("alltoallv_bytes", recv_counts)
+        s_spec = [flat, (send_counts.astype(np.int32), _offsets(send_counts).astype(np.int32)), MPI.BYTE]
+        r_spec = [out, (recv_counts.astype(np.int32), _offsets(recv_counts).astype(np.int32)), MPI.BYTE]
+        self._run("Ialltoallv", lambda: self.comm.Ialltoallv(s_spec, r_spec), s_spec, r_spec)
+
+    @mpi_errors("Sendrecv")
+    def sendrecv_bytes(self, send: np.ndarray, recv: np.ndarray, peer: int) -> None:
+        """Swap equal-size contiguous buffers with rank ``peer`` (which calls this with this
+        rank as its peer): ``send`` goes out, ``peer``'s arrives in ``recv``."""
+        flat = _flat(send, "sendrecv_bytes").view(np.uint8)
+        out = _flat(recv, "sendrecv_bytes").view(np.uint8)
+        if flat.size != out.size:
+            raise ValueError(f"sendrecv_bytes: sends {flat.size} bytes but receives {out.size}")
+        for start in range(0, max(flat.size, 1), CHUNK):
+            a, b = flat[start:start + CHUNK], out[start:start + CHUNK]
+            self._run("Isend/Irecv", lambda: _Both([
+                self.comm.Irecv([b, MPI.BYTE], source=peer, tag=_TAG_PAIR),
+                self.comm.Isend([a, MPI.BYTE], dest=peer, tag=_TAG_PAIR)]), a, b)
+
     @mpi_errors("Bcast")
     def bcast_inplace(self, buf: np.ndarray, root: int) -> None:
         """Overwrite the contiguous array ``buf`` on every rank with the root's."""
@@ -180,10 +253,16 @@ class MpiCollectives(Deadlines):
         self._run("Iallgatherv", lambda: self.comm.Iallgatherv(flat, spec), flat, spec)
         return out
 
-    def allgather_bytes(self, payload: np.ndarray) -> List[np.ndarray]:
-        """Every rank's variable-size uint8 payload, in rank order, as views of one buffer."""
+    def allgather_bytes(self, payload: np.ndarray, max_bytes: Optional[int] = None) -> List[np.ndarray]:
+        """Every rank's variable-size uint8 payload, in rank order, as views of one buffer.
+        With ``max_bytes``, a length outside ``[0, max_bytes]`` from any rank (ranks that called
+        collectives in different orders) raises TransportError instead of being allocated."""
         payload = as_payload(payload)
         lengths = self.allgather_int64([payload.size])[:, 0]
+        if max_bytes is not None and ((lengths < 0) | (lengths > max_bytes)).any():
+            raise TransportError(f"rank {self.comm.Get_rank()}: the ranks announced payloads of "
+                                 f"{lengths.tolist()} bytes where at most {max_bytes} were expected; "
+                                 f"they probably called collectives in different orders")
         return np.split(self.allgatherv_bytes(payload, lengths), _offsets(lengths)[1:])
 
     @mpi_errors("Barrier")

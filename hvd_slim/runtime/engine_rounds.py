@@ -35,9 +35,10 @@ FUSE_MAX = 16                # the most allreduces one message carries
 FUSE_BYTES = 64 << 20        # and the most bytes (Horovod's default fusion threshold)
 # Columns: 0 magic|kind, 1 crc of the call, 2 crc of the dtype, 3 ndim, 4 crc of the compared
 # shape, 5 op or root, 6 work dtype code, 7-8 pre/postscale bits, 9 fusable count, 10 dim 0,
-# then FUSE_MAX prefix checksums and FUSE_MAX cumulative element counts.
+# 11 whether a barrier is queued behind, then FUSE_MAX prefix checksums and FUSE_MAX cumulative
+# element counts.
 _COMPARED = 9
-_COUNT, _DIM0, _PREFIX = 9, 10, 11
+_COUNT, _DIM0, _BEHIND, _PREFIX = 9, 10, 11, 12
 _NUMEL = _PREFIX + FUSE_MAX
 WIDTH = _NUMEL + FUSE_MAX
 # Dtypes a joined rank may have to build zeros of (an allreduce's reduced dtype), by code.
@@ -97,12 +98,14 @@ class Sig:
             f" {k}={v}" for k, v in self.extra.items())
 
 
-def header(first: Sig, fusable: Sequence[Sig] = ()) -> np.ndarray:
+def header(first: Sig, fusable: Sequence[Sig] = (), barrier_behind: bool = False) -> np.ndarray:
     """This rank's row for a call with signature ``first``, followed in its queue by the
-    allreduces ``fusable`` that could share its message."""
+    allreduces ``fusable`` that could share its message and, if ``barrier_behind``, by a
+    barrier on the same group."""
     row = np.zeros(WIDTH, dtype=np.int64)
     row[:_COMPARED] = first.columns()
     row[_DIM0] = first.shape[0] if first.shape else 0
+    row[_BEHIND] = int(barrier_behind)
     sigs = [first, *fusable][:FUSE_MAX] if first.kind == ALLREDUCE else [first]
     row[_COUNT] = len(sigs)
     chain, total = 0, 0
@@ -137,6 +140,14 @@ class Round:
         rows = self.rows[self.active, :_COMPARED]
         return bool((rows == rows[:1]).all())
 
+    def catch_up(self) -> bool:
+        """Whether the ranks that are not in a barrier should run the barrier they have queued
+        first: some ranks wait in a barrier while every other one has a barrier queued behind
+        calls still pending (Horovod matches calls by name, so a barrier overtakes them)."""
+        rows = self.rows[self.active]
+        barrier = rows[:, 0] == MAGIC | BARRIER
+        return bool(barrier.any() and not barrier.all() and (rows[~barrier, _BEHIND] == 1).all())
+
     def fused(self) -> int:
         """How many allreduces the next message carries: the longest prefix every active rank
         has queued with the same layout."""
@@ -168,7 +179,8 @@ def exchange(api: Any, row: np.ndarray, what: str) -> Round:
     for r, got in enumerate(rows):
         kind = int(got[0]) & 0xFF
         if int(got[0]) & ~0xFF != MAGIC or kind not in _KIND_NAMES or not 0 <= got[_DIM0] < 2 ** 48 \
-                or not 0 < got[_COUNT] <= FUSE_MAX or (got[_NUMEL:] < 0).any():
+                or not 0 < got[_COUNT] <= FUSE_MAX or got[_BEHIND] not in (0, 1) \
+                or (got[_NUMEL:] < 0).any():
             raise TransportError(f"rank {me}: {what}: rank {r} sent {got[:4].tolist()}... where "
                                  f"an hvd_slim call header belongs; the ranks' collectives are out "
                                  f"of step (every rank must make the same calls in the same order)")

@@ -129,6 +129,20 @@ def test_a_name_still_pending_is_refused_on_the_rank_that_reuses_it(hvd):
     assert hvd.synchronize(again).tolist() == [n] * 4
 
 
+def test_a_barrier_overtakes_calls_still_pending(hvd):
+    """Horovod matches calls by name, so a barrier does not wait for a rank's pending async
+    calls: rank 0 queues an allreduce, then waits in a barrier the others reach first."""
+    n, r = hvd.size(), hvd.rank()
+    t = torch.ones(3)
+    if r == 0:
+        handle = hvd.allreduce_async(t, name="pending", op=hvd.Sum)
+    hvd.barrier()
+    if r != 0:
+        handle = hvd.allreduce_async(t, name="pending", op=hvd.Sum)
+    assert hvd.synchronize(handle).tolist() == [n] * 3
+    hvd.barrier()
+
+
 # ---- join ------------------------------------------------------------------------------------
 
 def test_join_with_uneven_steps_per_rank(hvd):

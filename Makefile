@@ -57,6 +57,14 @@ CONVERGENCE_ARGS ?=
 convergence: install
 	$(PY) -m benchmarks.convergence --preset $(PRESET) --np $(NP) $(CONVERGENCE_ARGS)
 
+## make horovod-suite HOROVOD_SUITE=<checkout>/test/parallel/test_torch.py: Horovod's own torch
+## tests against hvd_slim (one mpirun per test, at 2 and 3 ranks; the suite is not in this
+## repository: clone Horovod at v0.28.1). Results in benchmarks/results/horovod_suite/
+.PHONY: horovod-suite
+HOROVOD_SUITE ?= horovod/test/parallel/test_torch.py
+horovod-suite: install
+	$(PY) -m benchmarks.horovod_suite --suite $(HOROVOD_SUITE) --np 2,3
+
 ## make bench: hvd_slim beside dense allreduce, Horovod, DDP hooks and top-k (ResNet-18 shapes,
 ## 4 ranks, a 1 Gbit/s network namespace; needs root); BENCH_ARGS adds flags, e.g. --net loopback
 .PHONY: bench

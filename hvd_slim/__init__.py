@@ -8,6 +8,7 @@ from .collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, al
                           allreduce_, broadcast, broadcast_)
 from .collectives_async import (allgather_async, allreduce_async, allreduce_async_,
                                 broadcast_async, broadcast_async_, poll, synchronize)
+from . import elastic
 from .compression import Compression
 from .config import ConfigError, SlimConfig
 from .exchange import ExchangeError
@@ -22,7 +23,9 @@ from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
 from .runtime.checks import MismatchError
 from .runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
                                    remove_process_set)
-from .transport.base import TransportError, TransportTimeout
+from .sync_batch_norm import SyncBatchNorm
+from .elastic.errors import HostsUpdatedInterrupt
+from .transport.base import HorovodInternalError, TransportError, TransportTimeout
 
 __version__ = "0.1.0"
 
@@ -37,10 +40,13 @@ __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize",
     "join", "barrier", "broadcast_object", "allgather_object", "broadcast_parameters",
-    "broadcast_optimizer_state", "MismatchError",
+    "broadcast_optimizer_state", "MismatchError", "SyncBatchNorm",
     # process sets
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     # Slim-DP
     "DistributedOptimizer", "SlimConfig", "ConfigError", "ExchangeError",
-    "NonFiniteGradientError", "TransportError", "TransportTimeout",
+    "NonFiniteGradientError", "TransportError", "TransportTimeout", "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    # elastic training (hvd.elastic.run, TorchState, ...)
+    "elastic",
 ]

@@ -13,13 +13,15 @@ import hashlib
 import math
 import numbers
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from .wire.values import VALUE_BITS
 
 PULL_MODES = ("slim", "union")
 OPS = ("average", "sum")
-NONFINITE_MODES = ("raise", "skip", "propagate")
+# "flag" (default): skip the step everywhere and hand every rank NaN gradients, so that
+# torch.amp.GradScaler's found_inf is set identically on every rank (Horovod's AMP pattern).
+NONFINITE_MODES = ("flag", "skip", "raise", "propagate")
 ADAM_VARIANCE_MODES = ("auto", "rescaled", "live")
 ENV_PREFIX = "HVD_SLIM_"
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
@@ -117,7 +119,9 @@ class SlimConfig:
     # --- randomness --------------------------------------------------------------------------
     seed: int = 0                      # keys every replica's exploration generator
     # --- failure handling --------------------------------------------------------------------
-    nonfinite: str = "raise"           # NaN/Inf gradient: "raise", "skip" the step, "propagate"
+    # NaN/Inf gradient on any rank: "flag" (skip the step, NaN grads on every rank), "skip" (keep
+    # this rank's grads), "raise" NonFiniteGradientError on every rank, or "propagate" (no check)
+    nonfinite: str = "flag"
     timeout: Optional[float] = DEFAULT_TIMEOUT  # seconds to wait in the exchange; None: forever
 
     def __post_init__(self) -> None:
@@ -231,6 +235,19 @@ class SlimConfig:
             raise ConfigError(f"server_rank must be in [0, {size}) for a job of {size} ranks, "
                               f"got {self.server_rank}{self.env_note('server_rank')}",
                               "server_rank")
+
+    def for_ranks(self, ranks: Sequence[int]) -> "SlimConfig":
+        """The config of an exchange among the job ranks ``ranks`` (a process set, in order),
+        which numbers its ranks by their position there: ``server_rank``, a job rank, must be one
+        of them and becomes its position."""
+        ranks = list(ranks)
+        if self.server_rank not in ranks:
+            raise ConfigError(f"server_rank must be a rank of the process set {ranks} (a job "
+                              f"rank), got {self.server_rank}{self.env_note('server_rank')}",
+                              "server_rank")
+        out = dataclasses.replace(self, server_rank=ranks.index(self.server_rank))
+        object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
+        return out
 
     def env_note(self, name: str) -> str:
         """`` (from environment variable HVD_SLIM_X)`` when ``name`` came from the environment."""

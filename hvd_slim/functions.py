@@ -205,8 +205,10 @@ def _is_wrapped(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _initialise_state(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module]) -> None:
-    """Create the optimizer's state with one step on zero gradients, leaving the parameters and
-    their gradients as they were (Horovod lets weight decay move the parameters here)."""
+    """Create the optimizer's state with one step on zero gradients, leaving the parameters as
+    they were (Horovod lets weight decay move them here). A parameter that requires a gradient
+    and had none keeps a zero one, as in Horovod; an existing gradient is restored (Horovod
+    zeroes it: here nothing computed is dropped)."""
     sparse = set()
     if model is not None:
         sparse = {id(m.weight) for m in model.modules()
@@ -227,19 +229,25 @@ def _initialise_state(optimizer: torch.optim.Optimizer, model: Optional[torch.nn
         with torch.no_grad():
             for p, data, grad in saved:
                 p.copy_(data)
-                p.grad = grad
+                if grad is None and p.requires_grad:
+                    # A fresh zero: the step may have kept a reference to the one it read.
+                    zero = torch.zeros_like(p)
+                    p.grad = zero.to_sparse() if id(p) in sparse else zero
+                else:
+                    p.grad = grad
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               model: Optional[torch.nn.Module] = None) -> None:
     """Make every rank's optimizer state and param-group options equal to ``root_rank``'s.
 
-    Collective. An empty state is first created by one step on zero gradients, which leaves the
-    parameters and their gradients as they were (for an hvd_slim or Horovod
-    ``DistributedOptimizer`` the wrapped class's step runs, so no exchange). State tensors are
-    broadcast in place; scalar state and the options of every param group (all but
-    ``"params"``, e.g. ``lr``) go through :func:`broadcast_object`, even for a stateless
-    optimizer, unlike Horovod.
+    Collective. An empty state is first created by one step on zero gradients (for an hvd_slim
+    or Horovod ``DistributedOptimizer`` the wrapped class's step, so no exchange), which leaves
+    the parameters as they were; afterwards, as in Horovod, a parameter that requires a
+    gradient and had none has a zero one (sparse for ``model``'s sparse embeddings), while an
+    existing gradient is kept. State tensors are broadcast in place; scalar state and the
+    options of every param group (all but ``"params"``, e.g. ``lr``) go through
+    :func:`broadcast_object`, even for a stateless optimizer, unlike Horovod.
 
     Args:
         optimizer: A ``torch.optim.Optimizer`` (not ``torch.optim.LBFGS``), wrapped or not.
@@ -248,7 +256,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
             sparse zero gradients in that first step.
 
     Returns:
-        None; the optimizer's state and options hold the root's values.
+        None; the optimizer's state and options hold the root's values; on a rank whose state
+        was empty, every parameter that requires a gradient has one (zero where it had none).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.

@@ -50,7 +50,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
                            for p in b.params()}
         self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
         self._rescaled_params = adam.rescaled_parameters(self, self._layout, settings.config)
-        self._exchange = SlimExchange(self._layout, settings.config, settings.transport, plan)
+        self._exchange = SlimExchange(self._layout, settings.config, settings.transport, plan,
+                                      ranks=settings.ranks)
         self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
         self._pending = set()
         self._synchronized = False
@@ -84,9 +85,12 @@ class _SlimOptimizer(torch.optim.Optimizer):
         """Run the Slim-DP exchange now: afterwards every ``p.grad`` holds the pulled update.
 
         Every rank must call it the same number of times; parameters that got no gradient on
-        this rank contribute zeros, so different subgraphs per rank never deadlock. With
-        ``nonfinite="skip"``, a step with a NaN/Inf gradient on any rank is skipped by every
-        rank: ``p.grad`` keep this rank's gradients and the following ``step()`` does nothing."""
+        this rank contribute zeros, so different subgraphs per rank never deadlock. A step with
+        a NaN/Inf gradient on any rank is skipped by every rank (nothing of the exchange
+        changes) and the following ``step()`` does not step the wrapped optimizer. Under
+        ``nonfinite="flag"`` (default) every ``p.grad`` is then NaN on every rank, so a
+        ``torch.amp.GradScaler`` on each rank sees ``found_inf``, skips its step and lowers its
+        scale alike; under ``"skip"`` they keep this rank's gradients."""
         self._skipped = False
         try:
             self._skipped = not self._exchange.step()
@@ -141,7 +145,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         if self._pending:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(). This is "
-                                 "prohibited as it can cause a race condition.")
+                                 "prohibited as it can cause a race condition. " + _AMP_HINT)
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def _inner_step(self, closure, only_sparse: bool):
@@ -196,7 +200,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
         at the transport), ``dense_bytes`` (gradient bytes a dense allreduce would reduce),
         ``ring_allreduce_bytes`` (what a ring allreduce would send per rank), the per-part
         breakdown, selection time and ``last_step``; ``skipped_steps`` and
-        ``last_skip_reason`` count the steps every rank skipped (``nonfinite="skip"``)."""
+        ``last_skip_reason`` count the steps every rank skipped (a NaN/Inf under
+        ``nonfinite="flag"`` or ``"skip"``)."""
         out = self._exchange.stats.as_dict()
         out.update(transport=self._settings.transport.name, world_size=self._exchange.size,
                    density=self._settings.config.density,
@@ -237,6 +242,14 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._skipped = False
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+
+
+# GradScaler.step(optimizer) checks this rank's gradients for Inf/NaN before it calls step(), so
+# a rank that overflowed alone never joins the exchange the others wait in.
+_AMP_HINT = ("With torch.amp.GradScaler, exchange before the scaler looks at the gradients, as "
+             "in Horovod: scaler.scale(loss).backward(); optimizer.synchronize(); "
+             "scaler.unscale_(optimizer); with optimizer.skip_synchronize(): "
+             "scaler.step(optimizer); then scaler.update().")
 
 
 def _called_by_horovod_state_init() -> bool:
@@ -284,15 +297,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         backward_passes_per_step: Backward passes whose gradients accumulate (sum) locally
             before one exchange (default 1); one more pass before ``step()`` raises
             AssertionError.
-        op: ``hvd.Average`` (default, also for None) or ``hvd.Sum``; ``hvd.Adasum`` and
-            other ops raise ValueError.
+        op: ``hvd.Average`` (default, also for None) or ``hvd.Sum``; ``hvd.Adasum`` (a
+            dense reduction, not implemented at any density, 1.0 included) and other ops
+            raise ValueError.
         gradient_predivide_factor: As Horovod's: gradients are scaled by ``1/f`` before the
             exchange and ``f/size`` after it (default 1.0; only with ``op=Average``).
         num_groups: Accepted (an int >= 0; non-zero warns as deprecated) with no effect.
         groups: Accepted (None, a positive int or a list of lists of parameters) with no
             effect: the exchange is always one fused message per step.
         sparse_as_dense: Accepted with no effect: sparse gradients are always densified.
-        process_set: Not supported: anything but None raises ValueError.
+        process_set: None or ``hvd.global_process_set`` (default: every rank), or a
+            registered ``hvd.ProcessSet``: the exchange runs among its ranks only, on MPI
+            (``transport="gloo"``/``"nccl"`` raise ValueError there), with ``server_rank`` a
+            job rank in the set (default: its first). Build it on every rank alike: as in
+            Horovod, a rank outside the set gets the plain optimizer (no exchange).
         **slim_kwargs: The Slim-DP keywords, one line each here:
 
             * ``density``: fraction of the compressed coordinates each worker pushes.
@@ -308,15 +326,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             * ``pull``: ``"slim"`` (the server keeps a residual) or ``"union"``.
             * ``pull_density``: slice size of the server's pull (``pull="slim"``).
             * ``min_compress_numel``: tensors smaller than this are fused and sent dense.
-            * ``server_rank``: the rank that aggregates (it is also a worker).
+            * ``server_rank``: the job rank that aggregates (it is also a worker).
             * ``seed``: keys the exploration generator.
             * ``warmup_dense_steps``, ``warmup_decay_steps`` and ``warmup_start_density``:
               dense first steps, then a geometric decay from the start density to the
               targets; by default 8x denser over 1/density steps.
             * ``adam_variance``: ``"auto"`` | ``"rescaled"`` | ``"live"``; for Adam and
               AdamW, feed the second moment per-step values (inner/adam.py).
-            * ``nonfinite``: ``"raise"`` | ``"skip"`` | ``"propagate"``, what a NaN/Inf
-              gradient does.
+            * ``nonfinite``: what a NaN/Inf gradient on any rank does. ``"flag"`` (default):
+              every rank skips the step (residuals, velocities and server state untouched,
+              the wrapped optimizer not stepped) and gets NaN in every ``p.grad``, so
+              ``torch.amp.GradScaler`` skips and backs off on every rank alike; ``"skip"``:
+              the same, ``p.grad`` keeping this rank's gradients; ``"raise"``:
+              NonFiniteGradientError on every rank; ``"propagate"``: no check.
             * ``timeout``: seconds a rank waits in the exchange before failing; 0 waits
               forever.
             * ``transport``: ``"mpi"``, ``"gloo"``, ``"nccl"`` or ``"auto"`` (default
@@ -351,6 +373,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     settings = resolve_settings(named, compression, backward_passes_per_step, op,
                                 gradient_predivide_factor, num_groups, groups, sparse_as_dense,
                                 process_set, slim_kwargs)
+    if not settings.included:
+        from .outside_set import outside_set_optimizer
+        return outside_set_optimizer(optimizer, settings)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_SlimOptimizer.__dict__))
     return cls(optimizer.param_groups, settings, optimizer)

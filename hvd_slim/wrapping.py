@@ -1,13 +1,14 @@
 """Up-front validation of ``DistributedOptimizer``'s arguments, and what they resolve to."""
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .config import ENV_KEYWORDS, SlimConfig
+from .config import ENV_KEYWORDS, ENV_PREFIX, SlimConfig
 from .config_env import resolve_config
 from .exchange.layout import Layout
 from .transport.base import Transport
@@ -20,7 +21,13 @@ class SlimSettings:
     config: SlimConfig
     named_parameters: List[Tuple[str, torch.Tensor]]
     compression: Any
-    transport: Transport
+    transport: Optional[Transport]   # None on a rank outside the process set
+    ranks: Optional[List[int]] = None   # the process set's job ranks; None: the whole job
+
+    @property
+    def included(self) -> bool:
+        """Whether this rank takes part in the exchange (it is in the process set)."""
+        return self.transport is not None
 
 
 def named_parameter_list(optimizer: torch.optim.Optimizer,
@@ -70,17 +77,11 @@ def comm_dtype_fn(compression: Any) -> Callable[[torch.dtype], torch.dtype]:
 
 
 def _check_horovod_args(backward_passes_per_step, op, gradient_predivide_factor, num_groups,
-                        groups, process_set) -> str:
+                        groups) -> str:
     from .collectives import Adasum, Average, Sum
 
-    if process_set is not None:
-        raise ValueError("process_set is not supported by hvd_slim: the exchange always spans "
-                         "every rank of hvd_slim.init(); leave process_set unset")
-    if op is None:
+    if op is None or op == Adasum:   # Adasum: refused once the density is known
         op = Average
-    if op == Adasum:
-        raise ValueError("op=Adasum is not supported by hvd_slim: use op=hvd.Average (default) "
-                         "or op=hvd.Sum")
     if op not in (Average, Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
@@ -95,6 +96,19 @@ def _check_horovod_args(backward_passes_per_step, op, gradient_predivide_factor,
     return "average" if op == Average else "sum"
 
 
+def _adasum_refusal(config: SlimConfig) -> str:
+    """Why op=hvd.Adasum is refused, and what to pass instead, at the density in force."""
+    supported = "use op=hvd.Average (the default) or op=hvd.Sum"
+    if config.density < 1.0:
+        return (f"op=hvd.Adasum is not supported by hvd_slim's DistributedOptimizer: Adasum is a "
+                f"dense reduction, and a sparse exchange (density={config.density:g}"
+                f"{config.env_note('density')}) cannot carry it; {supported}. density=1.0 "
+                "gives an exact dense exchange, but it averages or sums too: Adasum is not "
+                "implemented at any density")
+    return ("op=hvd.Adasum is not supported by hvd_slim, also at density=1.0: its dense exchange "
+            f"(and hvd.allreduce) only average or sum; {supported}")
+
+
 def resolve_settings(named, compression, backward_passes_per_step, op, gradient_predivide_factor,
                      num_groups, groups, sparse_as_dense, process_set,
                      slim_kwargs: Dict[str, Any]) -> SlimSettings:
@@ -103,8 +117,12 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
     if unknown:
         raise TypeError(f"DistributedOptimizer() got unexpected keyword arguments "
                         f"{sorted(unknown)}; Slim-DP keywords are {sorted(SLIM_KEYWORDS)}")
+    from .collectives import Adasum
+
+    adasum = op is not None and op == Adasum
     op_name = _check_horovod_args(backward_passes_per_step, op, gradient_predivide_factor,
-                                  num_groups, groups, process_set)
+                                  num_groups, groups)
+    members = process_set_ranks(process_set)
     if compression is None:
         from .compression import Compression
         compression = Compression.none
@@ -114,22 +132,60 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
                              f"hvd.Compression.none, got {compression!r}")
     kwargs = dict(slim_kwargs)
     transport = kwargs.pop("transport", None)
-    config = resolve_config(dict(kwargs, op=op_name,
-                                 gradient_predivide_factor=gradient_predivide_factor,
-                                 backward_passes_per_step=backward_passes_per_step))
-    transport = _resolve_transport(transport, named)
-    config.check_world(transport.size)
-    return SlimSettings(config, named, compression, transport)
+    explicit = dict(kwargs, op=op_name, gradient_predivide_factor=gradient_predivide_factor,
+                    backward_passes_per_step=backward_passes_per_step)
+    if members is not None and "server_rank" not in explicit \
+            and ENV_PREFIX + "SERVER_RANK" not in os.environ:
+        explicit["server_rank"] = members[0]   # a set's first rank, as rank 0 is the job's
+    config = resolve_config(explicit)
+    if adasum:
+        raise ValueError(_adasum_refusal(config))
+    if members is None:
+        transport = _resolve_transport(transport, named)
+        config.check_world(transport.size)
+        return SlimSettings(config, named, compression, transport)
+    config.for_ranks(members)   # server_rank must be in the set: checked on every rank alike
+    from .runtime import basics
+    if basics.rank() not in members:   # Horovod: outside its set the optimizer steps alone
+        parameter_device(named)
+        return SlimSettings(config, named, compression, None, members)
+    transport = _resolve_transport(transport, named, process_set)
+    if transport.size != len(members):
+        raise ValueError(f"transport: {transport!r} spans {transport.size} ranks but "
+                         f"process_set has {len(members)} ({members})")
+    return SlimSettings(config, named, compression, transport, members)
 
 
-def _resolve_transport(transport: Any, named: List[Tuple[str, torch.Tensor]]) -> Transport:
+def process_set_ranks(process_set: Any) -> Optional[List[int]]:
+    """The job ranks of ``process_set``, or None for the whole job (None or
+    ``hvd.global_process_set``). Raises ValueError naming ``process_set`` for anything but a
+    registered :class:`hvd_slim.ProcessSet`. Communicates nothing: every rank knows every
+    registered set's ranks."""
+    if process_set is None:
+        return None
+    from .runtime import process_sets as sets
+    if not isinstance(process_set, sets.ProcessSet):
+        raise ValueError(f"process_set must be an hvd.ProcessSet registered with "
+                         f"hvd.add_process_set() or hvd.init(process_sets=...), "
+                         f"hvd.global_process_set or None; got {type(process_set).__name__}")
+    if process_set.process_set_id == 0:
+        return None
+    try:
+        return sets.members(process_set)
+    except ValueError as exc:
+        raise ValueError(f"process_set: {exc}") from None
+
+
+def _resolve_transport(transport: Any, named: List[Tuple[str, torch.Tensor]],
+                       process_set: Any = None) -> Transport:
     """A Transport instance is used as given; a name (or ``HVD_SLIM_TRANSPORT``) is resolved by
-    :func:`hvd_slim.runtime.choose_transport.resolve` for the device the parameters live on."""
+    :func:`hvd_slim.runtime.choose_transport.resolve` for the device the parameters live on
+    (and the process set the exchange runs in, if any)."""
     device = parameter_device(named)
     if isinstance(transport, Transport):
         return transport
     from .runtime.choose_transport import resolve
-    return resolve(transport, device)
+    return resolve(transport, device, process_set=process_set)
 
 
 def parameter_device(named: List[Tuple[str, torch.Tensor]]) -> torch.device:

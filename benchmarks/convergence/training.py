@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -58,10 +59,13 @@ def wrap_optimizer(method: str, hvd: ModuleType, opt: torch.optim.Optimizer, mod
     """Wrap ``opt`` for ``method`` (see the module docstring). ``density`` None: hvd_slim's
     default (or ``HVD_SLIM_DENSITY``) for slim, 0.02 for topk."""
     named = list(model.named_parameters())
+    # The study records a run that meets a NaN/Inf as diverged (sweep.py): it needs "raise",
+    # where the default ("flag") would skip every such step and train on.
+    finite = {} if "HVD_SLIM_NONFINITE" in os.environ else {"nonfinite": "raise"}
     if method == "dense":
-        return hvd.DistributedOptimizer(opt, named_parameters=named, density=1.0)
+        return hvd.DistributedOptimizer(opt, named_parameters=named, density=1.0, **finite)
     if method == "slim":
-        kwargs = dict(slim_kwargs or {})
+        kwargs = dict(finite, **(slim_kwargs or {}))
         if density is not None:
             kwargs["density"] = density
         return hvd.DistributedOptimizer(opt, named_parameters=named, **kwargs)

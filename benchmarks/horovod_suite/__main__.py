@@ -4,7 +4,8 @@
 
 Each test's outcome over its ranks: ``passed`` when every rank passed, ``skipped`` when a rank
 skipped and none failed, ``failed`` (with the first line of the first rank's error), or
-``timeout`` when the job outlived ``--timeout`` and was killed. Results go to
+``timeout`` when the job outlived ``--timeout`` and was killed, or ``excluded`` for a failure
+of a test that fails for Horovod itself here (:data:`HOROVOD_ALSO_FAILS`). Results go to
 ``benchmarks/results/horovod_suite/np<N>.json`` and a Markdown table beside it.
 """
 from __future__ import annotations
@@ -21,6 +22,13 @@ from typing import Dict, List, Tuple
 
 from ..launch import ROOT, MpiTimeout, mpirun_argv, run_session, session_env
 
+# Tests that fail for Horovod 0.28.1 itself on this torch, for a reason outside the API under
+# test: when one of them fails it is reported as "excluded", with the reason, not "failed".
+HOROVOD_ALSO_FAILS = {
+    name: "torch 2.13's torch.optim.Muon, one of the Optimizer subclasses the test iterates "
+          "over, refuses the test's 1-D parameters (Horovod fails it the same way)"
+    for name in ("test_broadcast_state", "test_broadcast_state_options", "test_force_allreduce")
+}
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "horovod_suite")
 
@@ -80,9 +88,10 @@ def write_report(np_: int, results: Dict[str, Dict[str, object]], suite: str) ->
     """Write np<N>.json and np<N>.md; returns the summary line."""
     os.makedirs(RESULTS, exist_ok=True)
     counts = {k: sum(r["outcome"] == k for r in results.values())
-              for k in ("passed", "failed", "skipped", "timeout")}
+              for k in ("passed", "failed", "skipped", "timeout", "excluded")}
     summary = (f"np={np_}: {counts['passed']} passed, {counts['failed']} failed, "
-               f"{counts['timeout']} timed out, {counts['skipped']} skipped of {len(results)}")
+               f"{counts['timeout']} timed out, {counts['skipped']} skipped, {counts['excluded']} excluded "
+               f"of {len(results)}")
     with open(os.path.join(RESULTS, f"np{np_}.json"), "w") as f:
         json.dump({"suite": os.path.basename(suite), "np": np_, "counts": counts,
                    "tests": results}, f, indent=1, sort_keys=True)
@@ -113,6 +122,8 @@ def main(argv: List[str] = None) -> int:
         for i, node in enumerate(nodes, 1):
             name = node.rsplit("::", 1)[1]
             results[name] = r = run_test(node, np_, args.timeout, args.python)
+            if r["outcome"] == "failed" and name in HOROVOD_ALSO_FAILS:
+                r.update(outcome="excluded", why=f"{HOROVOD_ALSO_FAILS[name]}; {r['why']}"[:300])
             print(f"[np={np_} {i}/{len(nodes)}] {name}: {r['outcome']} {r['why']}"[:200], flush=True)
         print(write_report(np_, results, args.suite), flush=True)
     return 0

@@ -38,7 +38,7 @@ def _where(keys: list) -> str:
 def state_of(ex: SlimExchange) -> dict:
     """This rank's exchange state (see :meth:`SlimExchange.state_dict`)."""
     return {"version": VERSION, "rank": ex.rank, "size": ex.size, "step": ex.step_count,
-            "digest": ex.digest, "config": ex.cfg.to_dict(),
+            "ranks": list(ex.ranks), "in_set": ex.in_set, "digest": ex.digest, "config": ex.cfg.to_dict(),
             "effective": ex.cfg.effective_dict(), "layout": ex.layout.description(),
             "memory": {i: m.state_dict() for i, m in ex.worker.memory.items()},
             "selector": {i: s.state_dict() for i, s in ex.worker.selector.items()},
@@ -56,6 +56,7 @@ def validate(ex: SlimExchange, state: Any) -> None:
         raise ValueError(f"hvd_slim checkpoint: unknown format version {got!r}; expected the "
                          "'hvd_slim' entry of an hvd_slim optimizer.state_dict()")
     _check_same_exchange(ex, state)
+    _check_same_ranks(ex, state)
     if state.get("size") != ex.size or state.get("rank") != ex.rank:
         raise ValueError(f"hvd_slim checkpoint holds the residuals of rank {state.get('rank')} "
                          f"of {state.get('size')}; this is rank {ex.rank} of {ex.size}. {FIX_RANK}")
@@ -120,6 +121,18 @@ def _check_same_exchange(ex: SlimExchange, state: dict) -> None:
     elif state.get("digest") != ex.digest:
         raise ValueError("hvd_slim checkpoint was made with a different model or Slim-DP "
                          f"config: saved {saved_cfg}, now {ex.cfg.to_dict()}")
+
+
+def _check_same_ranks(ex: SlimExchange, state: dict) -> None:
+    """A checkpoint made inside a process set loads only into an exchange among the same job
+    ranks. (Checkpoints without "ranks" come from before process sets: the whole job.)"""
+    size = state.get("size")
+    saved = state.get("ranks", list(range(size)) if isinstance(size, int) else None)
+    if saved == ex.ranks or not (state.get("in_set") or ex.in_set):
+        return   # the same ranks, or both span a whole job (the size check names the sizes)
+    raise ValueError(f"hvd_slim checkpoint was saved by an exchange among the job ranks {saved}; "
+                     f"this optimizer exchanges among {ex.ranks}. Resume with the same "
+                     f"process_set (the same job ranks). {FIX_RANK}")
 
 
 def _saved_effective(state: dict) -> Any:

@@ -6,7 +6,7 @@ the whole pull is built, so a bad message or a skipped step leaves it untouched.
 
 It also decides how a step with a NaN/Inf gradient ends: any worker that found one sends a
 NONFINITE report instead of its push, and the server answers every rank with one verdict, SKIP
-(``nonfinite="skip"``) or an ERROR every rank raises (``"raise"``). The decision thus travels in
+(``nonfinite="flag"`` or ``"skip"``) or an ERROR every rank raises (``"raise"``). The decision thus travels in
 the pull and costs nothing on a healthy step.
 """
 from __future__ import annotations
@@ -123,15 +123,17 @@ class Server:
                  limit: Optional[int]) -> Any:
         """SKIP or ERROR for a step with non-finite values; nothing of the server has changed."""
         where = "; ".join(f"rank {j}: {text}" for j, text in reports)
-        if self.cfg.nonfinite == "skip":
+        mode = self.cfg.nonfinite
+        if mode in ("skip", "flag"):   # "flag": each worker then fills its grads with NaN
             return self.path.from_host(control.encode_text(
                 wm.SKIP, self.rank, step, digest,
-                f"step {step} skipped on every rank (nonfinite='skip'): {where}", limit=limit))
+                f"step {step} skipped on every rank (nonfinite={mode!r}): {where}", limit=limit))
         return self.path.from_host(wm.encode_error(
             self.rank, step, f"hvd_slim: non-finite gradient at step {step} (nonfinite='raise'): "
             f"{where}. No rank's parameters, residuals or optimizer state changed. Find the "
             "source (torch.autograd.set_detect_anomaly, a lower learning rate, gradient "
-            "clipping), or pass nonfinite='skip' (HVD_SLIM_NONFINITE=skip) to skip such steps",
+            "clipping), or skip such steps: nonfinite='flag' (HVD_SLIM_NONFINITE=flag, the "
+            "default, for torch.amp.GradScaler) or nonfinite='skip'",
             code=wm.E_NONFINITE, limit=limit))
 
     def _slim_section(self, b: Bucket, decoded: List[List[wm.Section]], step: int,

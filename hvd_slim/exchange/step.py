@@ -11,14 +11,15 @@ optimizer's ``step()`` runs afterwards. Nothing here knows about MPI: the transp
 
 Compensation is speculative: this rank's residual, velocity and cores change only when the
 pull says the step went through. A step can also end in a verdict every rank shares: SKIP (a
-NaN/Inf gradient under ``nonfinite="skip"``: nothing changes anywhere) or an ERROR every rank
+NaN/Inf gradient under ``nonfinite="flag"`` or ``"skip"``: nothing of the exchange changes
+anywhere; ``"flag"`` then sets every gradient to NaN on every rank) or an ERROR every rank
 raises (a NaN/Inf under ``"raise"``: nothing changes; any other failure: each worker keeps what
 it computed in its residual, so nothing is lost).
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -44,8 +45,20 @@ class SlimExchange:
     sequence."""
 
     def __init__(self, layout: Layout, config: SlimConfig, transport: Transport,
-                 momentum: Optional[Dict[int, dict]] = None) -> None:
-        config.check_world(transport.size)
+                 momentum: Optional[Dict[int, dict]] = None,
+                 ranks: Optional[Sequence[int]] = None) -> None:
+        # ranks: the job ranks of the transport's members, in its order (a process set); None:
+        # every rank of the job, numbered as the transport numbers them. Everything below runs
+        # in the transport's numbering, so a set's server_rank (a job rank) is translated.
+        if ranks is None:
+            config.check_world(transport.size)
+        elif len(ranks) != transport.size:
+            raise ValueError(f"the process set has {len(ranks)} ranks but its exchange "
+                             f"transport {transport.size}")
+        else:
+            config = config.for_ranks(ranks)
+        self.ranks = list(range(transport.size)) if ranks is None else list(ranks)
+        self.in_set = ranks is not None
         self.layout, self.cfg, self.transport = layout, config, transport
         self.rank, self.size = transport.rank, transport.size
         self.digest = layout.digest() ^ int(config.digest(), 16)
@@ -65,7 +78,8 @@ class SlimExchange:
     def step(self) -> bool:
         """Exchange the current gradients; afterwards every ``p.grad`` holds the pulled update.
         Returns False when every rank skipped the step (a NaN/Inf gradient somewhere under
-        ``nonfinite="skip"``): then nothing changed and ``p.grad`` is as the caller left it."""
+        ``nonfinite="flag"`` or ``"skip"``): then nothing of the exchange changed, and ``p.grad``
+        is NaN on every rank (``"flag"``) or as the caller left it (``"skip"``)."""
         t, t0 = self.step_count, time.perf_counter()
         worker = self.worker
         selectors = worker.selector_states()
@@ -87,6 +101,8 @@ class SlimExchange:
         if pulled is None:
             worker.rollback(selectors)
             self.stats.skipped_steps += 1
+            if self.cfg.nonfinite == "flag":
+                worker.flag_grads()
             return False
         worker.apply(pulled, t)
         self.step_count += 1

@@ -85,7 +85,7 @@ class Worker:
     # --- compensate and select ---------------------------------------------------------------
     def compensate(self, t: int) -> Compensated:
         """Every bucket's proposed ``a = r + u`` read straight from the ``.grad``s (speculative:
-        no memory changes), or (a NaN/Inf under nonfinite "raise"/"skip") a report instead."""
+        no memory changes), or (a NaN/Inf, unless nonfinite is "propagate") a report instead."""
         self._pending = []
         check = self.cfg.nonfinite != "propagate"
         folded, bad = [], []
@@ -287,6 +287,16 @@ class Worker:
         self._pending = []
         for i, st in selectors.items():
             self.selector[i].load_state_dict(st)
+
+    def flag_grads(self) -> None:
+        """A step every rank skipped under ``nonfinite="flag"``: every gradient becomes NaN.
+
+        The same on every rank, whichever rank (or the server) found the NaN/Inf, so that a
+        ``torch.amp.GradScaler`` on each rank finds it (``found_inf``), skips its step and
+        lowers its scale alike; the replicas stay identical. Nothing of the exchange changes."""
+        for b in self.layout.buckets:
+            nan = torch.full((b.numel,), float("nan"), dtype=b.dtype, device=b.device)
+            self.layout.write_grads(b, nan)
 
     def drop_pending(self) -> None:
         """Forget the step in flight without touching the memory (a failed flush, whose

@@ -106,6 +106,13 @@ def end_job_at_exit(reason: str) -> None:
     _end_at_exit = reason
 
 
+def forgive_abandoned() -> None:
+    """Undo :func:`end_job_at_exit`: the job went on without the abandoned collectives (elastic
+    recovery rebuilt hvd_slim on new communicators), so exit may finalise MPI normally."""
+    global _end_at_exit
+    _end_at_exit = None
+
+
 def _abort_at_exit() -> None:
     world = _world()
     if world is None or _end_at_exit is None:

@@ -62,9 +62,14 @@ def choose_auto(device: torch.device) -> str:
 
 
 def resolve(transport: Any, device: torch.device,
-            environ: Optional[Mapping[str, str]] = None) -> Any:
+            environ: Optional[Mapping[str, str]] = None, process_set: Any = None) -> Any:
     """The Transport for the name ``transport`` (None: ``HVD_SLIM_TRANSPORT``, then ``"auto"``)
-    and parameters on ``device``. Collective the first time a transport is started."""
+    and parameters on ``device``. Collective the first time a transport is started.
+
+    ``process_set`` (a registered set with this rank; None: the whole job): the exchange runs
+    on MPI among the set's ranks (``"auto"`` is MPI there). Gloo and NCCL are refused: their
+    process groups are made collectively over every rank of the job, which a set's ranks alone
+    cannot do."""
     environ = os.environ if environ is None else environ
     source = "transport"
     if transport is None:
@@ -79,6 +84,13 @@ def resolve(transport: Any, device: torch.device,
     if transport not in here:
         raise ValueError(f"{source}={transport!r} is not available: "
                          f"{_why_unavailable(transport, device)}; available here: {here}")
+    if process_set is not None:
+        if transport in ("gloo", "nccl"):
+            raise ValueError(f"{source}={transport!r} cannot run the exchange inside "
+                             f"process_set={process_set!r}: hvd_slim runs a process set's "
+                             f"exchange on MPI only; pass transport=\"mpi\" (or \"auto\")")
+        from . import process_sets
+        return process_sets.exchange_transport(process_set)
     if transport == "auto":
         transport = choose_auto(device)
     if transport == "mpi":

@@ -167,7 +167,9 @@ class Engine:
             self._finish([job], TransportError(f"{job.label}: hvd_slim was shut down before "
                                                f"this call ran"))
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=(api_timeout.api_timeout() or 60.0) + 10.0)
+            # Briefly: a call still waiting on a dead peer (elastic recovery shuts down after
+            # a failure) must not hold up the shutdown; it fails once its communicator goes.
+            self._thread.join(timeout=2.0)
 
     # ---- running -------------------------------------------------------------------------
 

@@ -27,11 +27,14 @@ from .checks import MismatchError
 
 @dataclass
 class _Entry:
-    """A registered set: its job ranks (sorted), this rank's communicator and collectives on it
-    (None on ranks outside the set)."""
+    """A registered set: its job ranks (sorted), this rank's communicator and collectives on it,
+    and a second communicator for the optimizer's exchange (all None on ranks outside the set);
+    ``transport`` is the exchange's MpiTransport on it, made on first use."""
     ranks: List[int]
     comm: Any
     api: Any
+    exchange_comm: Any = None
+    transport: Any = None
 
 
 class ProcessSet:
@@ -167,8 +170,12 @@ def _register(ranks: List[int], what: str) -> int:
     comm = mpi.split_members(basics.job_comm(), me in ranks, me)
     from ..transport.mpi_api import MpiCollectives
     ps_id = next(_ids)
-    _registry[ps_id] = _Entry(ranks, comm if me in ranks else None,
-                              MpiCollectives(comm) if me in ranks else None)
+    member = me in ranks
+    # The optimizer's exchange gets a Dup of its own now, while every member is here: made
+    # later, from the optimizer, it could cross a tensor collective of the set on another rank.
+    _registry[ps_id] = _Entry(ranks, comm if member else None,
+                              MpiCollectives(comm) if member else None,
+                              mpi.dup(comm) if member else None)
     return ps_id
 
 
@@ -221,9 +228,36 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     from . import engine
     with engine.on_group("remove_process_set", None) as group:
         group.api.barrier()   # no rank frees the set while another still uses it
-    if entry.comm is not None:
-        basics._mpi().free(entry.comm)
+    _free(entry, basics._mpi())
     return True
+
+
+def _free(entry: _Entry, mpi: Any) -> None:
+    for comm in (entry.exchange_comm, entry.comm):
+        if comm is not None:
+            mpi.free(comm)
+
+
+def members(process_set: ProcessSet) -> List[int]:
+    """The job ranks of a registered set (every rank knows them, members or not); ValueError
+    for a set that is not registered."""
+    return list(_entry(process_set).ranks)
+
+
+def exchange_transport(process_set: ProcessSet) -> Any:
+    """The :class:`~hvd_slim.transport.mpi.MpiTransport` of ``DistributedOptimizer``'s exchange
+    inside ``process_set``: on the set's own exchange communicator, so it never meets the set's
+    tensor collectives nor any traffic outside the set. Cached per set (every optimizer on the
+    set shares it, as optimizers of the whole job share :func:`basics.world_transport`);
+    communicates nothing. Raises ValueError on a rank outside the set."""
+    entry = _entry(process_set)
+    if entry.exchange_comm is None:
+        raise ValueError(f"rank {basics.rank()} is not in {process_set!r}: only its ranks run "
+                         f"its exchange")
+    if entry.transport is None:
+        from ..transport.mpi import MpiTransport
+        entry.transport = MpiTransport(entry.exchange_comm)
+    return entry.transport
 
 
 def init_sets(process_sets: Any) -> None:
@@ -256,7 +290,6 @@ def clear(mpi: Any) -> None:
     """``shutdown``: free every set's communicator (through ``mpi``, the runtime's
     communicator utilities) and forget the sets; registered ``ProcessSet`` objects go stale."""
     for entry in _registry.values():
-        if entry.comm is not None:
-            mpi.free(entry.comm)
+        _free(entry, mpi)
     _registry.clear()
     global_process_set.ranks = []

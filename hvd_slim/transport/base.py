@@ -57,7 +57,18 @@ class TransportStats:
         self.per_op[op] = (s + sent, r + received)
 
 
-class TransportError(RuntimeError):
+class HorovodInternalError(RuntimeError):
+    """A collective failed (a peer died, timed out, or raised it on purpose), as Horovod's.
+
+    Every communication failure hvd_slim reports is one (:class:`TransportError` and its
+    subclasses), so ``except hvd.HorovodInternalError`` works as with Horovod. Inside
+    :func:`hvd_slim.elastic.run` it is recoverable: the survivors agree who is alive, rebuild
+    hvd_slim on them, restore the last commit and retry. Outside it, it ends the job like any
+    other uncaught exception.
+    """
+
+
+class TransportError(HorovodInternalError):
     """A collective failed: a peer died, timed out or sent something unusable."""
 
 

@@ -302,14 +302,32 @@ def test_broadcast_optimizer_state(hvd, kind):
     params_before = _values(model.parameters())
     grads_before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     hvd.broadcast_optimizer_state(opt, root_rank=root)
-    # The initialising step (zero grads, but weight decay) must not have moved anything.
+    # The initialising step (zero grads, but weight decay) must not have moved anything; as in
+    # Horovod, a parameter without a gradient then has a zero one (the non-roots' here).
     assert _values(model.parameters()) == params_before
     for p, g in zip(model.parameters(), grads_before):
-        assert (p.grad is None and g is None) or torch.equal(p.grad, g)
+        assert torch.equal(p.grad, torch.zeros_like(p) if g is None else g)
+        assert g is not None or (not p.grad.is_sparse and p.grad.shape == p.shape)
     everyone = _rows(hvd, _optimizer_snapshot(opt))
     assert all(x == everyone[root] for x in everyone)
     assert everyone[r][1][0]["custom_count"] == ("int", 7)
     assert opt.param_groups[0]["lr"] == OPTIMIZERS[kind]([torch.zeros(1)], root).param_groups[0]["lr"]
+
+
+def test_broadcast_optimizer_state_leaves_zero_gradients_where_there_were_none(hvd):
+    """Horovod's behaviour: after the call every trainable parameter has a gradient, zero where
+    it had none (sparse for a sparse embedding given as ``model``); frozen ones keep None."""
+    torch.manual_seed(60)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 3, sparse=True), torch.nn.Linear(3, 2))
+    model[1].bias.requires_grad_(False)
+    # Plain SGD: weight decay refuses sparse gradients, momentum would keep a sparse buffer.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _values(model.parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0, model=model)
+    assert _values(model.parameters()) == before
+    emb, weight, bias = model[0].weight, model[1].weight, model[1].bias
+    assert emb.grad.is_sparse and torch.equal(emb.grad.to_dense(), torch.zeros(10, 3))
+    assert torch.equal(weight.grad, torch.zeros(2, 3)) and bias.grad is None
 
 
 class _FakeWrapped(torch.optim.SGD):

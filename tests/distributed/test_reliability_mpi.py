@@ -106,7 +106,7 @@ def test_after_a_mismatch_the_next_optimizer_works():
 # --- NaN/Inf -----------------------------------------------------------------------------------
 def test_nonfinite_raise_names_the_rank_and_tensor_and_changes_nothing():
     model = net()
-    opt = wrap(model)
+    opt = wrap(model, nonfinite="raise")
     train(model, opt, range(2))
     before = hash_of(flat(model))
     with pytest.raises(NonFiniteGradientError) as info:

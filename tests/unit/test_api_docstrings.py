@@ -13,7 +13,8 @@ import hvd_slim
 from hvd_slim.runtime import basics
 
 API_MODULES = ("hvd_slim.collectives", "hvd_slim.collectives_async", "hvd_slim.functions",
-               "hvd_slim.runtime.basics", "hvd_slim.runtime.build_flags", "hvd_slim.optimizer")
+               "hvd_slim.runtime.basics", "hvd_slim.runtime.build_flags", "hvd_slim.optimizer",
+               "hvd_slim.sync_batch_norm")
 SECTION = re.compile(r"^(Args|Arguments|Returns|Raises|Yields|Examples?|Notes?|Attributes):\s*$")
 # An entry of the Args section: four spaces, the name (``*args``/``**kwargs`` with their stars),
 # an optional ``(type)``, then a colon.
@@ -33,6 +34,13 @@ def _api() -> List[Tuple[str, Callable]]:
 
 
 API = _api()
+# The classes hvd_slim re-exports from the API modules: their docstring's Args section names the
+# constructor's parameters; their public methods are checked like the functions above.
+CLASSES = sorted((name, getattr(hvd_slim, name)) for name in hvd_slim.__all__
+                 if inspect.isclass(getattr(hvd_slim, name))
+                 and getattr(hvd_slim, name).__module__ in API_MODULES)
+METHODS = sorted((f"{name}.{key}", fn) for name, cls in CLASSES for key, fn in vars(cls).items()
+                 if inspect.isfunction(fn) and not key.startswith("_"))
 
 
 def _section(doc: str, title: str) -> Optional[List[str]]:
@@ -67,9 +75,10 @@ def test_the_api_is_found() -> None:
     assert {"allreduce", "synchronize", "broadcast_parameters", "init", "rank",
             "DistributedOptimizer", "job_collectives", "world_transport"} <= names
     assert len(names) >= 40
+    assert [name for name, _ in CLASSES] == ["SyncBatchNorm"] and "SyncBatchNorm.forward" in dict(METHODS)
 
 
-@pytest.mark.parametrize("name,fn", API, ids=[name for name, _ in API])
+@pytest.mark.parametrize("name,fn", API + METHODS, ids=[name for name, _ in API + METHODS])
 def test_docstring_has_args_and_returns(name: str, fn: Callable) -> None:
     doc = inspect.getdoc(fn)
     assert doc, f"{name} has no docstring"
@@ -77,7 +86,17 @@ def test_docstring_has_args_and_returns(name: str, fn: Callable) -> None:
     returns = _section(doc, "Returns")
     assert returns is not None and any(line.strip() for line in returns), \
         f"{name}: the docstring needs a non-empty 'Returns:' section"
-    params = _parameters(fn)
+    _check_args(name, doc, _parameters(fn) - ({"self"} if "." in name else set()))
+
+
+@pytest.mark.parametrize("name,cls", CLASSES, ids=[name for name, _ in CLASSES])
+def test_class_docstring_has_constructor_args(name: str, cls: type) -> None:
+    doc = inspect.getdoc(cls)
+    assert doc and doc.splitlines()[0].strip(), f"{name}: the docstring must open with a summary line"
+    _check_args(name, doc, _parameters(cls))
+
+
+def _check_args(name: str, doc: str, params: Set[str]) -> None:
     documented = _documented_args(doc)
     if not params:
         assert documented is None, f"{name} takes no arguments: drop its 'Args:' section"

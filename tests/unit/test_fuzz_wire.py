@@ -234,7 +234,8 @@ def test_control_messages_on_damaged_input(which, raw, flips, keep):
 
 # --- the server: a malformed push can neither crash it nor change it --------------------------
 def _server_setup():
-    cfg = SlimConfig(density=0.05, min_compress_numel=500, seed=3, warmup_decay_steps=0)
+    cfg = SlimConfig(density=0.05, min_compress_numel=500, seed=3, warmup_decay_steps=0,
+                     nonfinite="raise")   # a push summing to Inf: the ERROR path below
     named = [("w", torch.nn.Parameter(torch.zeros(40, 30))), ("b", torch.nn.Parameter(
         torch.zeros(30)))]
     layout = Layout(named, cfg, lambda dt: dt)

@@ -282,7 +282,8 @@ def _opt():
     (dict(pull="both"), "pull must be one of"),
     (dict(server_rank=2), "server_rank must be in \\[0, 1\\)"),
     (dict(op=hvd_slim.collectives.Adasum), "Adasum is not supported"),
-    (dict(process_set=object()), "process_set is not supported"),
+    (dict(process_set=object()), "process_set must be an hvd.ProcessSet"),
+    (dict(process_set=hvd_slim.ProcessSet([0])), "process_set: .*not registered"),
     (dict(op=hvd_slim.collectives.Sum, gradient_predivide_factor=2.0), "predivide"),
     (dict(transport="carrier-pigeon"), "available"),
 ])
@@ -291,6 +292,27 @@ def test_bad_arguments_are_rejected_up_front(kw, match):
     kw.setdefault("transport", FakeCluster(1).transport(0))
     with pytest.raises(ValueError, match=match):
         hvd_slim.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kw)
+
+
+@pytest.mark.parametrize("density, env, says", [
+    (None, {}, "a sparse exchange (density=0.02) cannot carry it"),
+    (None, {"HVD_SLIM_DENSITY": "0.001"},
+     "density=0.001 (from environment variable HVD_SLIM_DENSITY)"),
+    (1.0, {}, "also at density=1.0: its dense exchange (and hvd.allreduce) only average or sum"),
+])
+def test_adasum_is_refused_saying_what_is_supported(density, env, says, monkeypatch):
+    """Adasum is a dense reduction: refused below density 1, and at 1.0 too (no dense Adasum
+    either); the error names the density in force and the ops to use."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    model, opt = _opt()
+    kw = {} if density is None else {"density": density}
+    with pytest.raises(ValueError) as info:
+        hvd_slim.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                      op=hvd_slim.Adasum, transport=FakeCluster(1).transport(0),
+                                      **kw)
+    msg = str(info.value)
+    assert says in msg and "use op=hvd.Average (the default) or op=hvd.Sum" in msg, msg
 
 
 def test_unknown_keyword_is_a_type_error():

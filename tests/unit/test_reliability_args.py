@@ -72,7 +72,7 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
     (dict(magnitude_weight=-1.0), r"^magnitude_weight must be a finite number >= 0"),
     (dict(seed=-1), r"^seed must be >= 0"),
     (dict(momentum_correction="yes"), r"^momentum_correction must be True, False or None"),
-    (dict(nonfinite="ignore"), r"^nonfinite must be one of \('raise', 'skip', 'propagate'\)"),
+    (dict(nonfinite="ignore"), r"^nonfinite must be one of \('flag', 'skip', 'raise', 'propagate'\)"),
     (dict(timeout=-1), r"^timeout must be a number of seconds > 0, or 0/None"),
     (dict(timeout=float("nan")), r"^timeout must be a number of seconds"),
     (dict(timeout="soon"), r"^timeout must be a number of seconds"),
@@ -109,7 +109,7 @@ def test_numpy_scalars_are_accepted_and_normalised():
 
 def test_new_keywords_have_defaults_and_take_values():
     cfg = build().slim_config
-    assert cfg.nonfinite == "raise" and cfg.timeout == 600.0
+    assert cfg.nonfinite == "flag" and cfg.timeout == 600.0
     cfg = build(nonfinite="skip", timeout=0).slim_config
     assert cfg.nonfinite == "skip" and cfg.timeout is None   # 0 waits forever
 

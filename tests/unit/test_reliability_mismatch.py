@@ -78,6 +78,7 @@ def test_a_different_density_names_the_config_field():
     ("value_bits", 8, 16, ("8", "16")),
     ("warmup_start_density", 0.08, 0.5, ("0.08", "0.5")),
     ("warmup_decay_steps", None, 7, ("100", "7")),   # automatic: 1/density steps
+    ("nonfinite", "flag", "raise", ("'flag'", "'raise'")),   # one rank skipping, one raising
 ])
 def test_new_keywords_are_compared_by_the_handshake(field, mine, theirs, shown):
     """value_bits and the warm-up's settings change the wire or its slice sizes: a rank that

@@ -1,0 +1,63 @@
+"""Moving an hvd_slim ``DistributedOptimizer`` onto the communicator of a rebuilt hvd_slim.
+
+The optimizer's exchange holds the MPI transport of the runtime it was built under, and its
+state (residuals, the server's per-worker copies) is laid out for that job's rank and size.
+After :mod:`hvd_slim.elastic.recovery` rebuilt hvd_slim on the survivors, the exchange is built
+anew on the new transport, keeping the optimizer object, its layout and inner state. This reaches
+into the optimizer's private attributes (``_settings``, ``_layout``, ``_exchange``) on purpose,
+in this one place, so that optimizer.py needs no elastic code.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+
+def is_slim_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is an hvd_slim ``DistributedOptimizer``."""
+    return bool(getattr(optimizer, "_hvd_slim_wrapped", False))
+
+
+def current_transport(optimizer: torch.optim.Optimizer) -> Any:
+    """The transport the optimizer's exchange runs on."""
+    return optimizer._exchange.transport   # type: ignore[attr-defined]
+
+
+def rebind(optimizer: torch.optim.Optimizer) -> bool:
+    """Rebuild the exchange of an hvd_slim optimizer on the runtime's current MPI transport.
+
+    Returns False (nothing done) when it already runs there, or ``optimizer`` is not hvd_slim's.
+    The new exchange starts empty (no residuals, step 0): the caller loads a committed state into
+    it when that state's rank and size match. Only the MPI transport is rebuilt: a Gloo/NCCL
+    exchange would need a new ``torch.distributed`` rendezvous, which this does not do.
+    """
+    if not is_slim_optimizer(optimizer):
+        return False
+    from ..exchange import SlimExchange
+    from ..runtime import basics
+    from ..wrapping import momentum_plan
+    old = current_transport(optimizer)
+    if old.name != "mpi":
+        raise RuntimeError(f"hvd_slim.elastic: an optimizer on the {old.name!r} transport cannot "
+                           "be moved to the survivors; elastic training needs transport='mpi'")
+    new = basics.world_transport()
+    if new is old:
+        return False
+    opt: Any = optimizer
+    settings = dataclasses.replace(opt._settings, transport=new)
+    plan = momentum_plan(opt, opt._layout, settings.config)
+    opt._settings = settings
+    opt._exchange = SlimExchange(opt._layout, settings.config, new, plan)
+    return True
+
+
+def exchange_fits(optimizer: torch.optim.Optimizer, saved: Optional[dict]) -> bool:
+    """Whether the ``"hvd_slim"`` entry of a saved optimizer state (``saved``) belongs to this
+    optimizer's exchange as it is now: the same rank of the same job size."""
+    if not is_slim_optimizer(optimizer) or saved is None or "hvd_slim" not in saved:
+        return False
+    ex = optimizer._exchange   # type: ignore[attr-defined]
+    entry = saved["hvd_slim"]
+    return entry.get("rank") == ex.rank and entry.get("size") == ex.size

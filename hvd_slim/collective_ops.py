@@ -4,26 +4,28 @@ staging, the scaling of a reduction and the autograd functions, over the
 (:func:`~hvd_slim.runtime.basics.job_collectives`). The public calls are in collectives.py
 (synchronous) and collectives_async.py (handles).
 
-Every call first allgathers a small signature (dtype, shape, root or op) so that ranks passing
-mismatched tensors all raise the same clear error instead of hanging or corrupting memory, and
-waits at most ``HVD_SLIM_TIMEOUT`` seconds for the other ranks
-(:mod:`hvd_slim.runtime.api_timeout`). CUDA tensors are staged through host memory; float16 and
+Every call is queued through the engine (:mod:`hvd_slim.runtime.engine`), whose thread runs
+the calls in order, and starts with a header round that allgathers a small signature (dtype,
+shape, root or op) so that ranks passing mismatched tensors all raise the same clear error
+instead of hanging or corrupting memory; it waits at most ``HVD_SLIM_TIMEOUT`` seconds for the
+other ranks (:mod:`hvd_slim.runtime.api_timeout`). CUDA tensors are staged through host memory; float16 and
 bfloat16 are reduced in float32, because MPI has no half-precision sum.
 """
 from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from . import adasum, timeline
-from .runtime import basics
-from .runtime.api_timeout import operation
-from .runtime.checks import agree, label
-from .runtime.process_sets import Group, resolve
+from .runtime import basics, engine
+from .runtime.checks import label
+from .runtime.engine_rounds import ALLGATHER, ALLREDUCE, BROADCAST, Sig
+from .runtime.process_sets import Group, resolve  # noqa: F401 - resolve: for callers
+from .transport.bounds import check_length
 
 # Horovod's reduce-op values.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -55,14 +57,11 @@ def _resolve_op(what: str, op: Optional[int], average: Optional[bool]) -> int:
 def on_group(what: str, process_set: Any) -> Iterator[Tuple[Any, Group]]:
     """:func:`operation` for one call named ``what``, on ``process_set``'s group (None: every
     rank); yields its collectives and the group. The set is resolved inside the operation,
-    so a bad ``HVD_SLIM_TIMEOUT`` is reported before hvd_slim starts."""
-    found = []
-
-    def fetch() -> Any:
-        found.append(resolve(what.split(" of ")[0], process_set))
-        return found[0].api
-    with operation(what, fetch) as api, timeline.span(what):
-        yield api, found[0]
+    so a bad ``HVD_SLIM_TIMEOUT`` is reported before hvd_slim starts. The block's collectives
+    run on the calling thread in the engine's order, after a header round that checks every
+    rank makes this call (:func:`~hvd_slim.runtime.engine.exclusive`)."""
+    with engine.on_group(what, process_set) as group, timeline.span(what):
+        yield group.api, group
 
 
 def _host_copy(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -92,67 +91,115 @@ def _scale_(buf: torch.Tensor, factor: float, divisor: int = 1) -> None:
 
 
 def _allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float, name: Optional[str],
-               what: str, out: Optional[torch.Tensor] = None, process_set: Any = None) -> torch.Tensor:
-    with on_group(f"{what}{label(name)}", process_set) as (api, group):
-        size = group.size
-        agree(api, what, name, tensor, {"op": op})
-        work = torch.float32 if tensor.dtype in _HALF else tensor.dtype
-        if work not in _REDUCIBLE:
-            raise TypeError(f"{what}{label(name)}: cannot reduce dtype {tensor.dtype}; use a "
-                            f"floating point or integer tensor")
-        if op == Adasum:
-            if work not in adasum.FLOATS:
-                raise TypeError(f"{what}{label(name)}: Adasum combines floating point tensors only, "
-                                f"got {tensor.dtype}")
-            adasum.check_size(what, size)
-        direct = _direct(out, work)
-        with torch.no_grad():
-            buf = out.detach() if direct else _host_copy(tensor, work)
-            _scale_(buf, prescale)
-            if op == Adasum:
-                adasum.adasum_(api, group.rank, size, buf.reshape(-1), [buf.numel()])
+               what: str, out: Optional[torch.Tensor] = None, process_set: Any = None,
+               wait: bool = True) -> Any:
+    """The reduction (``wait``) or a handle to it. Queued through the engine, which fuses
+    allreduces of one dtype, op and scale waiting in its queue into one MPI message."""
+    work = torch.float32 if tensor.dtype in _HALF else tensor.dtype
+    sig = Sig(ALLREDUCE, what, tensor.dtype, tuple(tensor.shape), extra={"op": op},
+              work=work if work in _REDUCIBLE else None, scale=(prescale, postscale))
+    return engine.submit(f"{what}{label(name)}", name, process_set, _run_allreduce, sig, wait,
+                         nbytes=tensor.numel() * tensor.element_size(), payload=(tensor, out))
+
+
+def _run_allreduce(jobs: List[engine.Job], rnd: Any) -> None:
+    """On the engine's thread: ``jobs`` (agreed by every rank) reduced in one message."""
+    head = jobs[0]
+    work, op, (pre, post) = head.sig.work, head.sig.extra["op"], head.sig.scale
+    if work is None:
+        raise TypeError(f"{head.label}: cannot reduce dtype {head.sig.dtype}; use a floating "
+                        f"point or integer tensor")
+    if op == Adasum:
+        if work not in adasum.FLOATS:
+            raise TypeError(f"{head.label}: Adasum combines floating point tensors only, got "
+                            f"{head.sig.dtype}")
+        adasum.check_size(head.label, head.group.size)
+    with torch.no_grad():
+        first_out = head.payload[1]
+        if len(jobs) == 1 and _direct(first_out, work):
+            flat = first_out.detach()   # MPI reduces the caller's own memory
+            parts = [first_out]
+        elif len(jobs) == 1:
+            flat = _host_copy(head.payload[0], work)
+            parts = [flat]
+        else:
+            bufs = [_host_copy(j.payload[0], work) for j in jobs]
+            flat = torch.cat([b.reshape(-1) for b in bufs])
+            offsets = np.cumsum([0] + [b.numel() for b in bufs])
+            parts = [flat[offsets[i]:offsets[i + 1]].view(b.shape) for i, b in enumerate(bufs)]
+        _scale_(flat, pre)
+        size = head.group.size
+        with timeline.span(head.label):
+            if op == Adasum:   # per-tensor coefficients even when fused
+                adasum.adasum_(head.group.api, head.group.rank, size, flat.reshape(-1),
+                               [p.numel() for p in parts])
             else:
-                api.allreduce_inplace(buf.numpy(), _MPI_OPS[op])
-            _scale_(buf, postscale, size if op == Average else 1)
+                head.group.api.allreduce_inplace(flat.numpy(), _MPI_OPS[op])
+        _scale_(flat, post, size if op == Average else 1)
+        for j, part in zip(jobs, parts):
+            tensor, out = j.payload
             if out is None:
-                return buf.to(device=tensor.device, dtype=tensor.dtype)
-            if not direct:
-                out.copy_(buf)
-    return out
+                j.result = part.to(device=tensor.device, dtype=tensor.dtype)
+            else:
+                if part is not out:
+                    out.copy_(part)
+                j.result = out
 
 
-def _allgather(tensor: torch.Tensor, name: Optional[str], what: str, process_set: Any = None
-               ) -> Tuple[torch.Tensor, np.ndarray]:
-    """The concatenation along dim 0 (0-d tensors count as one row) and every rank's row count."""
+def _allgather(tensor: torch.Tensor, name: Optional[str], what: str, process_set: Any = None,
+               wait: bool = True) -> Any:
+    """The concatenation along dim 0 (0-d tensors count as one row) and every rank's row count
+    (``wait``), or a handle to the concatenation."""
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    with on_group(f"{what}{label(name)}", process_set) as (api, _):
-        rows = agree(api, what, name, t, {}, dim0_free=True)
-        host = t if _direct(t, t.dtype) else _host_copy(t)
-        row_bytes = host.element_size() * int(np.prod(host.shape[1:], dtype=np.int64))
-        out = torch.empty((int(rows.sum()), *t.shape[1:]), dtype=t.dtype)
-        api.allgatherv_bytes(_bytes(host), rows * row_bytes, out=_bytes(out))
-    return out.to(tensor.device), rows
+    sig = Sig(ALLGATHER, what, t.dtype, tuple(t.shape), dim0_free=True)
+    payload = {"tensor": t, "device": tensor.device}
+    out = engine.submit(f"{what}{label(name)}", name, process_set, _run_allgather, sig, wait,
+                        payload=payload)
+    return (out, payload["rows"]) if wait else out
+
+
+def _run_allgather(jobs: List[engine.Job], rnd: Any) -> None:
+    job = jobs[0]
+    t = job.payload["tensor"]
+    rows = rnd.dim0s()
+    host = t if _direct(t, t.dtype) else _host_copy(t)
+    row_bytes = host.element_size() * int(np.prod(host.shape[1:], dtype=np.int64))
+    for r, n in enumerate(rows):   # checked before the output is sized from them
+        check_length(job.label, int(n) * row_bytes, r, job.group.api.comm.Get_rank())
+    check_length(job.label, int(rows.sum()) * row_bytes, None, job.group.api.comm.Get_rank())
+    out = torch.empty((int(rows.sum()), *t.shape[1:]), dtype=t.dtype)
+    job.group.api.allgatherv_bytes(_bytes(host), rows * row_bytes, out=_bytes(out))
+    job.payload["rows"] = rows
+    job.result = out.to(job.payload["device"])
 
 
 def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str], what: str,
                out: Optional[torch.Tensor] = None, checked: bool = True,
-               process_set: Any = None) -> torch.Tensor:
-    """Root's ``tensor`` as a new tensor, or written into ``out``. ``root_rank`` is a job rank,
-    within ``process_set``. ``checked=False`` skips the cross-rank check, for callers that
-    already made one for a whole batch of tensors."""
-    with on_group(f"{what}{label(name)}", process_set) as (api, group):
-        root = group.local_root(what, root_rank)
-        if checked:
-            agree(api, what, name, tensor, {"root_rank": root_rank})
-        direct = _direct(out, tensor.dtype)
-        with torch.no_grad():
-            buf = out.detach() if direct else _host_copy(tensor)
-            api.bcast_inplace(_bytes(buf), root)
-            if out is None:
-                return buf.to(tensor.device)
-            if not direct:
-                out.copy_(buf)
-    return out
+               process_set: Any = None, wait: bool = True) -> Any:
+    """Root's ``tensor`` as a new tensor, or written into ``out`` (``wait``), or a handle to
+    it. ``root_rank`` is a job rank, within ``process_set``. ``checked`` is kept for callers:
+    every call's header round checks the ranks agree."""
+    # A bad root raises on every rank once they agree on it (the round compares it).
+    key = int(root_rank) if isinstance(root_rank, (int, np.integer)) else -1
+    sig = Sig(BROADCAST, what, tensor.dtype, tuple(tensor.shape), extra={"root_rank": key})
+    return engine.submit(f"{what}{label(name)}", name, process_set, _run_broadcast, sig, wait,
+                         payload=(tensor, out, root_rank))
+
+
+def _run_broadcast(jobs: List[engine.Job], rnd: Any) -> None:
+    job = jobs[0]
+    tensor, out, root_rank = job.payload
+    root = job.group.local_root(job.sig.call, root_rank)
+    direct = _direct(out, tensor.dtype)
+    with torch.no_grad():
+        buf = out.detach() if direct else _host_copy(tensor)
+        job.group.api.bcast_inplace(_bytes(buf), root)
+        if out is None:
+            job.result = buf.to(tensor.device)
+            return
+        if not direct:
+            out.copy_(buf)
+        job.result = out
 
 
 # Out-of-place collectives are differentiable, with Horovod's gradients.

@@ -1,27 +1,26 @@
-"""The ``*_async`` variants of the Horovod collectives, ``poll`` and ``synchronize``. They
-complete before they return (hvd_slim's collectives are eager) and hand back a handle that maps
-to the finished output until ``synchronize`` releases it.
+"""The ``*_async`` variants of the Horovod collectives, ``poll`` and ``synchronize``.
+
+Each call is queued on the engine (:mod:`hvd_slim.runtime.engine`) and returns a handle at
+once; the engine's thread runs it in order with every other tensor-API call, fusing queued
+allreduces into one message, and :func:`synchronize` waits for it. Local argument errors
+(a bad op, a duplicate name) raise at the call; errors of the collective itself (a mismatch
+between ranks, a timeout) at :func:`synchronize`. Without MPI_THREAD_MULTIPLE they run as they
+are called, and :func:`poll` is always True.
 """
 from __future__ import annotations
 
-import itertools
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 
 from .collective_ops import _allgather, _allreduce, _broadcast, _resolve_op
-from .collectives import allreduce_, broadcast_
+from .runtime import engine
 from .runtime.checks import check_tensor_args
 
-# Async variants complete eagerly; the handle maps to the finished output until synchronize().
-_handles: Dict[int, torch.Tensor] = {}
-_next_handle = itertools.count(1)
 
-
-def _handle(result: torch.Tensor) -> int:
-    handle = next(_next_handle)
-    _handles[handle] = result
-    return handle
+def _handle(result: Any) -> int:
+    """A handle for a result computed already (for collectives run before they return)."""
+    return engine.done_handle(result)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -29,8 +28,9 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                     postscale_factor: float = 1.0, process_set: Any = None) -> int:
     """:func:`allreduce` (without compression) behind a handle.
 
-    The reduction runs, collectively, before this returns, with :func:`allreduce`'s checks and
-    errors (not differentiable); the handle keeps the result until :func:`synchronize`.
+    Queued: the reduction runs in the background, collectively, with :func:`allreduce`'s
+    checks (not differentiable), fused with other queued allreduces of its dtype, op and
+    factors; :func:`synchronize` returns the result or raises its error.
 
     Args:
         tensor: This rank's dense tensor.
@@ -44,19 +44,24 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
 
     Returns:
         An int handle; :func:`synchronize` returns the new reduced tensor.
+
+    Raises:
+        ValueError: a bad ``op`` or ``average``, or ``name`` is that of a call still pending.
+        TypeError: ``tensor`` is not a dense torch.Tensor, or ``name`` is not a str.
     """
     check_tensor_args("allreduce_async", tensor, name)
     op = _resolve_op("allreduce_async", op, average)
-    return _handle(_allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_async",
-                              process_set=process_set))
+    return _allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_async",
+                      process_set=process_set, wait=False)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[int] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set: Any = None) -> int:
-    """:func:`allreduce_` behind a handle: ``tensor`` is reduced in place before this returns.
+    """:func:`allreduce_` behind a handle: ``tensor`` is reduced in place in the background.
 
-    Collective, with :func:`allreduce_`'s checks; its errors are worded as ``allreduce_``'s.
+    Queued as :func:`allreduce_async`; its errors are worded as ``allreduce_``'s. ``tensor``
+    must not be touched until :func:`synchronize`.
 
     Args:
         tensor: The dense tensor to reduce and overwrite.
@@ -71,13 +76,17 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     Returns:
         An int handle; :func:`synchronize` returns ``tensor`` itself.
     """
-    return _handle(allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    check_tensor_args("allreduce_", tensor, name)
+    op = _resolve_op("allreduce_", op, average)
+    return _allreduce(tensor, op, prescale_factor, postscale_factor, name, "allreduce_", out=tensor,
+                      process_set=process_set, wait=False)
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> int:
-    """:func:`allgather` behind a handle; it runs, collectively, before this returns.
+    """:func:`allgather` behind a handle; it runs, collectively, in the background.
 
-    Same checks and errors as :func:`allgather`; not differentiable.
+    Same checks as :func:`allgather`, its errors raised by :func:`synchronize`; not
+    differentiable.
 
     Args:
         tensor: This rank's dense tensor.
@@ -89,14 +98,15 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_se
         An int handle; :func:`synchronize` returns the concatenated tensor.
     """
     check_tensor_args("allgather_async", tensor, name)
-    return _handle(_allgather(tensor, name, "allgather_async", process_set)[0])
+    return _allgather(tensor, name, "allgather_async", process_set, wait=False)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: Any = None) -> int:
-    """:func:`broadcast` behind a handle; it runs, collectively, before this returns.
+    """:func:`broadcast` behind a handle; it runs, collectively, in the background.
 
-    Same checks and errors as :func:`broadcast`; not differentiable.
+    Same checks as :func:`broadcast`, its errors raised by :func:`synchronize`; not
+    differentiable.
 
     Args:
         tensor: The root's value; on the other ranks, a tensor of the same dtype and shape.
@@ -109,14 +119,15 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
         An int handle; :func:`synchronize` returns a new tensor holding the root's value.
     """
     check_tensor_args("broadcast_async", tensor, name)
-    return _handle(_broadcast(tensor, root_rank, name, "broadcast_async", process_set=process_set))
+    return _broadcast(tensor, root_rank, name, "broadcast_async", process_set=process_set,
+                      wait=False)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: Any = None) -> int:
-    """:func:`broadcast_` behind a handle: ``tensor`` is overwritten before this returns.
+    """:func:`broadcast_` behind a handle: ``tensor`` is overwritten in the background.
 
-    Collective, with :func:`broadcast_`'s checks; its errors are worded as ``broadcast_``'s.
+    Queued as :func:`broadcast_async`; its errors are worded as ``broadcast_``'s.
 
     Args:
         tensor: The root's value; on the other ranks, the tensor to overwrite.
@@ -128,31 +139,33 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     Returns:
         An int handle; :func:`synchronize` returns ``tensor`` itself.
     """
-    return _handle(broadcast_(tensor, root_rank, name, process_set))
+    check_tensor_args("broadcast_", tensor, name)
+    return _broadcast(tensor, root_rank, name, "broadcast_", out=tensor, process_set=process_set,
+                      wait=False)
 
 
 def poll(handle: int) -> bool:
-    """Whether the operation behind ``handle`` has finished. Local: no communication.
+    """Whether the operation behind ``handle`` has finished (successfully or not). Local: no
+    communication.
 
     Args:
         handle: A handle from an ``*_async`` call not yet passed to :func:`synchronize`.
 
     Returns:
-        Always True: every ``*_async`` operation has completed by the time it returns.
+        True once the operation has completed, False while it is queued or running (always
+        True where MPI lacks MPI_THREAD_MULTIPLE and calls run as they are made).
 
     Raises:
         ValueError: ``handle`` is unknown or was already synchronized.
     """
-    if handle not in _handles:
-        raise ValueError(f"poll: unknown handle {handle!r}; it was not returned by an *_async call "
-                         f"or was already passed to synchronize()")
-    return True
+    return engine.poll(handle)
 
 
 def synchronize(handle: int) -> Optional[torch.Tensor]:
-    """Hand back the output of the operation behind ``handle`` and release the handle.
+    """Wait for the operation behind ``handle``, release the handle and hand back its output.
 
-    Local (the operation already ran); until then the handle keeps its output alive.
+    Local: the operation runs collectively in the background; this only waits for it (each of
+    its collectives waits at most ``HVD_SLIM_TIMEOUT`` seconds for the other ranks).
 
     Args:
         handle: A handle from an ``*_async`` call.
@@ -161,5 +174,11 @@ def synchronize(handle: int) -> Optional[torch.Tensor]:
         The operation's output tensor (the input tensor itself for ``allreduce_async_`` and
         ``broadcast_async_``), or None for a handle that is unknown or already synchronized,
         as in Horovod (no error is raised).
+
+    Raises:
+        MismatchError: the ranks passed mismatched arguments (raised on every rank).
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+        RuntimeError: the operation failed otherwise (e.g. an allgather or broadcast while a
+            rank has joined), as raised by the operation.
     """
-    return _handles.pop(handle, None)
+    return engine.synchronize(handle)

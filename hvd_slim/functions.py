@@ -10,7 +10,6 @@ never comes (:mod:`hvd_slim.runtime.api_timeout`).
 """
 from __future__ import annotations
 
-import time
 import zlib
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
@@ -18,9 +17,10 @@ import numpy as np
 import torch
 
 from .collective_ops import _broadcast, on_group
-from .runtime import basics
+from .runtime import basics, engine
 from .runtime.api_timeout import operation
 from .runtime.checks import check_root_rank
+from .runtime.engine_rounds import BARRIER, JOIN, Sig
 
 if TYPE_CHECKING:   # pragma: no cover
     from .transport.mpi_api import MpiCollectives
@@ -168,7 +168,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     items = _named_tensors(params, what)
     root = check_root_rank(what, root_rank, basics.size())
     layout = [(str(t.dtype), tuple(t.shape)) for _, t in items]
-    with operation(what, basics.job_collectives) as api:
+    with on_group(what, None) as (api, _):
         # One collective checks the whole list, so a mismatch raises everywhere before any
         # transfer.
         rows = api.allgather_int64([root, len(items), zlib.crc32(repr(layout).encode())])
@@ -310,23 +310,32 @@ def _broadcast_state(optimizer: torch.optim.Optimizer, root: int,
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join``.
+    """Wait until every rank has called ``join``, meanwhile taking part in the others' calls.
 
-    Collective. Collectives run eagerly, so there are no pending operations for joined ranks to
-    fill in: this is a barrier that also reports who arrived last.
+    Collective, as in Horovod: a rank that has joined (its calls queued before ``join`` done
+    first) serves the collectives the other ranks still make until they too have joined. In
+    an allreduce it contributes zeros (an ``Average`` still divides by ``size()``, as in
+    Horovod); it waits in a barrier with them. An allgather, a broadcast or any other call
+    made while a rank has joined raises a RuntimeError on the ranks that made it (Horovod
+    refuses them too), and the joined rank goes on waiting. Each wait is bounded by
+    ``HVD_SLIM_TIMEOUT``. Collectives on other process sets are not served: a joined rank
+    in such a set keeps its other ranks waiting until they time out. The
+    ``DistributedOptimizer``'s exchange is not served either.
 
     Args:
         device: Accepted for Horovod compatibility and ignored (default -1).
 
     Returns:
-        The rank that joined last, judged by each rank's wall clock at arrival.
+        The rank that joined last, the same on every rank: by the order of the collective
+        rounds in which the ranks were seen joining (not by clocks); of ranks seen joining in
+        the same round, the highest.
 
     Raises:
+        MismatchError: ranks that have not joined made mismatched calls meanwhile (on those).
         TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
     """
-    with operation("join", basics.job_collectives) as api:
-        arrived = api.allgather_int64([time.time_ns()])[:, 0]
-    return int(np.argmax(arrived))
+    return int(engine.submit("join", None, None, lambda jobs, rnd: None, Sig(JOIN, "join"),
+                             wait=True))
 
 
 def barrier(process_set: Any = None) -> None:
@@ -343,5 +352,6 @@ def barrier(process_set: Any = None) -> None:
         ValueError: ``process_set`` is not a registered set of this rank.
         TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
     """
-    with on_group("barrier", process_set) as (api, _):
-        api.barrier()
+    # The header round every call starts with is itself a barrier: nothing more to send.
+    engine.submit("barrier", None, process_set, lambda jobs, rnd: None, Sig(BARRIER, "barrier"),
+                  wait=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Callable, Iterator, List, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, List, Mapping, Optional, Tuple
 
 from ..config import DEFAULT_TIMEOUT, ENV_PREFIX
 from ..config_env import resolve_config
@@ -57,19 +57,37 @@ def operation(what: str, collectives: Optional[Callable[[], "MpiCollectives"]]
     yielded. ``what`` names the public call in errors (a nested call is named with the
     outermost one, e.g. "broadcast_parameters of 'w', in broadcast_optimizer_state")."""
     stack: List[str] = _local.__dict__.setdefault("stack", [])
+    frames: List[Tuple[str, Optional[float]]] = _local.__dict__.setdefault("frames", [])
     label = what if not stack or what.startswith(stack[0]) else f"{what}, in {stack[0]}"
     seconds = api_timeout()
     stack.append(what)
+    frames.append((label, seconds))
     try:
         api = None if collectives is None else collectives()
         with nullcontext() if api is None else api.watch(seconds, label):
             yield api
     except TransportTimeout as exc:
-        if getattr(exc, "advised", False):   # a nested operation already explained it
-            raise
-        abort.end_job_at_exit(str(exc))
-        err = TransportTimeout(f"{exc}. {API_ADVICE} (now {seconds:g} s)")
-        err.advised = True  # type: ignore[attr-defined]
-        raise err from None
+        raise advise(exc, seconds) from None
     finally:
         stack.pop()
+        frames.pop()
+
+
+def current() -> Tuple[str, Optional[float]]:
+    """``(label, seconds)`` of this thread's innermost :func:`operation`: what the engine's
+    thread watches a call under when it runs it for this thread (:mod:`.engine`)."""
+    frames = _local.__dict__.get("frames") or [("", api_timeout())]
+    return frames[-1]
+
+
+def advise(exc: TransportTimeout, seconds: Optional[float]) -> TransportTimeout:
+    """``exc`` with the advice on what causes a timeout and how to wait longer, once (an error
+    already advised comes back as it is); arranges for the job to end should this process
+    reach exit, since the abandoned collective stays pending."""
+    if getattr(exc, "advised", False):   # a nested operation already explained it
+        return exc
+    abort.end_job_at_exit(str(exc))
+    limit = "no limit" if seconds is None else f"now {seconds:g} s"
+    err = TransportTimeout(f"{exc}. {API_ADVICE} ({limit})")
+    err.advised = True  # type: ignore[attr-defined]
+    return err

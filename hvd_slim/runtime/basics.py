@@ -152,6 +152,9 @@ def shutdown() -> None:
         torch_dist.close_all()
     if state is None:
         return
+    engine = sys.modules.get("hvd_slim.runtime.engine")
+    if engine is not None:   # its thread must be done with the communicators first
+        engine.stop()
     from . import process_sets as sets
     sets.clear(_mpi())
     if state.transport is not None:

@@ -202,7 +202,9 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
                          "registered by hvd.init(process_sets=[...]); build it from a list of ranks")
     if ps.process_set_id is not None:
         raise ValueError(f"add_process_set: {ps!r} is registered already")
-    ps.process_set_id = _register(ps.ranks, "add_process_set")
+    from . import engine   # here: engine imports this module
+    with engine.on_group("add_process_set", None):
+        ps.process_set_id = _register(ps.ranks, "add_process_set")
     return ps
 
 
@@ -223,7 +225,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     process_set.process_set_id = None
     if entry is None:
         return False
-    basics.job_collectives().barrier()   # no rank frees the set while another still uses it
+    from . import engine
+    with engine.on_group("remove_process_set", None) as group:
+        group.api.barrier()   # no rank frees the set while another still uses it
     _free(entry, basics._mpi())
     return True
 
@@ -265,7 +269,12 @@ def init_sets(process_sets: Any) -> None:
             not all(isinstance(p, ProcessSet) for p in process_sets):
         raise ValueError("hvd_slim.init(process_sets=...): expected a list of hvd.ProcessSet or "
                          "'dynamic'")
-    api = basics.job_collectives()
+    from . import engine
+    with engine.on_group("init(process_sets=...)", None) as group:
+        _init_each(group.api, process_sets)
+
+
+def _init_each(api: Any, process_sets: List[ProcessSet]) -> None:
     for ps in process_sets:
         if ps.ranks is None:   # from a communicator: its members, by their job rank
             member = ps.mpi_comm is not None and basics._mpi().is_communicator(ps.mpi_comm)

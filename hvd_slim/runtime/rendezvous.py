@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import basics, env, horovod
-from .api_timeout import operation
+from . import engine
 
 TIMEOUT_ENV = "HVD_SLIM_TRANSPORT_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -128,11 +128,11 @@ def _mpi_store(rank: int, size: int, tmo: datetime.timedelta) -> Any:
             msg = f"ok {host} {store.port}"
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             msg = f"error rank 0 could not open a TCPStore on {host}: {_first_line(exc)}"
-        with operation("the torch.distributed rendezvous", basics.job_collectives) as api:
-            api.bcast_bytes(np.frombuffer(msg.encode(), dtype=np.uint8), 0)
+        with engine.on_group("the torch.distributed rendezvous", None) as group:
+            group.api.bcast_bytes(np.frombuffer(msg.encode(), dtype=np.uint8), 0)
     else:
-        with operation("the torch.distributed rendezvous", basics.job_collectives) as api:
-            msg = api.bcast_bytes(None, 0).tobytes().decode()
+        with engine.on_group("the torch.distributed rendezvous", None) as group:
+            msg = group.api.bcast_bytes(None, 0).tobytes().decode()
     if msg.startswith("error "):
         raise RuntimeError(f"hvd_slim rendezvous: {msg[6:]}; set MASTER_ADDR to an address of "
                            f"rank 0's node that every rank can reach")

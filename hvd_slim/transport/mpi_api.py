@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .base import Deadlines, TransportError, TransportTimeout, as_payload
+from .bounds import check_length
 from .deadline import poll_until
 from .mpi_comm import CHUNK, mpi_errors
 
@@ -143,6 +144,11 @@ class MpiCollectives(Deadlines):
             raise TransportTimeout(f"rank {rank}: {what} timed out after {seconds:g} s in MPI "
                                    f"{call} (collective #{n} on this communicator): {who}") from None
 
+    def _called(self, call: str) -> str:
+        """``call`` with the public call it serves (the watch label), for error messages."""
+        label = self.deadline[1]
+        return f"{label} (in {call})" if label else call
+
     @mpi_errors("Allreduce")
     def allreduce_inplace(self, buf: np.ndarray, op: str) -> None:
         """Reduce the contiguous array ``buf`` across the ranks in place with ``op`` (sum/min/max/prod)."""
@@ -220,6 +226,8 @@ class MpiCollectives(Deadlines):
         is_root = self.comm.Get_rank() == root
         length = np.array([payload.size if is_root else 0], dtype=np.int64)
         self._run("Ibcast", lambda: self.comm.Ibcast(length, root=root), length)
+        if not is_root:   # a length read from another message must not size an allocation
+            check_length(self._called("MPI Bcast"), int(length[0]), root, self.comm.Get_rank())
         out = payload if is_root else np.empty(int(length[0]), dtype=np.uint8)
         self.bcast_inplace(out, root)
         return out
@@ -241,6 +249,9 @@ class MpiCollectives(Deadlines):
         byte count."""
         rank = self.comm.Get_rank()
         lengths = np.asarray(lengths, dtype=np.int64)
+        for j, n in enumerate(lengths):
+            check_length(self._called("MPI Allgatherv"), int(n), j, rank)
+        check_length(self._called("MPI Allgatherv"), int(lengths.sum()), None, rank)
         flat = _flat(send, "allgatherv_bytes").view(np.uint8)
         if flat.size != lengths[rank]:
             raise ValueError(f"rank {rank}: sends {flat.size} bytes but lengths says {lengths[rank]}")

@@ -145,7 +145,8 @@ def test_allreduce_average_flag_and_inplace_variants(hvd):
     assert out is t and torch.equal(t, expected)
     u = torch.full((5,), float(r), dtype=torch.bfloat16)
     handle = hvd.allreduce_async_(u, op=hvd.Max)
-    assert hvd.poll(handle) and hvd.synchronize(handle) is u and u.tolist() == [float(n - 1)] * 5
+    assert hvd.poll(handle) in (True, False)   # pending or done: the call runs in the background
+    assert hvd.synchronize(handle) is u and u.tolist() == [float(n - 1)] * 5
     handle = hvd.allreduce_async(torch.ones(2) * r, name="avg")
     assert torch.allclose(hvd.synchronize(handle), torch.full((2,), (n - 1) / 2))
     assert hvd.synchronize(handle) is None

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .collective_ops import _bytes, _differentiable, _direct, _host_copy, on_group
-from .collectives_async import _handle
+from .collectives_async import _queued
 from .runtime.checks import agree, check_tensor_args, label
 
 __all__ = ["alltoall", "alltoall_async"]
@@ -148,7 +148,7 @@ def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = 
 
 def alltoall_async(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None,
                    process_set: Any = None) -> int:
-    """:func:`alltoall` behind a handle; it runs, collectively, before this returns.
+    """:func:`alltoall` behind a handle; it runs collectively in the background, in its turn.
 
     Same checks and errors as :func:`alltoall`; not differentiable.
 
@@ -167,5 +167,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Splits = None, name: Optional[s
         TypeError: ``tensor`` is not a dense torch.Tensor, or ``name`` is not a str.
     """
     check_tensor_args("alltoall_async", tensor, name)
-    out, received = alltoall_rows(tensor, splits, name, "alltoall_async", process_set)
-    return _handle((out, _received_like(received, splits)))
+    def body() -> Tuple[torch.Tensor, torch.Tensor]:
+        out, received = alltoall_rows(tensor, splits, name, "alltoall_async", process_set)
+        return out, _received_like(received, splits)
+    return _queued("alltoall_async", name, process_set, body)

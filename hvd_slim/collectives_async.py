@@ -9,18 +9,29 @@ are called, and :func:`poll` is always True.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
 from .collective_ops import _allgather, _allreduce, _broadcast, _resolve_op
 from .runtime import engine
-from .runtime.checks import check_tensor_args
+from .runtime.checks import check_tensor_args, label
 
 
 def _handle(result: Any) -> int:
     """A handle for a result computed already (for collectives run before they return)."""
     return engine.done_handle(result)
+
+
+def _queued(what: str, name: Optional[str], process_set: Any, body: Callable[[], Any]) -> int:
+    """Queue ``body`` (a synchronous collective, e.g. a grouped or reduce-scatter call) on the
+    engine and return its handle at once: it runs in its turn on the engine's thread, where
+    its own collectives run inline, and :func:`synchronize` hands back what it returns. The
+    ranks check they queued the same call (by ``what``), and ``name`` joins the
+    duplicate-name check."""
+    def run(jobs: List[engine.Job], rnd: Any) -> None:
+        jobs[0].result = body()
+    return engine.submit(f"{what}{label(name)}", name, process_set, run)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,

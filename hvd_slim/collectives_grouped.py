@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from .collective_ops import Average, _resolve_op
-from .collectives_async import _handle
+from .collectives_async import _queued
 from .collectives_fused import (GroupedAllgatherFn, GroupedAllreduceFn, GroupedReducescatterFn,
                                 allgather_many, allreduce_many)
 from .collectives_scatter import _check as _check_scatter
@@ -86,7 +86,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             name: Optional[str] = None, op: Optional[int] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = None) -> int:
-    """:func:`grouped_allreduce` (without compression) behind a handle; it runs before this returns.
+    """:func:`grouped_allreduce` (without compression) behind a handle; it runs in the background, in its turn.
 
     Args:
         tensors: A non-empty list of dense tensors.
@@ -106,8 +106,9 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
     """
     tensors = _check_list("grouped_allreduce_async", tensors, name)
     op = _resolve_op("grouped_allreduce_async", op, average)
-    return _handle(tuple(allreduce_many(tensors, op, prescale_factor, postscale_factor, name,
-                                        "grouped_allreduce_async", process_set=process_set)))
+    return _queued("grouped_allreduce_async", name, process_set, lambda: tuple(allreduce_many(
+        tensors, op, prescale_factor, postscale_factor, name, "grouped_allreduce_async",
+        process_set=process_set)))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -135,9 +136,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
     """
     tensors = _check_list("grouped_allreduce_async_", tensors, name)
     op = _resolve_op("grouped_allreduce_async_", op, average)
-    return _handle(tuple(allreduce_many(tensors, op, prescale_factor, postscale_factor, name,
-                                        "grouped_allreduce_async_", outs=tensors,
-                                        process_set=process_set)))
+    return _queued("grouped_allreduce_async_", name, process_set, lambda: tuple(allreduce_many(
+        tensors, op, prescale_factor, postscale_factor, name, "grouped_allreduce_async_",
+        outs=tensors, process_set=process_set)))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -198,7 +199,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: Any = None) -> int:
-    """:func:`grouped_allgather` behind a handle; it runs before this returns.
+    """:func:`grouped_allgather` behind a handle; it runs in the background, in its turn.
 
     Args:
         tensors: A non-empty list of dense tensors.
@@ -213,7 +214,8 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
         TypeError: as :func:`grouped_allgather`.
     """
     tensors = _check_list("grouped_allgather_async", tensors, name)
-    return _handle(tuple(allgather_many(tensors, name, "grouped_allgather_async", process_set)))
+    return _queued("grouped_allgather_async", name, process_set, lambda: tuple(allgather_many(
+        tensors, name, "grouped_allgather_async", process_set)))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
@@ -280,5 +282,6 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
     tensors = _check_list("grouped_reducescatter_async", tensors, name)
     op = _check_scatter("grouped_reducescatter_async", tensors[0], name, None, op,
                         prescale_factor, postscale_factor)
-    return _handle(tuple(reducescatter_many(tensors, op, prescale_factor, postscale_factor, name,
-                                            "grouped_reducescatter_async", process_set)))
+    return _queued("grouped_reducescatter_async", name, process_set, lambda: tuple(
+        reducescatter_many(tensors, op, prescale_factor, postscale_factor, name,
+                           "grouped_reducescatter_async", process_set)))

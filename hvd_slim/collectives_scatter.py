@@ -18,7 +18,7 @@ import torch
 
 from .collective_ops import (_HALF, _MPI_OPS, _REDUCIBLE, Adasum, Average, Max, Min, Product, Sum,
                              _differentiable, _host_copy, _scale_, on_group)
-from .collectives_async import _handle
+from .collectives_async import _queued
 from .collectives_fused import allgather_many
 from .compression import Compression
 from .runtime.checks import agree_many, check_tensor_args, label
@@ -176,8 +176,8 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: in
                         postscale_factor: float = 1.0) -> int:
     """:func:`reducescatter` (without compression) behind a handle.
 
-    It runs, collectively, before this returns, with :func:`reducescatter`'s checks and
-    errors; not differentiable.
+    Queued: it runs collectively in the background, in its turn, with :func:`reducescatter`'s
+    checks; its errors are raised by :func:`synchronize`. Not differentiable.
 
     Args:
         tensor: This rank's dense tensor with at least one dimension.
@@ -196,5 +196,6 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: in
         TypeError: as :func:`reducescatter`.
     """
     op = _check("reducescatter_async", tensor, name, None, op, prescale_factor, postscale_factor)
-    return _handle(reducescatter_many([tensor], op, prescale_factor, postscale_factor, name,
-                                      "reducescatter_async", process_set)[0])
+    return _queued("reducescatter_async", name, process_set, lambda: reducescatter_many(
+        [tensor], op, prescale_factor, postscale_factor, name, "reducescatter_async",
+        process_set)[0])

@@ -41,6 +41,30 @@ def test_poll_is_false_until_a_late_rank_arrives(hvd):
     assert hvd.synchronize(handle) is None
 
 
+@pytest.mark.parametrize("call", ["reducescatter", "alltoall", "grouped_allreduce",
+                                  "grouped_allgather", "grouped_reducescatter"])
+def test_every_async_op_is_pending_until_a_late_rank_arrives(hvd, call):
+    n, r = hvd.size(), hvd.rank()
+    t = torch.arange(2.0 * n).reshape(n, 2) + r
+    grouped = call.startswith("grouped")
+    kwargs = {"op": hvd.Sum} if "reduce" in call else {}
+    args = [t] if grouped else t
+    hvd.barrier()
+    if r == 0:
+        time.sleep(0.5)   # every other rank submits first and must see its call pending
+    handle = getattr(hvd, call + "_async")(args, name=call, **kwargs)
+    if r != 0:
+        assert not hvd.poll(handle)
+    with pytest.raises(ValueError, match="pending"):
+        getattr(hvd, call + "_async")(args, name=call, **kwargs)   # its name is still pending
+    got = hvd.synchronize(handle)
+    want = getattr(hvd, call)(args, **kwargs)
+    if call == "alltoall":
+        got = got[0]
+    for g, w in zip(got if grouped else [got], want if grouped else [want]):
+        assert torch.equal(g, w)
+
+
 def test_queued_calls_run_in_order_with_synchronous_ones(hvd):
     n, r = hvd.size(), hvd.rank()
     eye = torch.eye(3) * (r + 1)

@@ -84,15 +84,21 @@ def run_test(node: str, np_: int, timeout: float, python: str) -> Dict[str, obje
     return {"outcome": outcome, "why": why, "seconds": round(seconds, 1)}
 
 
-def write_report(np_: int, results: Dict[str, Dict[str, object]], suite: str) -> str:
-    """Write np<N>.json and np<N>.md; returns the summary line."""
+def write_report(np_: int, results: Dict[str, Dict[str, object]], suite: str,
+                 merge: bool = False) -> str:
+    """Write np<N>.json and np<N>.md; returns the summary line. ``merge``: keep the earlier
+    results of the tests not run this time (a ``-k`` run updates only the tests it ran)."""
     os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"np{np_}.json")
+    if merge and os.path.exists(path):
+        with open(path) as f:
+            results = dict(json.load(f)["tests"], **results)
     counts = {k: sum(r["outcome"] == k for r in results.values())
               for k in ("passed", "failed", "skipped", "timeout", "excluded")}
     summary = (f"np={np_}: {counts['passed']} passed, {counts['failed']} failed, "
                f"{counts['timeout']} timed out, {counts['skipped']} skipped, {counts['excluded']} excluded "
                f"of {len(results)}")
-    with open(os.path.join(RESULTS, f"np{np_}.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump({"suite": os.path.basename(suite), "np": np_, "counts": counts,
                    "tests": results}, f, indent=1, sort_keys=True)
     rows = [f"| {name} | {r['outcome']} | {str(r['why']).replace('|', '/')} |"
@@ -108,7 +114,8 @@ def main(argv: List[str] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", required=True, help="path of Horovod's test/parallel/test_torch.py")
     p.add_argument("--np", default="2", help="comma-separated world sizes (default 2)")
-    p.add_argument("-k", default="", help="only tests whose name matches this regex")
+    p.add_argument("-k", default="", help="only tests whose name matches this regex (the "
+                   "results of the others are kept from the last run)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per test job")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
@@ -125,7 +132,7 @@ def main(argv: List[str] = None) -> int:
             if r["outcome"] == "failed" and name in HOROVOD_ALSO_FAILS:
                 r.update(outcome="excluded", why=f"{HOROVOD_ALSO_FAILS[name]}; {r['why']}"[:300])
             print(f"[np={np_} {i}/{len(nodes)}] {name}: {r['outcome']} {r['why']}"[:200], flush=True)
-        print(write_report(np_, results, args.suite), flush=True)
+        print(write_report(np_, results, args.suite, merge=bool(args.k)), flush=True)
     return 0
 
 

@@ -13,7 +13,7 @@ def main() -> int:
     """Run pytest on ``argv[1]`` and write ``argv[2]/rank<R>.xml``; returns pytest's exit code."""
     node, out = sys.argv[1], sys.argv[2]
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))
-    return int(pytest.main([node, "-q", "-p", "no:cacheprovider", "-W", "ignore",
+    return int(pytest.main([node, "-q", "-p", "no:cacheprovider",
                             f"--junitxml={os.path.join(out, f'rank{rank}.xml')}"]))
 
 

@@ -45,3 +45,17 @@ def test_the_shim_re_exports_hvd_slim_only():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": env_path + ":" + ":".join(sys.path)}, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_subset_run_updates_only_its_tests(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks.horovod_suite import __main__ as suite
+    monkeypatch.setattr(suite, "RESULTS", str(tmp_path))
+    first = {"test_a": {"outcome": "failed", "why": "x", "seconds": 1.0},
+             "test_b": {"outcome": "passed", "why": "", "seconds": 1.0}}
+    assert suite.write_report(2, first, "s.py").startswith("np=2: 1 passed, 1 failed")
+    again = {"test_a": {"outcome": "passed", "why": "", "seconds": 1.0}}
+    assert suite.write_report(2, again, "s.py", merge=True).startswith("np=2: 2 passed, 0 failed")
+    assert set(json.load(open(tmp_path / "np2.json"))["tests"]) == {"test_a", "test_b"}
+    assert suite.write_report(2, again, "s.py").startswith("np=2: 1 passed, 0 failed")

@@ -81,11 +81,16 @@ def _direct(t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
 
 def _scale_(buf: torch.Tensor, factor: float, divisor: int = 1) -> None:
     """``buf *= factor / divisor`` in place; integers go through float64 and truncate toward zero,
-    as in Horovod, dividing last so an exact average stays exact."""
+    as in Horovod. The division comes last and is a division, not a multiplication by
+    ``1/divisor``: an average of equal values (``(x + x) / 3``) then comes out exactly as the
+    closed form, at any world size."""
     if factor == 1 and divisor == 1:
         return
     if buf.dtype.is_floating_point:
-        buf.mul_(factor / divisor)
+        if factor != 1:
+            buf.mul_(factor)
+        if divisor != 1:
+            buf.div_(divisor)
     else:
         buf.copy_(buf.to(torch.float64).mul_(factor).div_(divisor))
 

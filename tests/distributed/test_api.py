@@ -511,3 +511,17 @@ def test_collectives_under_a_short_timeout_still_complete(hvd, monkeypatch):
     monkeypatch.setenv("HVD_SLIM_TIMEOUT", "soon")
     with pytest.raises(hvd.ConfigError, match="HVD_SLIM_TIMEOUT"):
         hvd.barrier()   # raised before any collective, on every rank alike
+
+
+def test_an_average_divides_by_the_size_exactly(hvd):
+    """Average is the sum divided by size(), not multiplied by 1/size(): (x + x) / 3 must come
+    out as that closed form (Horovod's join tests compare with 0 tolerance)."""
+    r, n = hvd.rank(), hvd.size()
+    x = torch.linspace(-7.3, 9.1, 97, dtype=torch.float32)
+    mine = torch.zeros_like(x) if r == 0 else x
+    got = hvd.allreduce(mine, op=hvd.Average)
+    want = (x * (n - 1)) / n
+    if n <= 4:   # up to 3 equal addends the sum is exact in any order
+        assert torch.equal(got, want)
+    else:
+        assert torch.allclose(got, want, rtol=1e-6)

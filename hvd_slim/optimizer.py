@@ -16,8 +16,8 @@ import torch
 
 from .exchange import SPARSE, Layout, SlimExchange
 from .inner import adam
-from .wrapping import (SlimSettings, momentum_plan, named_parameter_list, resolve_settings,
-                       comm_dtype_fn)
+from .wrapping import (SlimSettings, adopt_source, comm_dtype_fn, momentum_plan,
+                       named_parameter_list, resolve_settings)
 
 
 class _SlimOptimizer(torch.optim.Optimizer):
@@ -25,14 +25,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, settings: SlimSettings, source: torch.optim.Optimizer) -> None:
         super(self.__class__, self).__init__(params)
-        # Horovod rebuilds the optimizer from param_groups only; also keep what the user's
-        # optimizer already had (its defaults for add_param_group, and any loaded state).
-        self.defaults = dict(source.defaults)
-        for p, st in source.state.items():
-            self.state[p] = st
-        self._hvd_slim_wrapped = True
-        self._settings = settings
-        self.backward_passes_per_step = settings.config.backward_passes_per_step
+        adopt_source(self, settings, source)
         named = settings.named_parameters
         self._parameter_names = {p: n for n, p in named}
         self._requires_update = [p for _, p in named if p.requires_grad]

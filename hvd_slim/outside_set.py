@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List
 
 import torch
 
-from .wrapping import SlimSettings
+from .wrapping import SlimSettings, adopt_source
 
 
 class _OutsideSetOptimizer(torch.optim.Optimizer):
@@ -23,13 +23,7 @@ class _OutsideSetOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, settings: SlimSettings, source: torch.optim.Optimizer) -> None:
         super(self.__class__, self).__init__(params)
-        # As the in-set optimizer does: keep the source's defaults and any state it has.
-        self.defaults = dict(source.defaults)
-        for p, st in source.state.items():
-            self.state[p] = st
-        self._hvd_slim_wrapped = True
-        self._settings = settings
-        self.backward_passes_per_step = settings.config.backward_passes_per_step
+        adopt_source(self, settings, source)   # as the in-set optimizer does
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Checked as inside the set; gradients simply accumulate until ``step()``."""

@@ -230,3 +230,16 @@ def momentum_plan(optimizer: torch.optim.Optimizer, layout: Layout, config: Slim
         m, damp, nesterov = specs.pop()
         plan[b.index] = {"momentum": m, "dampening": damp, "nesterov": nesterov}
     return plan
+
+
+def adopt_source(opt: torch.optim.Optimizer, settings: SlimSettings,
+                 source: torch.optim.Optimizer) -> None:
+    """What every hvd_slim optimizer (in its set or outside it) takes from the user's optimizer
+    and its settings. Horovod rebuilds the optimizer from param_groups only; hvd_slim also keeps
+    the source's defaults (for add_param_group) and any state it has loaded."""
+    opt.defaults = dict(source.defaults)
+    for p, st in source.state.items():
+        opt.state[p] = st
+    opt._hvd_slim_wrapped = True  # type: ignore[attr-defined]
+    opt._settings = settings  # type: ignore[attr-defined]
+    opt.backward_passes_per_step = settings.config.backward_passes_per_step  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ from . import adasum, timeline
 from .runtime import basics, engine
 from .runtime.checks import label
 from .runtime.engine_rounds import ALLGATHER, ALLREDUCE, BROADCAST, Sig
-from .runtime.process_sets import Group, resolve  # noqa: F401 - resolve: for callers
+from .runtime.process_sets import Group, resolve
 from .transport.bounds import check_length
 
 # Horovod's reduce-op values.
@@ -179,11 +179,11 @@ def _run_allgather(jobs: List[engine.Job], rnd: Any) -> None:
 
 
 def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str], what: str,
-               out: Optional[torch.Tensor] = None, checked: bool = True,
-               process_set: Any = None, wait: bool = True) -> Any:
+               out: Optional[torch.Tensor] = None, process_set: Any = None,
+               wait: bool = True) -> Any:
     """Root's ``tensor`` as a new tensor, or written into ``out`` (``wait``), or a handle to
-    it. ``root_rank`` is a job rank, within ``process_set``. ``checked`` is kept for callers:
-    every call's header round checks the ranks agree."""
+    it. ``root_rank`` is a job rank, within ``process_set``; the call's header round checks
+    that the ranks agree on it, the dtype and the shape."""
     # A bad root raises on every rank once they agree on it (the round compares it).
     key = int(root_rank) if isinstance(root_rank, (int, np.integer)) else -1
     sig = Sig(BROADCAST, what, tensor.dtype, tuple(tensor.shape), extra={"root_rank": key})

@@ -175,8 +175,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         if (rows != rows[0]).any():
             _explain_mismatch(what, items, layout, rows)
         for key, tensor in items:
-            _broadcast(tensor, root, None if key is None else str(key), what, out=tensor,
-                       checked=False)
+            _broadcast(tensor, root, None if key is None else str(key), what, out=tensor)
 
 
 def _explain_mismatch(what: str, items: List[Tuple[Any, torch.Tensor]], layout: List[Any],

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from . import basics
-from .checks import MismatchError
+from .checks import MismatchError, check_root_rank
 
 
 @dataclass
@@ -117,7 +117,6 @@ class Group:
 
     def local_root(self, what: str, root_rank: Any) -> int:
         """A job ``root_rank`` as a position in this group; ValueError outside it."""
-        from .checks import check_root_rank
         root = check_root_rank(what, root_rank, basics.size())
         if root not in self.ranks:
             raise ValueError(f"{what}: root_rank={root} is not in the process set (ranks "

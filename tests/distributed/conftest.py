@@ -106,3 +106,22 @@ def hvd() -> Any:
             if not key.startswith("_"):
                 setattr(ns, key, getattr(module, key))
     return ns
+
+
+@pytest.fixture
+def sets(hvd: Any) -> Any:
+    """The even and odd ranks' process sets (the odd one None in a 1-rank job), removed
+    afterwards (checked: a removal returns True and invalidates the set)."""
+    n = hvd.size()
+    even = hvd.add_process_set(list(range(0, n, 2)))
+    odd = hvd.add_process_set(list(range(1, n, 2))) if n > 1 else None
+    yield even, odd
+    assert hvd.remove_process_set(even) and even.process_set_id is None
+    if odd is not None:
+        assert hvd.remove_process_set(odd)
+
+
+@pytest.fixture
+def my_set(hvd: Any, sets: Any) -> Any:
+    """This rank's set of :func:`sets`: the even ranks' or the odd ranks'."""
+    return sets[hvd.rank() % 2]

@@ -22,17 +22,6 @@ def _expected_rows(n, size):
     return [sum(counts[:r]) for r in range(size)], counts
 
 
-@pytest.fixture
-def sets(hvd):
-    n = hvd.size()
-    even = hvd.add_process_set(list(range(0, n, 2)))
-    odd = hvd.add_process_set(list(range(1, n, 2))) if n > 1 else None
-    yield even if hvd.rank() % 2 == 0 else odd
-    hvd.remove_process_set(even)
-    if odd is not None:
-        hvd.remove_process_set(odd)
-
-
 def _calls():
     return basics.job_collectives().calls
 
@@ -69,8 +58,8 @@ def test_reducescatter_scales_and_keeps_dims(hvd):
     assert hvd.synchronize(h).tolist() == [[float(n)] * 2]
 
 
-def test_reducescatter_in_process_sets(hvd, sets):
-    ps = sets
+def test_reducescatter_in_process_sets(hvd, my_set):
+    ps = my_set
     members = ps.ranks
     t = torch.arange(4 * len(members), dtype=torch.float32) + hvd.rank()
     got = hvd.reducescatter(t, op=hvd.Sum, process_set=ps)
@@ -148,8 +137,8 @@ def test_alltoall_equal_split_and_fewer_rows_than_the_tensor(hvd):
     assert x.grad.tolist() == [float(k) for k in range(n)] + [0.0, 0.0]
 
 
-def test_alltoall_gradient_goes_back(hvd, sets):
-    ps = sets
+def test_alltoall_gradient_goes_back(hvd, my_set):
+    ps = my_set
     m, me = ps.size(), ps.rank()
     x = torch.randn(m * (me + 1), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(me))
     x.requires_grad_()
@@ -247,8 +236,8 @@ def test_grouped_allgather_and_reducescatter_match_the_single_ops(hvd):
     assert torch.equal(out[1], hvd.reducescatter(rs[1], op=hvd.Sum))
 
 
-def test_grouped_gradients(hvd, sets):
-    ps = sets
+def test_grouped_gradients(hvd, my_set):
+    ps = my_set
     m = ps.size()
     xs = [torch.ones(3, requires_grad=True), torch.ones(2, 2, dtype=torch.float64, requires_grad=True)]
     for o in hvd.grouped_allreduce(xs, op=hvd.Sum, process_set=ps):
@@ -282,10 +271,10 @@ def test_grouped_refusals(hvd):
 
 # ---- sparse ------------------------------------------------------------------------------------
 
-def test_sparse_allreduce_matches_dense(hvd, sets):
+def test_sparse_allreduce_matches_dense(hvd, my_set):
     r = hvd.rank()
     g = torch.Generator().manual_seed(11 + r)
-    for ps in (None, sets):
+    for ps in (None, my_set):
         for shape in ((17, 4), (9,)):
             dense = torch.rand(*shape, generator=g)
             dense[dense < 0.7] = 0

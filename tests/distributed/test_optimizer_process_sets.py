@@ -27,18 +27,6 @@ STEPS = 8
 SETTINGS = {0: dict(density=0.02, seed=3), 1: dict(density=0.05, seed=11, exploration=0.2)}
 
 
-@pytest.fixture
-def sets(hvd):
-    """The even and odd ranks' sets (odd is None in a 1-rank job), removed afterwards."""
-    n = hvd.size()
-    even = hvd.add_process_set(list(range(0, n, 2)))
-    odd = hvd.add_process_set(list(range(1, n, 2))) if n > 1 else None
-    yield even, odd
-    hvd.remove_process_set(even)
-    if odd is not None:
-        hvd.remove_process_set(odd)
-
-
 @pytest.fixture(scope="module")
 def set_comm():
     """mpi4py's own communicator of this rank's set (even or odd ranks), for references that do

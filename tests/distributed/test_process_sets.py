@@ -8,18 +8,6 @@ import torch
 from mpi4py import MPI
 
 
-@pytest.fixture
-def sets(hvd):
-    """The even and odd ranks' sets (the odd one is None in a 1-rank job), removed afterwards."""
-    n = hvd.size()
-    even = hvd.add_process_set(list(range(0, n, 2)))
-    odd = hvd.add_process_set(list(range(1, n, 2))) if n > 1 else None
-    yield even, odd
-    assert hvd.remove_process_set(even) and even.process_set_id is None
-    if odd is not None:
-        assert hvd.remove_process_set(odd)
-
-
 def _mine(hvd, sets):
     even, odd = sets
     return even if hvd.rank() % 2 == 0 else odd

@@ -318,8 +318,15 @@ def join(device: int = -1) -> int:
     made while a rank has joined raises a RuntimeError on the ranks that made it (Horovod
     refuses them too), and the joined rank goes on waiting. Each wait is bounded by
     ``HVD_SLIM_TIMEOUT``. Collectives on other process sets are not served: a joined rank
-    in such a set keeps its other ranks waiting until they time out. The
-    ``DistributedOptimizer``'s exchange is not served either.
+    in such a set keeps its other ranks waiting until they time out.
+
+    A ``DistributedOptimizer`` on the whole job keeps training: a joined rank takes part in
+    its exchanges with zero gradients and steps as the others do. When the last rank joins,
+    each optimizer that stepped meanwhile is compared across ranks (a digest of parameters,
+    state and options) and, if they differ (the others clipped or scaled between
+    ``synchronize()`` and ``step()``), broadcast from the last rank to join, so every replica
+    is equal again (:mod:`hvd_slim.join_sync`). An optimizer inside a process set is not
+    served.
 
     Args:
         device: Accepted for Horovod compatibility and ignored (default -1).
@@ -333,8 +340,11 @@ def join(device: int = -1) -> int:
         MismatchError: ranks that have not joined made mismatched calls meanwhile (on those).
         TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
     """
-    return int(engine.submit("join", None, None, lambda jobs, rnd: None, Sig(JOIN, "join"),
-                             wait=True))
+    from . import join_sync
+    last, served = engine.submit("join", None, None, lambda jobs, rnd: None, Sig(JOIN, "join"),
+                                 wait=True)
+    join_sync.after_join(served, last)
+    return int(last)
 
 
 def barrier(process_set: Any = None) -> None:

@@ -14,8 +14,10 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from . import join_sync
 from .exchange import SPARSE, Layout, SlimExchange
 from .inner import adam
+from .runtime import engine
 from .wrapping import (SlimSettings, adopt_source, comm_dtype_fn, momentum_plan,
                        named_parameter_list, resolve_settings)
 
@@ -52,6 +54,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._skipped = False   # the last exchange was skipped by every rank (NaN/Inf)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                               for p in self._requires_update]
+        # Each exchange starts with a round a joined rank serves (join_sync); None: no round.
+        self._join_id = join_sync.register(self, settings.ranks, settings.transport)
 
     # --- hooks -------------------------------------------------------------------------------
     def _make_hook(self, p: torch.Tensor):
@@ -83,7 +87,14 @@ class _SlimOptimizer(torch.optim.Optimizer):
         changes) and the following ``step()`` does not step the wrapped optimizer. Under
         ``nonfinite="flag"`` (default) every ``p.grad`` is then NaN on every rank, so a
         ``torch.amp.GradScaler`` on each rank sees ``found_inf``, skips its step and lowers its
-        scale alike; under ``"skip"`` they keep this rank's gradients."""
+        scale alike; under ``"skip"`` they keep this rank's gradients. A rank inside
+        ``hvd.join()`` takes part with zero gradients (:mod:`hvd_slim.join_sync`)."""
+        if self._join_id is not None:   # before anything changes: a refusal leaves all as it was
+            engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
+                                  self._join_id, flush=False)
+        self._synchronize_now()
+
+    def _synchronize_now(self) -> None:
         self._skipped = False
         try:
             self._skipped = not self._exchange.step()
@@ -181,12 +192,34 @@ class _SlimOptimizer(torch.optim.Optimizer):
         if self._pending:
             raise AssertionError("optimizer.flush() was called after loss.backward() but before "
                                  "optimizer.step(): step first, then flush")
+        if self._join_id is not None:
+            engine.exchange_round("flush", self._join_id, flush=True)
+        self._flush_now()
+
+    def _flush_now(self) -> None:
         self._exchange.flush()
         self._inner_step(None, only_sparse=True)
         for b in self._layout.sparse:
             for p in b.params():
                 if p.grad is not None:
                     p.grad.zero_()
+
+    def _serve_joined(self, flush: bool) -> None:
+        """On a rank inside ``hvd.join()``, when the others start this optimizer's exchange:
+        take part with zero gradients (Horovod's joined ranks contribute zeros; a backward not
+        yet stepped is dropped, as there) and step on the pulled update as they do."""
+        for p in self._requires_update:
+            p.grad = None
+        self._pending.clear()
+        if flush:
+            self._flush_now()
+            return
+        self._synchronize_now()
+        self._synchronized = False
+        if self._skipped:
+            self._skipped = False
+        else:
+            self._inner_step(None, only_sparse=False)
 
     def comm_stats(self) -> Dict[str, Any]:
         """Cumulative traffic of this rank: ``steps``, ``bytes_pushed``, ``bytes_pulled`` (counted

@@ -18,9 +18,11 @@ Interface, for collectives of any module:
   has joined.
 * :func:`exclusive` (used by ``collective_ops.on_group``): the calling thread makes the block's
   collectives itself, in the queue's order, the engine's thread waiting meanwhile.
-* :func:`done_handle`, :func:`poll`, :func:`synchronize`; :func:`require_no_joined`, a check
-  for callers with collectives of their own (the optimizer's exchange) that a joined rank
-  cannot serve.
+* :func:`done_handle`, :func:`poll`, :func:`synchronize`.
+* :func:`register_exchange` and :func:`exchange_round`: a ``DistributedOptimizer`` on the whole
+  job gets an id (the same on every rank: optimizers are made in the same order) and starts
+  each exchange with a round, in which a joined rank learns to run that exchange with zero
+  gradients (``optimizer._serve_joined``; :mod:`hvd_slim.join_sync`).
 
 Without MPI_THREAD_MULTIPLE two threads may not use MPI at once, and the optimizer's exchange
 runs on the caller's: then there is no thread, each call runs on the caller's thread as it is
@@ -28,22 +30,29 @@ submitted (``poll`` is always True, nothing is fused) and ``join`` still serves 
 """
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import api_timeout, basics
 from .engine_queue import Engine, Job
-from .engine_rounds import GENERIC, Round, Sig
+from .engine_rounds import FLUSH, GENERIC, STEP, Round, Sig
 from .process_sets import Group, resolve
 
-__all__ = ["Engine", "Job", "get", "stop", "submit", "exclusive", "on_group", "require_no_joined",
-           "done_handle", "poll", "synchronize"]
+__all__ = ["Engine", "Job", "get", "stop", "submit", "exclusive", "on_group",
+           "register_exchange", "exchange_round", "registered", "done_handle", "poll",
+           "synchronize"]
 
 
 _engine: Optional[Engine] = None
 _engine_of: Any = None
 _lock = threading.Lock()
+# Optimizers whose exchange a joined rank serves, by id; kept across init/shutdown (elastic
+# recovery), weakly, so an optimizer the script drops is not kept alive.
+_exchanges: Dict[int, Callable[[], Any]] = {}
+_exchange_ids = itertools.count()
 
 
 def get() -> Engine:
@@ -52,7 +61,8 @@ def get() -> Engine:
     state = basics._require_started()
     with _lock:
         if _engine is None or _engine_of is not state:
-            _engine, _engine_of = Engine(bool(basics._mpi().thread_multiple()), state.api), state
+            _engine, _engine_of = Engine(bool(basics._mpi().thread_multiple()), state.api,
+                                         _exchanges), state
         return _engine
 
 
@@ -108,11 +118,29 @@ def on_group(what: str, process_set: Any) -> Iterator[Any]:
             yield found[0]
 
 
-def require_no_joined(what: str) -> None:
-    """Collective over the job: raise on every rank that has not joined, if one has (its
-    ``join`` serves this round and goes on waiting). For callers whose collectives a joined
-    rank cannot serve, such as the optimizer's exchange."""
-    submit(what, None, None, lambda jobs, rnd: None, wait=True)
+def register_exchange(optimizer: Any) -> int:
+    """Give ``optimizer`` (a ``DistributedOptimizer`` on the whole job) its id; a joined rank
+    calls its ``_serve_joined(flush)`` when the others start an exchange of that id."""
+    with _lock:
+        oid = next(_exchange_ids)
+        _exchanges[oid] = weakref.ref(optimizer)
+    return oid
+
+
+def registered(oid: int) -> Any:
+    """The optimizer with id ``oid``, or None if it is gone."""
+    ref = _exchanges.get(oid)
+    return None if ref is None else ref()
+
+
+def exchange_round(what: str, oid: int, flush: bool) -> None:
+    """Collective over the job: the round that starts optimizer ``oid``'s exchange (a flush if
+    ``flush``), before its own collectives. A rank that has joined runs that exchange in it;
+    ranks that make another call meanwhile all raise one MismatchError."""
+    kind = FLUSH if flush else STEP
+    sig = Sig(kind, f"DistributedOptimizer #{oid} {'flush' if flush else 'step'}",
+              extra={"optimizer": oid})
+    submit(what, None, None, lambda jobs, rnd: None, sig, wait=True)
 
 
 def done_handle(result: Any) -> int:

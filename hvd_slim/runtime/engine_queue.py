@@ -17,8 +17,9 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 from ..transport.base import TransportError, TransportTimeout
 from . import api_timeout
-from .engine_rounds import (ALLREDUCE, BARRIER, FUSE_BYTES, FUSE_MAX, GENERIC, JOIN, JoinState,
-                            Round, Sig, exchange, explain, header, joined_refusal)
+from .engine_rounds import (ALLREDUCE, BARRIER, EXCHANGES, FUSE_BYTES, FUSE_MAX, GENERIC, JOIN,
+                            FLUSH, JoinState, Round, Sig, exchange, explain, header,
+                            joined_refusal)
 from .process_sets import Group
 
 _handles = itertools.count(1)
@@ -45,7 +46,8 @@ class Job:
 class Engine:
     """The queue, the thread and the handles of one running hvd_slim (see the module)."""
 
-    def __init__(self, threaded: bool, job_api: Any) -> None:
+    def __init__(self, threaded: bool, job_api: Any,
+                 exchanges: Optional[Dict[int, Callable[[], Any]]] = None) -> None:
         self._job_api = job_api                 # the job's own group: where joins count
         self._cv = threading.Condition()
         self._queue: Deque[Job] = collections.deque()
@@ -55,6 +57,8 @@ class Engine:
         self._held = 0
         self._stopping = False
         self.joins = JoinState()
+        # id -> weak reference to an optimizer whose exchange starts with a round (join_sync)
+        self.exchanges = {} if exchanges is None else exchanges
         self._thread: Optional[threading.Thread] = None
         if threaded:
             self._thread = threading.Thread(target=self._loop, name="hvd_slim-engine", daemon=True)
@@ -216,7 +220,7 @@ class Engine:
                     job.result = self._serve_joined(job, rnd)
                 elif not rnd.agreed():
                     raise explain(api, rnd, job.sig, job.label)
-                elif rnd.joined and job.sig.kind not in (ALLREDUCE, BARRIER):
+                elif rnd.joined and job.sig.kind not in (ALLREDUCE, BARRIER, *EXCHANGES):
                     raise joined_refusal(rnd, job.label)
                 else:
                     if job.sig.kind == ALLREDUCE and rnd.fused() > 1:
@@ -251,8 +255,9 @@ class Engine:
             rnd.last_joined = self.joins.observe(rnd)   # type: ignore[attr-defined]
         return rnd
 
-    def _serve_joined(self, job: Job, rnd: Round) -> int:
-        """``join``: take part in the others' rounds until every rank has joined."""
+    def _serve_joined(self, job: Job, rnd: Round) -> Any:
+        """``join``: take part in the others' rounds until every rank has joined; the last
+        rank to join and the ids of the optimizers served meanwhile."""
         api = job.group.api
         while getattr(rnd, "last_joined", None) is None:
             if rnd.catch_up():
@@ -262,8 +267,22 @@ class Engine:
             elif rnd.kind() == ALLREDUCE and rnd.zeros() is not None:
                 zeros, op = rnd.zeros()   # type: ignore[misc]
                 api.allreduce_inplace(zeros.numpy(), op)
+            elif rnd.kind() in EXCHANGES:
+                self._serve_exchange(rnd, job.label)
             rnd = self.round(job.group, header(job.sig), job.label)
-        return int(rnd.last_joined)   # type: ignore[attr-defined]
+        return rnd.last_joined   # type: ignore[attr-defined]
+
+    def _serve_exchange(self, rnd: Round, what: str) -> None:
+        """Run, with zero gradients, the exchange the active ranks start (the optimizer's
+        own collectives, on its transport)."""
+        serve = self.exchanges.get(rnd.exchange_id())
+        optimizer = serve() if serve is not None else None
+        if optimizer is None:
+            raise TransportError(
+                f"{what}: the other ranks step DistributedOptimizer #{rnd.exchange_id()}, which "
+                f"this rank does not have (every rank must create the same optimizers in the "
+                f"same order)")
+        optimizer._serve_joined(flush=rnd.kind() == FLUSH)
 
     def _finish(self, batch: List[Job], error: Optional[BaseException]) -> None:
         with self._cv:

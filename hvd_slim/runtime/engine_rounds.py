@@ -9,7 +9,9 @@ width is fixed, ranks that make different calls meet in the same allgather and a
 the round is a function of the rows every rank holds, which is what lets a rank that has called
 ``join`` serve the others' collectives: it reads what they do from their rows and takes part
 (zeros for an allreduce, nothing for a barrier), while they refuse what Horovod refuses under
-join (allgather, broadcast, anything else).
+join (allgather, broadcast, anything else). A ``DistributedOptimizer`` on the whole job starts
+each exchange (STEP) and flush (FLUSH) with a round too, so a joined rank runs that exchange
+with zero gradients (:mod:`hvd_slim.join_sync`).
 
 The joined ranks are recorded per round on the job's own group (:class:`JoinState`); every rank
 sees the same rows, so all agree on who joined when, and so on the last rank to join.
@@ -27,9 +29,11 @@ import torch
 from ..transport.base import TransportError
 from .checks import MismatchError
 
-ALLREDUCE, ALLGATHER, BROADCAST, BARRIER, JOIN, GENERIC = 1, 2, 3, 4, 5, 6
+ALLREDUCE, ALLGATHER, BROADCAST, BARRIER, JOIN, GENERIC, STEP, FLUSH = 1, 2, 3, 4, 5, 6, 7, 8
 _KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
-               BARRIER: "barrier", JOIN: "join", GENERIC: "call"}
+               BARRIER: "barrier", JOIN: "join", GENERIC: "call", STEP: "optimizer step",
+               FLUSH: "optimizer flush"}
+EXCHANGES = (STEP, FLUSH)    # a DistributedOptimizer's exchange; column 5 holds its id
 MAGIC = 0x5D1A << 8          # in column 0, with the kind: a row that lacks it is not a header
 FUSE_MAX = 16                # the most allreduces one message carries
 FUSE_BYTES = 64 << 20        # and the most bytes (Horovod's default fusion threshold)
@@ -87,12 +91,12 @@ class Sig:
         shape = self.shape[1:] if self.dim0_free else self.shape
         dtype = 0 if self.dtype is None else _crc(self.dtype)
         work = WORK_DTYPES.index(self.work) if self.work in WORK_DTYPES else 0
-        return [MAGIC | self.kind, _crc(self.call) if self.kind == GENERIC else 0, dtype,
+        return [MAGIC | self.kind, _crc(self.call) if self.kind in (GENERIC, *EXCHANGES) else 0, dtype,
                 len(self.shape), _crc(shape), int(next(iter(self.extra.values()), 0)), work,
                 _bits(self.scale[0]), _bits(self.scale[1])]
 
     def describe(self) -> str:
-        if self.kind in (BARRIER, JOIN, GENERIC):
+        if self.kind in (BARRIER, JOIN, GENERIC, *EXCHANGES):
             return ""
         return f"{str(self.dtype).replace('torch.', '')} shape {list(self.shape)}" + "".join(
             f" {k}={v}" for k, v in self.extra.items())
@@ -166,6 +170,10 @@ class Round:
             return None
         return torch.zeros(int(row[_NUMEL + self.fused() - 1]), dtype=dtype), MPI_OP[int(row[5])]
 
+    def exchange_id(self) -> int:
+        """The id of the optimizer whose exchange the active ranks start (STEP or FLUSH)."""
+        return int(self.rows[self.active[0], 5])
+
     def dim0s(self) -> np.ndarray:
         return self.rows[:, _DIM0].copy()
 
@@ -195,7 +203,7 @@ def explain(api: Any, rnd: Round, mine: Sig, what: str) -> MismatchError:
              api.allgather_bytes(np.frombuffer(text.encode(), dtype=np.uint8))]
     parts = [d.partition("\n") for d in descs]
     calls = {c for r, (c, _, _) in enumerate(parts) if r in rnd.active}
-    if len(calls) > 1 or mine.kind in (BARRIER, GENERIC, JOIN):
+    if len(calls) > 1 or mine.kind in (BARRIER, GENERIC, JOIN, *EXCHANGES):
         listing = "; ".join(f"rank {r}: {c} {d}".rstrip() for r, (c, _, d) in enumerate(parts))
         return MismatchError(f"{what}: ranks made different calls ({listing}); every rank must "
                              f"call the same collectives in the same order")
@@ -215,18 +223,24 @@ def joined_refusal(rnd: Round, what: str) -> JoinedError:
 
 
 class JoinState:
-    """Who has joined, in the order of the rounds that showed it, on the job's group."""
+    """Who has joined, in the order of the rounds that showed it, on the job's group, and
+    which optimizers stepped meanwhile."""
 
     def __init__(self) -> None:
         self.joined: List[int] = []
+        self.served: List[int] = []   # ids of optimizers that exchanged while a rank had joined
 
-    def observe(self, rnd: Round) -> Optional[int]:
+    def observe(self, rnd: Round) -> Optional[Tuple[int, List[int]]]:
         """Record a round; when every rank has joined, return the last one to join (the
-        highest rank among those that joined in the same round) and start afresh."""
+        highest rank among those that joined in the same round) and the optimizers served
+        meanwhile (in the order first served), and start afresh."""
         for r in rnd.joined:
             if r not in self.joined:
                 self.joined.append(r)
+        if rnd.joined and rnd.kind() in EXCHANGES and rnd.exchange_id() not in self.served:
+            self.served.append(rnd.exchange_id())
         if len(rnd.joined) < len(rnd.rows):
             return None
-        last, self.joined = self.joined[-1], []
-        return last
+        out = (self.joined[-1], self.served)
+        self.joined, self.served = [], []
+        return out

@@ -66,7 +66,8 @@ horovod-suite: install
 	$(PY) -m benchmarks.horovod_suite --suite $(HOROVOD_SUITE) --np 2,3
 
 ## make bench: hvd_slim beside dense allreduce, Horovod, DDP hooks and top-k (ResNet-18 shapes,
-## 4 ranks, a 1 Gbit/s network namespace; needs root); BENCH_ARGS adds flags, e.g. --net loopback
+## a switched cluster of 4 hosts with a 1 Gbit/s NIC each; needs root); BENCH_ARGS adds flags,
+## e.g. --net shared (all ranks on one 1 Gbit/s link), --net loopback (no root), --hosts 8
 .PHONY: bench
 BENCH_ARGS ?=
 bench: install

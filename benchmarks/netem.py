@@ -69,25 +69,31 @@ def ours() -> List[str]:
 
 
 def cleanup_stale() -> List[str]:
-    """Delete ``hvdslim-bench-<pid>`` namespaces whose harness process is gone."""
+    """Delete ``hvdslim-bench-<pid>`` namespaces (and a switched cluster's
+    ``hvdslim-bench-<pid>-<role>``, benchmarks/cluster.py) whose harness process is gone."""
     removed = []
     for name in ours():
-        tail = name[len(PREFIX):]
+        tail = name[len(PREFIX):].split("-")[0]
         if tail.isdigit() and not _pid_alive(int(tail)):
             if _ip("netns", "del", name, check=False).returncode == 0:
                 removed.append(name)
     return removed
 
 
-def _raise_on_signal(signum: int, _frame: object) -> None:
+def raise_on_signal(signum: int, _frame: object) -> None:
     # Turning SIGTERM/SIGHUP into an exception makes the ``finally`` below run.
     raise SystemExit(128 + signum)
 
 
 @contextmanager
-def namespace(net: str) -> Iterator[Optional[str]]:
-    """Yield the name of a fresh shaped namespace (None for ``loopback``); always removed after."""
-    spec = NETS[net]
+def namespace(net: str, rate: str = "") -> Iterator[Optional[str]]:
+    """Yield the name of a fresh shaped namespace (None for ``loopback``); always removed after.
+    ``net="shared"`` shapes the loopback to ``rate`` (tc's units, e.g. ``"100mbit"``)."""
+    if net == "shared":
+        from .cluster import burst
+        spec: Optional[tuple] = (rate, burst(rate))
+    else:
+        spec = NETS[net]
     if spec is None:
         yield None
         return
@@ -95,7 +101,7 @@ def namespace(net: str) -> Iterator[Optional[str]]:
     cleanup_stale()
     name = f"{PREFIX}{os.getpid()}"
     rate, burst = spec
-    old = {s: signal.signal(s, _raise_on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, raise_on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         res = _ip("netns", "add", name, check=False)
         if res.returncode != 0:

@@ -26,12 +26,14 @@ def _counting_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any
 
 
 def ensure_gloo(rank: int, size: int) -> None:
-    """One Gloo process group per job, over 127.0.0.1 (inside the namespace: the shaped lo)."""
+    """One Gloo process group per job: over 127.0.0.1 in a shared namespace (the shaped lo), or
+    on a switched cluster over eth0 with the store at host 0 (``HVDSLIM_BENCH_ADDR``)."""
     if dist.is_initialized():
         return
     port = int(os.environ.get("HVDSLIM_BENCH_PORT", "29533"))
+    addr = os.environ.get("HVDSLIM_BENCH_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=size)
 
 

@@ -68,6 +68,9 @@ def _peer(name: str, recs: List[Dict[str, Any]]) -> Dict[str, Any]:
         "basis": ok[0].get("basis", {}), "per_rank_per_step": ok[0]["per_rank_per_step"],
         "step_times_s": times,
         "loadavg": [r.get("loadavg_before") for r in ok] + [ok[-1].get("loadavg_after")]}
+    nic = _nic(ok[0])
+    if nic:
+        out["nic_bytes_per_step"] = nic
     if name.startswith("hvd_slim-"):
         pull, density = name[len("hvd_slim-"):].split("@")
         ex = ok[0]["extra"][0]
@@ -84,6 +87,21 @@ def _peer(name: str, recs: List[Dict[str, Any]]) -> Dict[str, Any]:
             out["closed_form_pull_ok"] = all(cf["bytes_min"] <= b <= cf["bytes_max"] for b in pulls)
         out["last_step"] = [e["last_step"] for e in ok[0]["extra"]]
     return out
+
+
+def _nic(rec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Per host NIC bytes per measured step (counted by the kernel; a host's ranks share its
+    NIC, so its first rank's counters stand for it), and the busiest host's."""
+    hosts, ranks = rec.get("hosts") or [], rec["per_rank_per_step"]
+    if not hosts or None in hosts or "nic_tx" not in ranks[0]:
+        return None
+    per_host: Dict[int, Dict[str, float]] = {}
+    for h, r in zip(hosts, ranks):
+        per_host.setdefault(int(h), {"tx": r["nic_tx"], "rx": r["nic_rx"]})
+    rows = [per_host[h] for h in sorted(per_host)]
+    return {"busiest_tx": max(r["tx"] for r in rows), "busiest_rx": max(r["rx"] for r in rows),
+            "per_host": rows, "basis": "counted: the kernel's eth0 byte counters in each host "
+                                       "namespace over the measured steps (frames, headers too)"}
 
 
 def _ratios(peers: Dict[str, Dict[str, Any]]) -> None:
@@ -176,30 +194,53 @@ def _busiest(res: Dict[str, Any]) -> float:
     return max(vals) if vals else 0.0
 
 
+def _topology(res: Dict[str, Any]) -> str:
+    net = res.get("network", {})
+    if net.get("mode") == "switched":
+        rates = sorted(set(net["rate_gbit"]))
+        rate = (f"{rates[0]:g} Gbit/s NICs" if len(rates) == 1 else
+                "NICs at " + ", ".join(f"{r:g}" for r in net["rate_gbit"]) + " Gbit/s")
+        lat = f", +{net['latency_ms']:g} ms one way" if net.get("latency_ms") else ""
+        return (f"switched cluster of {net['hosts']} hosts x {net['ranks_per_host']} rank(s), "
+                f"{rate}{lat}")
+    if net.get("mode") == "shared" or res["settings"]["net"] in ("tbf1g", "tbf10g", "shared"):
+        return f"shared medium (network `{res['settings']['net']}`: one link for all ranks)"
+    return f"network `{res['settings']['net']}`"
+
+
 def markdown(res: Dict[str, Any]) -> str:
     s = res["settings"]
     pp = res.get("network", {}).get("pingpong")
     link = f"; measured link {pp['gbit_per_s']:.2f} Gbit/s" if pp else ""
-    lines = [f"**{s['model']}**, {s['ranks']} ranks, network `{s['net']}`{link}; "
+    lines = [f"**{s['model']}**, {s['ranks']} ranks, {_topology(res)}{link}; "
              f"{s['steps']} measured steps x {s['repeats']} repeat(s) after {s['warmup']} warm-up; "
              f"load average {res['loadavg_start'][0]:.2f} at start, {res['loadavg_end'][0]:.2f} at "
              f"end; before each job other processes kept at most {_busiest(res):.0%} of the "
              f"CPUs busy; {res['started']}", "",
-             "| peer | median s/step | p10-p90 s | x dense time | comm s/step | sent/rank/step "
-             "| recv/rank/step | x fewer bytes than dense | select ms/step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peer | median s/step | p10-p90 s | x dense time | x compute | comm s/step "
+             "| sent/rank/step | recv/rank/step | busiest NIC out/in per step "
+             "| x fewer bytes than dense | select ms/step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    floor = res["peers"].get("floor", {})
     for name, p in res["peers"].items():
         if p["status"] != "ok":
-            lines.append(f"| {name} | {p['status']}: {p['error'][:80]} | | | | | | | |")
+            lines.append(f"| {name} | {p['status']}: {p['error'][:80]} | | | | | | | | | |")
             continue
         mark = "" if p["basis"].get("wire") == "counted" else " *"
+        nic = p.get("nic_bytes_per_step")
+        nic_s = f"{_fmt_b(nic['busiest_tx'])} / {_fmt_b(nic['busiest_rx'])}" if nic else "-"
+        x_compute = p["median_s"] / floor["median_s"] if floor.get("status") == "ok" else None
         lines.append(
             f"| {name} | {p['median_s']:.4f} | {p['p10_s']:.3f}-{p['p90_s']:.3f} | "
-            f"{_f(p.get('time_vs_dense'), '.3f')} | {_f(p.get('comm_s'), '.4f')} | "
+            f"{_f(p.get('time_vs_dense'), '.3f')} | {_f(x_compute, '.2f')} | "
+            f"{_f(p.get('comm_s'), '.4f')} | "
             f"{_fmt_b(p['bytes_sent_per_step'])}{mark} | {_fmt_b(p['bytes_recv_per_step'])}{mark} | "
-            f"{_f(p.get('bytes_fewer_than_dense'), '.1f')} | {p['select_ms_per_step']:.1f} |")
+            f"{nic_s} | {_f(p.get('bytes_fewer_than_dense'), '.1f')} | "
+            f"{p['select_ms_per_step']:.1f} |")
     lines += ["", "`*` derived (ring allreduce 2(N-1)/N x the counted buffer bytes; ring allgather "
-              "(N-1) x payload); others counted. comm = median - floor median.", ""]
+              "(N-1) x payload); others counted. comm = median - floor median; x compute = "
+              "median / floor median (floor: the same step with no communication). Busiest NIC: "
+              "the kernel's byte counters of the host NIC that sent (received) most.", ""]
     if res["targets"]:
         lines += ["| target | measured | goal | met |", "|---|---:|---:|---|"]
         for t in res["targets"]:

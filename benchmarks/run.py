@@ -1,13 +1,21 @@
 """Side-by-side benchmark: hvd_slim against dense allreduce, Horovod, DDP hooks and top-k.
 
-    python -m benchmarks.run                      # ResNet-18 shapes, 4 ranks, 1 Gbit/s (root)
+    python -m benchmarks.run                      # ResNet-18 shapes, 4 hosts, 1 Gbit/s (root)
     python -m benchmarks.run --net loopback --ranks 2 --model tiny --steps 3   # quick, no root
 
-Each peer runs as its own ``mpirun`` job (``--no-isolate``: all in one job) inside a network
-namespace whose loopback is rate-limited (``--net tbf1g``/``tbf10g``; ``loopback`` skips it).
-The namespace is removed afterwards, also on failure or SIGTERM. Results go to
-``--out`` (default benchmarks/results/): ``<tag>.json`` (every raw figure, the command line, the
-machine), ``<tag>.md`` (the table) and ``<tag>_*.png`` (plots).
+Each peer runs as its own ``mpirun`` job (``--no-isolate``: all in one job) on an emulated
+network, removed afterwards, also on failure or SIGTERM:
+
+* ``--net switched`` (default): a switched cluster, one network namespace per host with its own
+  NIC at ``--rate`` into one switch (benchmarks/cluster.py); ``--hosts``, ``--ranks-per-host``,
+  ``--host-rates`` (heterogeneous links) and ``--latency-ms`` shape it. Each host's NIC bytes
+  are counted.
+* ``--net shared``: every rank in one namespace whose loopback is limited to ``--rate``, so all
+  ranks share one link (``tbf1g``/``tbf10g``: the same at 1 and 10 Gbit/s).
+* ``--net loopback``: no shaping, no privileges.
+
+Results go to ``--out`` (default benchmarks/results/): ``<tag>.json`` (every raw figure, the
+command line, the machine, the topology), ``<tag>.md`` (the table) and ``<tag>_*.png``.
 """
 from __future__ import annotations
 
@@ -22,12 +30,12 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from . import launch, netem, report
+from . import cluster, launch, netem, report
 from .machine import describe, horovod_status, wait_for_quiet
 from .models import MODELS
 from .peers import peer_names
 
-RATE_GBIT = {"tbf1g": 1.0, "tbf10g": 10.0, "loopback": 20.0}
+NETS = ("switched", "shared", *sorted(netem.NETS))
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -40,7 +48,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--densities", default="0.1,0.01,0.001",
                     help="densities for hvd_slim and the top-k baseline")
     ap.add_argument("--pulls", default="slim,union", help="hvd_slim pull modes")
-    ap.add_argument("--net", choices=sorted(netem.NETS), default="tbf1g")
+    ap.add_argument("--net", choices=NETS, default="switched",
+                    help="switched: one NIC per host into a switch; shared: one link for all "
+                         "ranks (tbf1g/tbf10g at 1/10 Gbit/s); loopback: unshaped, no root")
+    ap.add_argument("--rate", default="1gbit", help="NIC rate (switched) or link rate (shared)")
+    ap.add_argument("--hosts", type=int, default=0,
+                    help="hosts of the switched cluster (default ranks / ranks-per-host)")
+    ap.add_argument("--ranks-per-host", type=int, default=1)
+    ap.add_argument("--host-rates", default="", help="comma-separated rate per host, e.g. "
+                    "1gbit,1gbit,1gbit,250mbit (switched)")
+    ap.add_argument("--latency-ms", type=float, default=0.0,
+                    help="one-way latency added between hosts (switched; needs sch_netem)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per peer and repeat")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=1, help="run every peer this many times, "
@@ -70,7 +88,23 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     bad = [kv for kv in args.env if "=" not in kv or not kv.split("=", 1)[0]]
     if bad:
         ap.error(f"--env takes KEY=VALUE, got {bad}")
-    args.tag = args.tag or f"{args.model}_{args.ranks}r_{args.net}"
+    if args.net == "switched":
+        args.hosts = args.hosts or max(1, args.ranks // args.ranks_per_host)
+        if args.hosts * args.ranks_per_host != args.ranks:
+            ap.error(f"--ranks {args.ranks} must equal --hosts {args.hosts} x --ranks-per-host "
+                     f"{args.ranks_per_host}")
+        try:
+            args.spec = cluster.ClusterSpec(args.hosts, args.rate, args.ranks_per_host,
+                                            tuple(x for x in args.host_rates.split(",") if x),
+                                            args.latency_ms)
+        except ValueError as exc:
+            ap.error(str(exc))
+    elif args.host_rates or args.latency_ms or args.ranks_per_host != 1 or args.hosts:
+        ap.error("--hosts, --ranks-per-host, --host-rates and --latency-ms need --net switched")
+    args.link_gbit = {"tbf1g": 1.0, "tbf10g": 10.0, "loopback": 20.0}.get(
+        args.net, cluster.rate_bps(args.rate) / 1e9)
+    net = {"switched": f"sw{args.rate}", "shared": f"shared{args.rate}"}.get(args.net, args.net)
+    args.tag = args.tag or f"{args.model}_{args.ranks}r_{net}"
     return args
 
 
@@ -89,15 +123,20 @@ def free_port() -> int:
 
 
 def mpirun_argv(args: argparse.Namespace, peers: List[str], out: str, port: int,
-                pingpong: int) -> List[str]:
-    """Open MPI's TCP transport over ``lo`` only (netem.MPI_ARGS), on every network: shared
-    memory would bypass the shaping, and the loopback runs stay comparable with the shaped ones."""
-    return ["mpirun", "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
-            *netem.MPI_ARGS,
+                pingpong: int, net: Any = None) -> List[str]:
+    """Open MPI's TCP transport only, on every network: shared memory would bypass the shaping,
+    and the loopback runs stay comparable with the shaped ones. Over ``lo`` (netem.MPI_ARGS),
+    or on a switched cluster (``net``) over each host's eth0, each rank entering its host."""
+    switched = isinstance(net, cluster.Cluster)
+    return [*(net.mpirun_prefix() if switched else []),
+            "mpirun", "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
+            *(cluster.MPI_ARGS if switched else netem.MPI_ARGS),
             # Ranks waiting in MPI yield the core to ranks still computing (4 ranks, 2 cores).
             "--mca", "mpi_yield_when_idle", "1",
             "-x", f"HVDSLIM_BENCH_PORT={port}", "-x", "OMP_NUM_THREADS", "-x", "GLOO_SOCKET_IFNAME",
+            *[a for k in (net.env() if switched else {}) for a in ("-x", k)],
             *[a for kv in args.env for a in ("-x", kv)], *_profiler(args, peers),
+            *(net.rank_prefix() if switched else []),
             sys.executable, "-m", "benchmarks.worker", "--model", args.model,
             "--peers", ",".join(peers), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--threads", str(args.threads), "--seed", str(args.seed),
@@ -124,18 +163,22 @@ def job_timeout(args: argparse.Namespace, n_peers: int, numel: int) -> float:
     if args.timeout:
         return args.timeout
     link_bytes = 2 * (args.ranks - 1) * numel * 4
-    dense_s = link_bytes * 8 / (RATE_GBIT[args.net] * 1e9) + 0.05 * args.ranks
+    dense_s = link_bytes * 8 / (args.link_gbit * 1e9) + 0.05 * args.ranks
     return n_peers * (90 + 4 * (args.warmup + args.steps + 2) * dense_s)
 
 
-def run_job(argv: List[str], ns: Optional[str], timeout: float, out: str
+def run_job(argv: List[str], net: Any, timeout: float, out: str
             ) -> Dict[str, Any]:
     """Run one mpirun job in a session of its own (benchmarks/launch.py); on timeout that
     session is killed whole and the job reported as timed out."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if isinstance(net, cluster.Cluster):
+        env.update(net.env())
+    else:
+        argv = netem.wrap(net, argv)
     try:
-        returncode, text, _ = launch.run_session(netem.wrap(ns, argv), timeout, env)
+        returncode, text, _ = launch.run_session(argv, timeout, env)
         status = f"exit {returncode}"
     except launch.MpiTimeout as exc:
         returncode, text, status = None, exc.output, f"timed out after {timeout:.0f} s"
@@ -147,6 +190,15 @@ def run_job(argv: List[str], ns: Optional[str], timeout: float, out: str
             "output_tail": (text or "")[-4000:]}
 
 
+def _network(args: argparse.Namespace) -> Any:
+    """The network the jobs run on: a Cluster, a shared namespace's name, or None."""
+    if args.net == "switched":
+        return cluster.switched(args.spec)
+    if args.net == "shared":
+        return netem.namespace("shared", args.rate)
+    return netem.namespace(args.net)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     from .models import Workload
@@ -156,7 +208,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     runnable = [p for p in peers if not (p.startswith("horovod") and hvd_missing)]
     meta: Dict[str, Any] = {"command": shlex.join([sys.executable, "-m", "benchmarks.run",
                                                    *(sys.argv[1:] if argv is None else argv)]),
-                            "settings": {k: v for k, v in vars(args).items()},
+                            "settings": {k: v for k, v in vars(args).items() if k != "spec"},
                             "machine": describe(), "horovod": hvd_missing or "installed",
                             "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
                             "loadavg_start": os.getloadavg(), "jobs": []}
@@ -164,20 +216,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     records: List[Dict[str, Any]] = []
     tmp = tempfile.mkdtemp(prefix="hvdslim-bench-")
     try:
-        with netem.namespace(args.net) as ns:
-            meta["network"] = {"net": args.net, "namespace": ns, "qdisc": netem.qdisc(ns)}
+        with _network(args) as ns:
+            meta["network"] = ns.describe() if isinstance(ns, cluster.Cluster) else {
+                "mode": "loopback" if args.net == "loopback" else "shared", "net": args.net,
+                "rate_gbit": [args.link_gbit], "namespace": ns, "qdisc": netem.qdisc(ns)}
             for rep in range(args.repeats):
                 for j, job in enumerate(jobs):
                     out = os.path.join(tmp, f"r{rep}_j{j}.jsonl")
                     pp = args.pingpong_mib if rep == 0 and j == 0 else 0
-                    argv_ = mpirun_argv(args, job, out, free_port(), pp)
+                    argv_ = mpirun_argv(args, job, out, free_port(), pp, ns)
                     quiet = wait_for_quiet(args.quiet_cpu, args.max_wait)
                     print(f"[bench] repeat {rep + 1}/{args.repeats}: {', '.join(job)} (others "
                           f"busy {quiet['cpu_busy_before']:.0%} of the CPUs, load "
                           f"{quiet['loadavg_1m']:.2f})", file=sys.stderr, flush=True)
                     res = run_job(argv_, ns, job_timeout(args, len(job), numel), out)
                     meta["jobs"].append({"peers": job, "repeat": rep, "status": res["status"],
-                                         "argv": netem.wrap(ns, argv_), **quiet})
+                                         "argv": argv_ if isinstance(ns, cluster.Cluster)
+                                         else netem.wrap(ns, argv_), **quiet})
                     got = {r.get("peer") for r in res["records"]}
                     for r in res["records"]:
                         if "pingpong" in r:

@@ -65,6 +65,19 @@ def pingpong(comm: Any, mib: int, reps: int = 4) -> Dict[str, float]:
             "gbit_per_s": 2 * buf.nbytes * 8 / best / 1e9}
 
 
+def nic_bytes() -> Dict[str, float]:
+    """What this rank's host NIC (``HVDSLIM_BENCH_NIC``, on a switched cluster) has sent and
+    received so far, from the kernel's counters; {} elsewhere."""
+    nic = os.environ.get("HVDSLIM_BENCH_NIC")
+    if not nic:
+        return {}
+    out = {}
+    for key in ("tx", "rx"):
+        with open(f"/sys/class/net/{nic}/statistics/{key}_bytes", encoding="ascii") as f:
+            out[f"nic_{key}"] = float(f.read())
+    return out
+
+
 def _numeric(d: Dict[str, Any]) -> Dict[str, float]:
     return {k: float(v) for k, v in d.items() if isinstance(v, (int, float))}
 
@@ -81,7 +94,7 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     for i in range(warm + args.steps):
         comm.Barrier()
         if i == warm:
-            c0 = _numeric(peer.counters())
+            c0 = {**_numeric(peer.counters()), **nic_bytes()}
         t0 = time.perf_counter()
         peer.zero_grad()
         work.backward(i, peer.module)
@@ -89,13 +102,14 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
         dt = time.perf_counter() - t0
         if i >= warm:
             times.append(dt)
-    c1 = _numeric(peer.counters())
+    c1 = {**_numeric(peer.counters()), **nic_bytes()}
     per_step = {k: (v - c0.get(k, 0.0)) / args.steps for k, v in c1.items()}
     extra = peer.extra() if hasattr(peer, "extra") else {}
     basis = dict(peer.basis)
     all_times = comm.gather(times, root=0)
     all_counts = comm.gather(per_step, root=0)
     all_extra = comm.gather(extra, root=0)
+    all_hosts = comm.gather(os.environ.get("HVDSLIM_BENCH_HOST"), root=0)   # switched cluster
     peer.close()
     del peer, work
     gc.collect()
@@ -105,6 +119,7 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     return {"peer": name, "status": "ok", "step_times_s": step_times,
             "rank_step_times_s": all_times, "per_rank_per_step": all_counts,
             "extra": all_extra, "basis": basis, "warmup_steps": warm, "measured_steps": args.steps,
+            "hosts": all_hosts,
             "loadavg_before": load0, "loadavg_after": os.getloadavg()}
 
 

@@ -65,15 +65,20 @@ HOROVOD_SUITE ?= horovod/test/parallel/test_torch.py
 horovod-suite: install
 	$(PY) -m benchmarks.horovod_suite --suite $(HOROVOD_SUITE) --np 2,3
 
-## make bench: hvd_slim beside dense allreduce, Horovod, DDP hooks and top-k (ResNet-18 shapes,
-## a switched cluster of 4 hosts with a 1 Gbit/s NIC each; needs root); BENCH_ARGS adds flags,
-## e.g. --net shared (all ranks on one 1 Gbit/s link), --net loopback (no root), --hosts 8
+## make bench: the cluster study on a switched cluster (one 1 Gbit/s NIC per host; needs root):
+## every peer at 4 hosts, real compute, 2-8 hosts at 100 Mbit/s, one slow host, the shared
+## medium for comparison (benchmarks/cluster_study.py); BENCH_ARGS="--series scaling" picks some
 .PHONY: bench
 BENCH_ARGS ?=
 bench: install
 	@command -v tc >/dev/null 2>&1 || { [ "$$(id -u)" -eq 0 ] \
 	  && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2; } \
 	  || echo "make bench: iproute2 (ip, tc) is missing; the emulated network needs it"
+	trap '$(PY) -m benchmarks.netem --cleanup-stale' EXIT; $(PY) -m benchmarks.cluster_study $(BENCH_ARGS)
+
+## make bench-one BENCH_ARGS="--model smallcnn --hosts 2 --ranks 2": one benchmarks.run job
+.PHONY: bench-one
+bench-one: install
 	trap '$(PY) -m benchmarks.netem --cleanup-stale' EXIT; $(PY) -m benchmarks.run $(BENCH_ARGS)
 
 clean:

@@ -68,8 +68,14 @@ def tiny_shapes() -> Shapes:
             ("fc.bias", (1000,)), ("norm.weight", (128,)), ("norm.bias", (128,))]
 
 
+def smallcnn_shapes() -> Shapes:
+    """SmallCNN's parameter shapes (1.1M parameters), for synthetic gradients at many ranks."""
+    return [(n, tuple(p.shape)) for n, p in SmallCNN().named_parameters()]
+
+
 SHAPES: Dict[str, Callable[[], Shapes]] = {
     "resnet18": lambda: resnet_shapes([2, 2, 2, 2], bottleneck=False),
+    "cnn1m": smallcnn_shapes,
     "resnet50": lambda: resnet_shapes([3, 4, 6, 3], bottleneck=True),
     "bert": bert_base_shapes,
     "tiny": tiny_shapes,

@@ -1,0 +1,104 @@
+"""The cluster benchmark: every series of ``make bench`` on the switched cluster, in one run.
+
+    python -m benchmarks.cluster_study                  # all series (root; about an hour here)
+    python -m benchmarks.cluster_study --series scaling --steps 5
+
+Series (each one or more ``benchmarks.run`` jobs, results in ``--out``):
+
+* ``peers``: every peer on ResNet-18 shapes (synthetic gradients), 4 hosts at 1 Gbit/s.
+* ``compute``: real forward and backward passes (ResNet-18 on 32x32 images, the small CNN) at
+  4 hosts, 1 Gbit/s, 2 ranks per core: each peer's step against the compute-only ``floor``.
+* ``scaling``: 2, 4 and 8 hosts at 100 Mbit/s on a 1.1M-parameter model (synthetic gradients,
+  so the wire dominates the 2 cores): step time and the busiest NIC's bytes against N.
+* ``hetero``: 4 hosts at 1 Gbit/s with one at 250 Mbit/s, once a worker's (host 3) and once
+  the server's (host 0): how much each peer slows down.
+* ``shared``: the old shared medium (every rank on one 1 Gbit/s link), for comparison.
+
+Then ``<out>/summary.md`` gathers the tables and ``<out>/scaling_*.png`` the plots.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+from . import run
+from .study_report import summarise
+
+SERIES = ("peers", "compute", "scaling", "hetero", "shared")
+SUBSET = "floor,mpi-allreduce,horovod,ddp-powersgd-r1,topk-ef@0.01,hvd_slim-slim@0.01," \
+         "hvd_slim-union@0.01"
+
+
+def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
+    """The benchmarks.run invocations, each with the tag its results are written under."""
+    few = ["--steps", str(max(3, steps // 2)), "--warmup", "3"]
+    jobs: List[Dict[str, Any]] = []
+    if "peers" in series:
+        jobs.append({"series": "peers", "tag": "peers_resnet18_4h_1g",
+                     "argv": ["--model", "resnet18", "--ranks", "4", "--steps", str(steps)]})
+    if "compute" in series:
+        for model in ("resnet18-real", "smallcnn"):
+            jobs.append({"series": "compute", "tag": f"compute_{model}_4h_1g",
+                         "argv": ["--model", model, "--ranks", "4", "--peers", SUBSET, *few]})
+    if "scaling" in series:
+        for hosts in (2, 4, 8):
+            jobs.append({"series": "scaling", "tag": f"scaling_cnn1m_{hosts}h_100m", "hosts": hosts,
+                         "argv": ["--model", "cnn1m", "--ranks", str(hosts), "--rate", "100mbit",
+                                  "--peers", SUBSET.replace("horovod,", ""),
+                                  "--steps", str(steps)]})
+    if "hetero" in series:
+        for slow in (3, 0):
+            rates = ",".join("250mbit" if h == slow else "1gbit" for h in range(4))
+            jobs.append({"series": "hetero", "tag": f"hetero_resnet18_slow{slow}", "slow": slow,
+                         "argv": ["--model", "resnet18", "--ranks", "4", "--host-rates", rates,
+                                  "--peers", SUBSET, *few]})
+    if "shared" in series:
+        jobs.append({"series": "shared", "tag": "shared_resnet18_4r_1g",
+                     "argv": ["--model", "resnet18", "--ranks", "4", "--net", "shared",
+                              "--peers", "floor,mpi-allreduce,hvd_slim-slim@0.01", *few]})
+    return jobs
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cluster_study",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--series", default=",".join(SERIES),
+                    help=f"comma-separated subset of {', '.join(SERIES)}")
+    ap.add_argument("--steps", type=int, default=12, help="measured steps per peer")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "cluster"))
+    ap.add_argument("--quiet-cpu", default="0.5", help="passed to benchmarks.run")
+    ap.add_argument("--summary-only", action="store_true",
+                    help="rebuild summary.md and the plots from the JSON files in --out")
+    args, extra = ap.parse_known_args(argv)
+    series = [s for s in args.series.split(",") if s]
+    bad = [s for s in series if s not in SERIES]
+    if bad:
+        ap.error(f"unknown series {bad}; choose from {', '.join(SERIES)}")
+    jobs = plan(series, args.steps)
+    failed = []
+    if not args.summary_only:
+        for job in jobs:
+            argv_ = [*job["argv"], "--out", args.out, "--tag", job["tag"],
+                     "--quiet-cpu", args.quiet_cpu, *extra]
+            print(f"[cluster_study] {job['series']}: python -m benchmarks.run "
+                  f"{' '.join(argv_)}", file=sys.stderr, flush=True)
+            if run.main(argv_) != 0:
+                failed.append(job["tag"])
+    results = {}
+    for job in plan(list(SERIES), args.steps):
+        path = os.path.join(args.out, f"{job['tag']}.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                results[job["tag"]] = dict(json.load(f), study=job)
+    print(summarise(results, args.out))
+    if failed:
+        print(f"[cluster_study] jobs with failed peers: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

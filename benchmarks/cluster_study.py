@@ -28,8 +28,10 @@ from . import run
 from .study_report import summarise
 
 SERIES = ("peers", "compute", "scaling", "hetero", "shared")
-SUBSET = "floor,mpi-allreduce,horovod,ddp-powersgd-r1,topk-ef@0.01,hvd_slim-slim@0.01," \
-         "hvd_slim-union@0.01"
+# hvd_slim at its default density (0.02, pull "slim") and at the 0.01 the peers are compared at
+SUBSET = "floor,mpi-allreduce,horovod,ddp-powersgd-r1,topk-ef@0.01,hvd_slim-slim@0.02," \
+         "hvd_slim-slim@0.01,hvd_slim-union@0.01"
+DENSITIES = "0.1,0.02,0.01,0.001"
 
 
 def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
@@ -38,27 +40,30 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
     jobs: List[Dict[str, Any]] = []
     if "peers" in series:
         jobs.append({"series": "peers", "tag": "peers_resnet18_4h_1g",
-                     "argv": ["--model", "resnet18", "--ranks", "4", "--steps", str(steps)]})
+                     "argv": ["--model", "resnet18", "--ranks", "4", "--steps", str(steps),
+                              "--densities", DENSITIES]})
     if "compute" in series:
         for model in ("resnet18-real", "smallcnn"):
             jobs.append({"series": "compute", "tag": f"compute_{model}_4h_1g",
-                         "argv": ["--model", model, "--ranks", "4", "--peers", SUBSET, *few]})
+                         "argv": ["--model", model, "--ranks", "4", "--peers", SUBSET,
+                                  "--densities", DENSITIES, *few]})
     if "scaling" in series:
         for hosts in (2, 4, 8):
             jobs.append({"series": "scaling", "tag": f"scaling_cnn1m_{hosts}h_100m", "hosts": hosts,
                          "argv": ["--model", "cnn1m", "--ranks", str(hosts), "--rate", "100mbit",
                                   "--peers", SUBSET.replace("horovod,", ""),
-                                  "--steps", str(steps)]})
+                                  "--densities", DENSITIES, "--steps", str(steps)]})
     if "hetero" in series:
         for slow in (3, 0):
             rates = ",".join("250mbit" if h == slow else "1gbit" for h in range(4))
             jobs.append({"series": "hetero", "tag": f"hetero_resnet18_slow{slow}", "slow": slow,
                          "argv": ["--model", "resnet18", "--ranks", "4", "--host-rates", rates,
-                                  "--peers", SUBSET, *few]})
+                                  "--peers", SUBSET, "--densities", DENSITIES, *few]})
     if "shared" in series:
         jobs.append({"series": "shared", "tag": "shared_resnet18_4r_1g",
                      "argv": ["--model", "resnet18", "--ranks", "4", "--net", "shared",
-                              "--peers", "floor,mpi-allreduce,hvd_slim-slim@0.01", *few]})
+                              "--peers", "floor,mpi-allreduce,hvd_slim-slim@0.02,hvd_slim-slim@0.01",
+                              "--densities", DENSITIES, *few]})
     return jobs
 
 

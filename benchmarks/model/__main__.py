@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import List, Optional
 
@@ -56,6 +57,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     e.add_argument("--peers", default=",".join(extrapolate.DEFAULT_PEERS))
     e.add_argument("--slow-host", type=float, default=None, metavar="FRACTION",
                    help="the last host's NIC at this fraction of the rate")
+    e.add_argument("--local-from", metavar="RESULTS.json", default=None,
+                   help="take the per-element local costs (pass, selections) measured in a "
+                        "benchmark results file instead of the --*-ns options")
     _add_costs(e)
     p = sub.add_parser("predict", help="one peer's prediction, part by part")
     p.add_argument("peer", help='a benchmark peer name, e.g. "hvd_slim-slim@0.01"')
@@ -74,11 +78,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         return validate.main(a.results, a.tolerance)
     slim = SlimSettings(value_bits=a.value_bits)
     if a.cmd == "extrapolate":
+        local = _local(a)
+        if a.local_from:
+            with open(a.local_from, encoding="utf-8") as f:
+                local = validate.local_costs_of(json.load(f))
         return extrapolate.main(
             a.out, [m for m in a.models.split(",") if m], _floats(a.rates_gbit),
             [int(x) for x in a.ranks.split(",") if x], [p for p in a.peers.split(",") if p],
             latency_s=a.latency_us * 1e-6, overhead_s=a.overhead_us * 1e-6,
-            compute_s=a.compute_s, local=_local(a), slim=slim, allreduce=a.allreduce,
+            compute_s=a.compute_s, local=local, slim=slim, allreduce=a.allreduce,
             slow_host=a.slow_host)
     net = nw.Network(a.topology, tuple(r * 1e9 for r in _floats(a.rate_gbit)),
                      latency_s=a.latency_us * 1e-6, overhead_s=a.overhead_us * 1e-6,

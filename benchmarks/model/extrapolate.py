@@ -140,10 +140,16 @@ def main(out_dir: str, models: Sequence[str], rates: Sequence[float], ranks: Seq
     g = grid(models, rates, ranks, peers, **kw)
     comm_only = not kw.get("compute_s") and kw.get("local", LocalCosts()) == LocalCosts()
     what = "communication s/step" if comm_only else "s/step (compute + local + communication)"
-    lat = kw.get("latency_s", LATENCY_S)
+    lat, loc = kw.get("latency_s", LATENCY_S), kw.get("local", LocalCosts())
+    slim = kw.get("slim", SlimSettings())
     title = (f"Extrapolation: {what}, switched network, one rank per host, "
-             f"{lat * 1e6:g} us latency, ring allreduce ({kw.get('allreduce', 'ring')}), "
-             "hvd_slim's pull by libnbc's Ibcast (a pipelined chain)")
+             f"{lat * 1e6:g} us latency, {kw.get('overhead_s', 0.0) * 1e6:g} us per message, "
+             f"dense allreduce by {kw.get('allreduce', 'ring')}, hvd_slim at value_bits "
+             f"{slim.value_bits} with its pull by libnbc's Ibcast (a pipelined chain)")
+    if not comm_only:
+        title += (f"; compute {kw.get('compute_s', 0.0):g} s, per element: pass "
+                  f"{loc.pass_s * 1e9:.3g} ns, top-k selection {loc.topk_select_s * 1e9:.3g} ns, "
+                  f"hvd_slim selection {loc.slim_select_s * 1e9:.3g} ns")
     text = markdown(g, peers, title) + "\n## Where each wins\n\n" + \
         "\n".join(headline(g, peers)) + "\n"
     pngs = plot(g, peers, out_dir, what)

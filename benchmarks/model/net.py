@@ -2,7 +2,8 @@
 
 A collective is a sequence of *phases*; in a phase a set of flows ``(src rank, dst rank, bytes)``
 runs concurrently and the phase ends when the last flow does. A phase costs its bandwidth term
-plus one one-way latency and one per-message software overhead:
+plus one one-way latency and a per-message software overhead for each message the busiest rank
+handles:
 
 * ``switched``: every host has its own full-duplex NIC (its own rate) into a non-blocking switch.
   The bandwidth term is the busiest NIC's load over its rate, ``max_h max(tx_h, rx_h) / r_h``
@@ -100,14 +101,20 @@ class Cost:
 
 
 def phase(net: Network, n: int, flows: Iterable[Flow]) -> Cost:
-    """One phase: ``flows`` concurrently, then one latency and one overhead (if any flow)."""
+    """One phase: ``flows`` concurrently, then one latency, and the per-message overhead once
+    for every message the busiest rank handles (a rank's sends overlap its receives; the root
+    of a gather or a linear broadcast handles n-1 in turn)."""
     ends = net.endpoints(n)
     tx, rx = [0.0] * ends, [0.0] * ends
+    sends: Dict[int, int] = {}
+    recvs: Dict[int, int] = {}
     any_flow = False
     for src, dst, nbytes in flows:
         if nbytes <= 0 or src == dst:
             continue
         any_flow = True
+        sends[src] = sends.get(src, 0) + 1
+        recvs[dst] = recvs.get(dst, 0) + 1
         a, b = net.endpoint(src), net.endpoint(dst)
         if a == b:        # two ranks of one host: shared memory, not the NIC
             continue
@@ -120,8 +127,10 @@ def phase(net: Network, n: int, flows: Iterable[Flow]) -> Cost:
     else:
         bw = max((8 * max(t, r) / net.rate(h) for h, (t, r) in enumerate(zip(tx, rx))),
                  default=0.0)
+    msgs = max(max(sends.values()), max(recvs.values()))
     f = net.frame_overhead
-    return Cost(bw + net.latency_s + net.overhead_s, [f * t for t in tx], [f * r for r in rx], 1)
+    return Cost(bw + net.latency_s + msgs * net.overhead_s, [f * t for t in tx],
+                [f * r for r in rx], 1)
 
 
 # --- allreduce -------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ PASSES: Dict[str, float] = {
     "ddp-fp16": 6,        # ... and the casts
     "ddp-powersgd": 8,    # bucket in/out, error add_, clone, M Q, M^T P, P Q^T, the new error
     "topk-ef": 4,         # cat, residual add_, the average's zero_ and div_
-    "hvd_slim": 3,        # u' = g + m u and a = r + u' (one fused pass each), the pull's zero_
+    "hvd_slim": 4,        # u' = g + m u, a = r + u' (fused passes), the NaN/Inf sum, pull zero_
     "hvd_slim-server-dense": 3,   # a dense aggregate (union or dense pull): zero_, nonzero/+e, mul_
 }
 DDP_BUCKET_BYTES = 25 << 20       # DDP's bucket_cap_mb default: one allreduce per bucket

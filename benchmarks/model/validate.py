@@ -24,8 +24,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import net as nw
 from .slim import SlimSettings, defaults_at, with_env
-from .strategies import FLOOR_PASSES, LocalCosts, Prediction, Scenario, parse, predict
-from .workloads import numel, shapes_of
+from .strategies import (FLOOR_PASSES, SMALL_NUMEL, LocalCosts, Prediction, Scenario, parse,
+                         predict)
+from .workloads import numel, shapes_of, split
 
 RATE_GBIT = {"tbf1g": 1.0, "tbf10g": 10.0, "loopback": 20.0}   # benchmarks.run's nominal rates
 MODE_OF_NET = {"tbf1g": "shared", "tbf10g": "shared", "loopback": "loopback"}
@@ -95,6 +96,24 @@ def inputs_of(res: Dict[str, Any]) -> Inputs:
     slim = with_env(slim, settings.get("env") or [])
     sc = Scenario(n, net, shapes, compute_s=compute, local=LocalCosts(pass_s=pass_s), slim=slim)
     return Inputs(sc, notes)
+
+
+def local_costs_of(res: Dict[str, Any], density: float = 0.01) -> LocalCosts:
+    """Per-element local costs measured in a results file, for extrapolation: the pass cost
+    (floor / (FLOOR_PASSES d)) and the per-element selection of ``topk-ef@density`` and
+    ``hvd_slim-slim@density`` (their select time over the compressed elements)."""
+    inp = inputs_of(res)
+    shapes, peers = inp.scenario.shapes, res.get("peers", {})
+
+    def per_elem(peer: str, threshold: int) -> float:
+        sel = (peers.get(peer) or {}).get("select_ms_per_step")
+        big = split(shapes, threshold)[0]
+        return sel / 1e3 / big if sel and big else 0.0
+
+    return LocalCosts(pass_s=inp.scenario.local.pass_s,
+                      topk_select_s=per_elem(f"topk-ef@{density:g}", SMALL_NUMEL),
+                      slim_select_s=per_elem(f"hvd_slim-slim@{density:g}",
+                                             inp.scenario.slim.min_compress_numel))
 
 
 @dataclass

@@ -15,7 +15,8 @@ handles:
 Rates are bits/s; ``efficiency`` (the achieved share of line rate, e.g. the benchmark's
 pingpong over the nominal rate) scales every rate. NIC counters (``tx``/``rx`` per endpoint: a
 host when switched, a rank when shared) are payload bytes times ``frame_overhead``
-(Ethernet/IP/TCP framing as an interface counter sees it).
+(Ethernet/IP/TCP framing as an interface counter sees it) plus ``ack_overhead`` times the bytes
+received (the ACKs going back).
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ from typing import Callable, Dict, Iterable, List, Tuple
 TOPOLOGIES = ("switched", "shared", "loopback")
 Flow = Tuple[int, int, float]   # (source rank, destination rank, bytes)
 # Interface counters of an MTU-1500 TCP link: a 1448-byte payload (timestamps on) leaves as a
-# 1514-byte frame (14 Ethernet + 20 IP + 32 TCP header bytes).
+# 1514-byte frame (14 Ethernet + 20 IP + 32 TCP header bytes), and the receiver answers every
+# second segment with a 66-byte ACK (delayed ACKs), counted on its transmit side.
 ETH_FRAME_OVERHEAD = 1514 / 1448
+ETH_ACK_OVERHEAD = 66 / (2 * 1448)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Network:
     efficiency: float = 1.0              # achieved fraction of the rate
     ranks_per_host: int = 1              # switched only: ranks r*k .. r*k+k-1 share host r
     frame_overhead: float = 1.0          # NIC-counter bytes per payload byte
+    ack_overhead: float = 0.0            # NIC-counter bytes sent back per payload byte received
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -128,9 +132,14 @@ def phase(net: Network, n: int, flows: Iterable[Flow]) -> Cost:
         bw = max((8 * max(t, r) / net.rate(h) for h, (t, r) in enumerate(zip(tx, rx))),
                  default=0.0)
     msgs = max(max(sends.values()), max(recvs.values()))
-    f = net.frame_overhead
-    return Cost(bw + net.latency_s + msgs * net.overhead_s, [f * t for t in tx],
-                [f * r for r in rx], 1)
+    return Cost(bw + net.latency_s + msgs * net.overhead_s, *counters(net, tx, rx), 1)
+
+
+def counters(net: Network, tx: List[float], rx: List[float]) -> Tuple[List[float], List[float]]:
+    """What interface counters show for payload bytes ``tx``/``rx`` per endpoint: framing on
+    the data, and the ACKs of what an endpoint receives on its transmit side."""
+    f, a = net.frame_overhead, net.ack_overhead
+    return ([f * t + a * r for t, r in zip(tx, rx)], [f * r + a * t for t, r in zip(tx, rx)])
 
 
 # --- allreduce -------------------------------------------------------------------------------
@@ -243,8 +252,7 @@ def bcast_chain(net: Network, n: int, root: int, nbytes: float, seg: float = 327
     out.seconds = max((nseg + n - 2) * slot, load) + nseg * net.overhead_s + \
         (n - 1) * net.latency_s
     out.phases = nseg + n - 2
-    out.tx = [net.frame_overhead * t for t in out.tx]
-    out.rx = [net.frame_overhead * r for r in out.rx]
+    out.tx, out.rx = counters(net, out.tx, out.rx)
     return out
 
 

@@ -11,7 +11,7 @@ Inputs, and where each comes from (the table's preamble repeats them per file):
 * derived: the cost of one streaming pass per element, the floor over its
   :data:`~.strategies.FLOOR_PASSES` passes of d elements.
 * documented constants: :data:`LATENCY_S` where the file has no latency, no per-message
-  overhead, Ethernet framing on switched NIC counters.
+  overhead, Ethernet framing and TCP ACKs on switched NIC counters (net.ETH_*).
 
 Nothing is fitted to a peer's time. A peer whose ``|error|`` exceeds the tolerance makes the
 command exit 1.
@@ -65,6 +65,10 @@ def inputs_of(res: Dict[str, Any]) -> Inputs:
     rph = int(netw.get("ranks_per_host") or max(1, n // max(hosts, 1)))
     pp = (netw.get("pingpong") or {}).get("gbit_per_s")
     eff = 1.0
+    if pp and mode == "switched" and rph > 1:
+        # Ranks 0 and 1 share a host (ranks fill hosts in order): the pingpong never saw a NIC.
+        notes.append(f"pingpong {pp:.3f} Gbit/s ignored: ranks 0 and 1 share a host")
+        pp = None
     if pp:
         nominal = min(rates[:2]) if mode == "switched" and len(rates) > 1 else rates[0]
         if mode == "loopback":        # an unshaped loopback: the pingpong is the link's rate
@@ -76,8 +80,10 @@ def inputs_of(res: Dict[str, Any]) -> Inputs:
     latency = LATENCY_S if lat_ms is None else float(lat_ms) / 1e3
     notes.append(("measured" if lat_ms is not None else "documented constant") +
                  f": one-way latency {latency * 1e6:.0f} us")
+    eth = mode == "switched"   # eth0 counters see framing and ACKs; a loopback's lo barely
     net = nw.Network(mode, rates, latency_s=latency, efficiency=eff, ranks_per_host=rph,
-                     frame_overhead=nw.ETH_FRAME_OVERHEAD if mode == "switched" else 1.0)
+                     frame_overhead=nw.ETH_FRAME_OVERHEAD if eth else 1.0,
+                     ack_overhead=nw.ETH_ACK_OVERHEAD if eth else 0.0)
     shapes = tuple(shapes_of(settings["model"]))
     floor = (res.get("peers", {}).get("floor") or {}).get("median_s")
     compute = float(floor) if floor else 0.0

@@ -130,6 +130,9 @@ def test_nic_counters_carry_the_frame_overhead_but_time_does_not():
     framed = nw.ring_allreduce(switched(frame_overhead=nw.ETH_FRAME_OVERHEAD), 4, 4e6)
     assert framed.seconds == plain.seconds
     assert framed.tx[0] == pytest.approx(plain.tx[0] * 1514 / 1448)
+    acked = nw.gather(switched(ack_overhead=nw.ETH_ACK_OVERHEAD), 4, 0, 1e6)
+    assert acked.rx[0] == 3e6 and acked.tx[0] == pytest.approx(3e6 * 66 / 2896)
+    assert acked.tx[1] == 1e6 and acked.rx[1] == pytest.approx(1e6 * 66 / 2896)
 
 
 # --- workloads and strategies --------------------------------------------------------------
@@ -330,3 +333,21 @@ def test_extrapolate_writes_a_table_and_plots(tmp_path, capsys):
         assert "no plots" in text
     else:
         assert (out / "extrapolate_tiny.png").stat().st_size > 0
+
+
+def test_validate_reads_the_switched_fields():
+    res = {"settings": {"ranks": 4, "model": "tiny", "net": "x"},
+           "network": {"mode": "switched", "hosts": 2, "ranks_per_host": 2,
+                       "rate_gbit": [10, 2.5], "latency_ms": 0.02,
+                       "pingpong": {"gbit_per_s": 30.0}},
+           "peers": {"floor": {"status": "ok", "median_s": 0.02}}}
+    inp = validate.inputs_of(res)
+    net = inp.scenario.net
+    assert (net.topology, net.ranks_per_host, net.rate_bps) == ("switched", 2, (1e10, 2.5e9))
+    assert net.latency_s == pytest.approx(2e-5) and net.efficiency == 1.0
+    assert any("ignored" in n for n in inp.notes)   # ranks 0 and 1 share a host
+    # The ring crosses the slow host's NIC: its bandwidth term is the quarter-rate one.
+    d = numel(shapes_of("tiny"))
+    ring = predict("mpi-allreduce", inp.scenario)
+    assert ring.comm_s == pytest.approx(6 * (4 * d / 4 * 8 / 2.5e9 + 2e-5))
+    assert ring.busiest_tx == pytest.approx(2 * 3 / 4 * 4 * d * (1514 / 1448 + 66 / 2896))

@@ -62,8 +62,9 @@ def _first_loss(per_n: Dict[int, Dict[str, Prediction]], peer: str, rival: str) 
     return f"from N = {lose[0]}"
 
 
-def headline(g: Grid, peers: Sequence[str], baseline: str = "mpi-allreduce") -> List[str]:
-    """Who is fastest where, and where each hvd_slim peer loses to the dense ring."""
+def headline(g: Grid, peers: Sequence[str],
+             baselines: Sequence[str] = ("mpi-allreduce", "horovod-fp16")) -> List[str]:
+    """Who is fastest where, and where each hvd_slim peer loses to the dense allreduces."""
     lines = []
     for (model, rate), per_n in g.items():
         wins: List[Tuple[str, List[int]]] = []
@@ -76,11 +77,11 @@ def headline(g: Grid, peers: Sequence[str], baseline: str = "mpi-allreduce") -> 
         span = "; ".join(f"{p} (N {ns[0]}-{ns[-1]})" if len(ns) > 1 else f"{p} (N {ns[0]})"
                          for p, ns in wins)
         lines.append(f"- {model} at {rate:g} Gbit/s: fastest {span}.")
-        if baseline in peers:
-            for p in peers:
-                if p.startswith("hvd_slim"):
-                    lines.append(f"  - {p} slower than {baseline}: "
-                                 f"{_first_loss(per_n, p, baseline)}")
+        for p in peers:
+            if p.startswith("hvd_slim"):
+                losses = [f"{b} {_first_loss(per_n, p, b)}" for b in baselines if b in peers]
+                if losses:
+                    lines.append(f"  - {p} slower than " + "; than ".join(losses))
     return lines
 
 

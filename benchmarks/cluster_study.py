@@ -13,6 +13,9 @@ Series (each one or more ``benchmarks.run`` jobs, results in ``--out``):
 * ``hetero``: 4 hosts at 1 Gbit/s with one at 250 Mbit/s, once a worker's (host 3) and once
   the server's (host 0): how much each peer slows down.
 * ``shared``: the old shared medium (every rank on one 1 Gbit/s link), for comparison.
+* ``calibrate``: the ``peers`` and ``scaling`` jobs again on the unshaped loopback: each peer's
+  step with next to no wire time, this machine's local work at that N, which the cost model
+  (``python -m benchmarks.model validate --local-from``) takes as a measured input.
 
 Then ``<out>/summary.md`` gathers the tables and ``<out>/scaling_*.png`` the plots.
 """
@@ -27,7 +30,7 @@ from typing import Any, Dict, List, Optional
 from . import run
 from .study_report import summarise
 
-SERIES = ("peers", "compute", "scaling", "hetero", "shared")
+SERIES = ("peers", "compute", "scaling", "hetero", "shared", "calibrate")
 # hvd_slim at its default density (0.02, pull "slim") and at the 0.01 the peers are compared at
 SUBSET = "floor,mpi-allreduce,horovod,ddp-powersgd-r1,topk-ef@0.01,hvd_slim-slim@0.02," \
          "hvd_slim-slim@0.01,hvd_slim-union@0.01"
@@ -64,6 +67,15 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
                      "argv": ["--model", "resnet18", "--ranks", "4", "--net", "shared",
                               "--peers", "floor,mpi-allreduce,hvd_slim-slim@0.02,hvd_slim-slim@0.01",
                               "--densities", DENSITIES, *few]})
+    if "calibrate" in series:
+        jobs.append({"series": "calibrate", "tag": "calibrate_resnet18_4r_loopback",
+                     "argv": ["--model", "resnet18", "--ranks", "4", "--net", "loopback",
+                              "--steps", str(steps), "--densities", DENSITIES]})
+        for hosts in (2, 4, 8):
+            jobs.append({"series": "calibrate", "tag": f"calibrate_cnn1m_{hosts}r_loopback",
+                         "argv": ["--model", "cnn1m", "--ranks", str(hosts), "--net", "loopback",
+                                  "--peers", SUBSET.replace("horovod,", ""),
+                                  "--densities", DENSITIES, "--steps", str(steps)]})
     return jobs
 
 

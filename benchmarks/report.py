@@ -7,12 +7,15 @@ import os
 import statistics
 from typing import Any, Dict, List, Optional
 
+from hvd_slim.config import SlimConfig, default_pull_density
+
 from . import plots
 
 # The issue's reference figures (ResNet-18 shapes, 4 ranks, 1 Gbit/s), median s per step.
 REFERENCE = {"floor": 0.026, "mpi-allreduce": 2.28, "horovod": 2.29, "horovod-fp16": 1.17,
              "topk-ef@0.01": 0.71, "ddp-powersgd-r1": 0.217, "ddp-powersgd-r4": 0.304}
-EXPLORATION = 0.1   # hvd_slim's default, used by the closed form
+EXPLORATION = SlimConfig.exploration   # hvd_slim's defaults, used by the closed form
+VALUE_BITS = SlimConfig.value_bits
 FIELDS = ("handed_sent", "handed_recv", "wire_sent", "wire_recv", "select_s")
 
 
@@ -34,21 +37,30 @@ def index_bytes_bound(d: int, n: int) -> int:
     return min(ef, (d + 7) // 8)
 
 
-def closed_form(d: int, dense_numel: int, density: float) -> Dict[str, int]:
+def closed_form(d: int, dense_numel: int, density: float, value_bits: int = 8,
+                pull_density: Optional[float] = None) -> Dict[str, int]:
     """Bytes of one hvd_slim push (and of a pull="slim" pull) from its density: the 8-byte length
-    word, a 32-byte header and a 16-byte table entry per bucket, the dense small tensors, k fp32
-    values and the core's indices (at most :func:`index_bytes_bound`)."""
+    word, a 32-byte header and a 16-byte table entry per bucket, the dense small tensors (fp32),
+    k values of ``value_bits`` and the core's indices (at most :func:`index_bytes_bound`); the
+    slim pull carries ``k_pull`` values and indices at ``pull_density`` (default: hvd_slim's
+    rule)."""
     k = min(d, max(1, math.ceil(density * d)))
     k_core = k - int(round(EXPLORATION * k))
+    pd = default_pull_density(density) if pull_density is None else pull_density
+    k_pull = min(d, max(1, math.ceil(pd * d)))
     buckets = int(d > 0) + int(dense_numel > 0)
-    fixed = 8 + 32 + 16 * buckets + 4 * dense_numel + 4 * k
+    vbytes = value_bits / 8
+    fixed = 8 + 32 + 16 * buckets + 4 * dense_numel
     bound = index_bytes_bound(d, k_core)
     return {"d": d, "dense_numel": dense_numel, "k": k, "k_core": k_core, "buckets": buckets,
-            "value_bytes": 4 * k, "index_bytes_bound": bound, "bytes_min": fixed,
-            "bytes_max": fixed + bound}
+            "value_bits": value_bits, "value_bytes": int(vbytes * k),
+            "index_bytes_bound": bound, "bytes_min": fixed + int(vbytes * k),
+            "bytes_max": fixed + int(vbytes * k) + bound, "k_pull": k_pull,
+            "pull_bytes_min": fixed + int(vbytes * k_pull),
+            "pull_bytes_max": fixed + int(vbytes * k_pull) + min((d + 7) // 8, 8 * k_pull)}
 
 
-def _peer(name: str, recs: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _peer(name: str, recs: List[Dict[str, Any]], env: Dict[str, str]) -> Dict[str, Any]:
     ok = [r for r in recs if r.get("status") == "ok"]
     if not ok:
         r = recs[0] if recs else {"status": "failed", "error": "no record"}
@@ -74,7 +86,8 @@ def _peer(name: str, recs: List[Dict[str, Any]]) -> Dict[str, Any]:
     if name.startswith("hvd_slim-"):
         pull, density = name[len("hvd_slim-"):].split("@")
         ex = ok[0]["extra"][0]
-        cf = closed_form(ex["compressed_numel"], ex["dense_numel"], float(density))
+        cf = closed_form(ex["compressed_numel"], ex["dense_numel"], float(density),
+                         value_bits=int(env.get("HVD_SLIM_VALUE_BITS", VALUE_BITS)))
         pushes = [r["handed_sent"] for r in ranks]
         pulls = [r["handed_recv"] for r in ranks]
         out["ring_allreduce_bytes_per_step"] = statistics.fmean(r["ring_allreduce_bytes"]
@@ -84,7 +97,8 @@ def _peer(name: str, recs: List[Dict[str, Any]]) -> Dict[str, Any]:
         out["closed_form"] = cf
         out["closed_form_push_ok"] = all(cf["bytes_min"] <= b <= cf["bytes_max"] for b in pushes)
         if pull == "slim":
-            out["closed_form_pull_ok"] = all(cf["bytes_min"] <= b <= cf["bytes_max"] for b in pulls)
+            out["closed_form_pull_ok"] = all(cf["pull_bytes_min"] <= b <= cf["pull_bytes_max"]
+                                             for b in pulls)
         out["last_step"] = [e["last_step"] for e in ok[0]["extra"]]
     return out
 
@@ -160,7 +174,8 @@ def targets(peers: Dict[str, Dict[str, Any]], density: float = 0.01) -> List[Dic
 
 def build(meta: Dict[str, Any], records: List[Dict[str, Any]], names: List[str],
           args: Any) -> Dict[str, Any]:
-    peers = {n: _peer(n, [r for r in records if r.get("peer") == n]) for n in names}
+    env = dict(kv.split("=", 1) for kv in getattr(args, "env", []) or [])
+    peers = {n: _peer(n, [r for r in records if r.get("peer") == n], env) for n in names}
     for n, p in peers.items():   # how busy the machine was (others) just before each run
         p["others_cpu_busy_before"] = [j.get("cpu_busy_before") for j in meta.get("jobs", [])
                                        if n in j["peers"]]

@@ -49,6 +49,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     v.add_argument("results", nargs="+", help="benchmarks/results/<tag>.json")
     v.add_argument("--tolerance", type=float, default=0.25,
                    help="largest |predicted/measured - 1| that passes (default 0.25)")
+    v.add_argument("--local-from", nargs="+", action="extend", metavar="CALIB.json",
+                   default=None,
+                   help="calibration runs (the same peers on the loopback): each results file "
+                        "takes the one with its model and rank count, and every peer's "
+                        "compute + local work is that run's median minus the model's "
+                        "communication there (exit 2 when a file has none)")
     e = sub.add_parser("extrapolate", help="tables and plots for N = 16 .. 1024 hosts")
     e.add_argument("--out", required=True, help="directory for extrapolation.md and PNGs")
     e.add_argument("--models", default=",".join(extrapolate.DEFAULT_MODELS))
@@ -75,7 +81,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     a = parse_args(argv)
     if a.cmd == "validate":
-        return validate.main(a.results, a.tolerance)
+        return validate.main(a.results, a.tolerance, a.local_from)
     slim = SlimSettings(value_bits=a.value_bits)
     if a.cmd == "extrapolate":
         local = _local(a)

@@ -13,12 +13,40 @@ Inputs, and where each comes from (the table's preamble repeats them per file):
 * documented constants: :data:`LATENCY_S` where the file has no latency, no per-message
   overhead, Ethernet framing and TCP ACKs on switched NIC counters (net.ETH_*).
 
+Measured local work (``--local-from CALIB.json ...``): the derived pass cost badly underestimates
+what 4 or 8 ranks sharing 2 cores spend on each peer's O(d) work (fp8 encoding and scatters,
+the reduction arithmetic inside MPI's and Gloo's rings, PowerSGD's matrix products). A
+calibration run measures it: the same peers, model and rank count on the unshaped loopback.
+For a results file, the calibration with the same ``settings.model`` and ``settings.ranks`` is
+taken (none, or more than one: an error), and for each peer that ran in both
+
+    local (compute + local work) = calibration median - comm_model(peer, calibration network)
+    predicted                    = local + comm_model(peer, this file's network)
+
+where the calibration network is read like any other file: a loopback is a shared link at its
+measured pingpong rate (``network.pingpong``; every byte any rank sends is copied through the
+one kernel, on the same 2 cores, so the ranks share that rate), with the file's latency or
+:data:`LATENCY_S`. A negative difference would be clipped to 0 (the table shows both terms).
+Peers missing from the calibration keep the derived local work, and the table marks each
+peer's compute + local as (m) measured or (d) derived. Nothing is tuned against the file being
+validated: the only input taken from a calibration is one number per peer, and the model's
+own communication time on the loopback (small there: tens of Gbit/s) is what is removed.
+
+Wire time and CPU work *add*: every peer here exchanges after its backward, and the CPU work in
+the exchange sits in its critical path: hvd_slim encodes before its push and the server
+aggregates and selects after the gather, top-k selects before its allgather, MPI and Gloo reduce
+each received ring chunk before forwarding it, and PowerSGD's products separate its
+allreduces. With 4 or 8 ranks on 2 cores there is no spare core to hide one behind the other.
+Open MPI's ring does overlap the reduction of one chunk with the next chunk's receive, so for
+the dense rings the sum is an upper bound; no factor for that is applied.
+
 Nothing is fitted to a peer's time. A peer whose ``|error|`` exceeds the tolerance makes the
-command exit 1.
+command exit 1 (exit 2: a file without a calibration under --local-from).
 """
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -126,23 +154,87 @@ def local_costs_of(res: Dict[str, Any], density: float = 0.01) -> LocalCosts:
 class Row:
     peer: str
     measured: float
-    pred: Prediction
-    error: float             # predicted / measured - 1
+    pred: Prediction         # the model on the file's own network (comm, bytes, derived local)
+    error: float             # seconds / measured - 1
     peer_rec: Dict[str, Any]
+    seconds: float = 0.0     # the prediction: pred.seconds, or calibrated local + pred.comm_s
+    # With a calibration: (its median, the model's communication on its network); local work
+    # = max(0, median - communication).
+    calib: Optional[Tuple[float, float]] = None
+
+    @property
+    def local_m(self) -> Optional[float]:
+        return None if self.calib is None else max(0.0, self.calib[0] - self.calib[1])
 
 
-def rows_of(res: Dict[str, Any], inp: Inputs) -> List[Row]:
+@dataclass
+class Calibration:
+    """A calibration run's results and its scenario (the network its communication is
+    modelled on)."""
+
+    path: str
+    res: Dict[str, Any]
+    inputs: Inputs
+
+
+def load_calibration(path: str) -> Calibration:
+    with open(path, encoding="utf-8") as f:
+        res = json.load(f)
+    return Calibration(path, res, inputs_of(res))
+
+
+def _key(res: Dict[str, Any]) -> Tuple[str, int]:
+    settings = res.get("settings", {})
+    return str(settings.get("model")), int(settings.get("ranks", 0))
+
+
+def calibration_for(res: Dict[str, Any], calibs: Sequence[Calibration],
+                    path: str = "results") -> Calibration:
+    """The one calibration with the same ``settings.model`` and ``settings.ranks`` as ``res``;
+    ValueError when there is none or more than one."""
+    want = _key(res)
+    hits = [c for c in calibs if _key(c.res) == want]
+    if len(hits) != 1:
+        have = ", ".join(f"{c.path} ({_key(c.res)[0]}, {_key(c.res)[1]} ranks)"
+                         for c in calibs) or "none"
+        what = "no calibration" if not hits else f"{len(hits)} calibrations"
+        raise ValueError(f"{what} for {path} (model {want[0]!r}, {want[1]} ranks) among "
+                         f"--local-from: {have}")
+    return hits[0]
+
+
+def _ok(p: Dict[str, Any]) -> bool:
+    return p.get("status") == "ok" and bool(p.get("median_s"))
+
+
+def _sel(p: Dict[str, Any]) -> Optional[float]:
+    sel = p.get("select_ms_per_step")
+    return None if sel is None else sel / 1e3
+
+
+def rows_of(res: Dict[str, Any], inp: Inputs, calib: Optional[Calibration] = None
+            ) -> List[Row]:
+    """One row per modelled peer that ran. With ``calib``, a peer that also ran there is
+    predicted as its calibrated local work plus the model's communication on ``res``'s network;
+    the others keep the derived local work."""
+    cal_peers = calib.res.get("peers", {}) if calib else {}
     out = []
     for name, p in res.get("peers", {}).items():
-        if p.get("status") != "ok" or not p.get("median_s"):
+        if not _ok(p):
             continue
         try:
             parse(name)
         except ValueError:
             continue
-        sel = p.get("select_ms_per_step")
-        pred = predict(name, inp.scenario, None if sel is None else sel / 1e3)
-        out.append(Row(name, p["median_s"], pred, pred.seconds / p["median_s"] - 1, p))
+        pred = predict(name, inp.scenario, _sel(p))
+        row = Row(name, p["median_s"], pred, 0.0, p, pred.seconds)
+        c = cal_peers.get(name) or {}
+        if calib is not None and _ok(c):
+            there = predict(name, calib.inputs.scenario, _sel(c))
+            row.calib = (float(c["median_s"]), there.comm_s)
+            row.seconds = row.local_m + pred.comm_s
+        row.error = row.seconds / row.measured - 1
+        out.append(row)
     return out
 
 
@@ -156,9 +248,21 @@ def _bytes(measured: Optional[float], predicted: float, derived: bool) -> str:
     return f"{_mb(measured)}{'*' if derived else ''} / {_mb(predicted)}"
 
 
-def table(rows: Sequence[Row]) -> str:
-    """The Markdown table of one file's rows."""
-    head = ("| peer | measured s/step | predicted s/step | error | compute (m) | local | "
+def _local_cells(r: Row) -> Tuple[str, str]:
+    """(compute + local, where it comes from) for the calibrated table."""
+    p = r.pred
+    if r.calib is not None:
+        return f"{r.local_m:.4f} (m)", f"calibration {r.calib[0]:.4f} - its comm {r.calib[1]:.4f}"
+    sel = p.detail.get("select_s")
+    return (f"{p.compute_s + p.local_s:.4f} (d)",
+            f"compute {p.compute_s:.4f} (m) + local {p.local_s:.4f}" +
+            (f" (select {sel:.4f} m)" if sel else ""))
+
+
+def table(rows: Sequence[Row], calibrated: bool = False) -> str:
+    """The Markdown table of one file's rows (``calibrated``: the --local-from columns)."""
+    mid = ("compute + local | from | " if calibrated else "compute (m) | local | ")
+    head = ("| peer | measured s/step | predicted s/step | error | " + mid +
             "comm (model) | sent/rank MB meas/pred | recv/rank MB meas/pred | "
             "busiest NIC tx MB meas/pred | busiest NIC rx MB meas/pred |")
     lines = [head, "|" + "---|" * 11]
@@ -166,11 +270,15 @@ def table(rows: Sequence[Row]) -> str:
         p, rec = r.pred, r.peer_rec
         derived = (rec.get("basis") or {}).get("wire") == "derived"
         nic = rec.get("nic_bytes_per_step") or {}
-        sel = p.detail.get("select_s")
-        local = f"{p.local_s:.4f}" + (f" (select {sel:.4f} m)" if sel else "")
+        if calibrated:
+            cells = " | ".join(_local_cells(r))
+        else:
+            sel = p.detail.get("select_s")
+            cells = f"{p.compute_s:.4f} | {p.local_s:.4f}" + \
+                (f" (select {sel:.4f} m)" if sel else "")
         lines.append(
-            f"| {r.peer} | {r.measured:.4f} | {p.seconds:.4f} | {100 * r.error:+.1f}% | "
-            f"{p.compute_s:.4f} | {local} | {p.comm_s:.4f} | "
+            f"| {r.peer} | {r.measured:.4f} | {r.seconds:.4f} | {100 * r.error:+.1f}% | "
+            f"{cells} | {p.comm_s:.4f} | "
             f"{_bytes(rec.get('bytes_sent_per_step'), p.sent_per_rank, derived)} | "
             f"{_bytes(rec.get('bytes_recv_per_step'), p.recv_per_rank, derived)} | "
             f"{_bytes(nic.get('busiest_tx'), p.busiest_tx, False)} | "
@@ -178,40 +286,78 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def report(path: str, tolerance: float) -> Tuple[str, List[Row]]:
-    """(Markdown for one results file, its rows beyond ``tolerance``)."""
+def _net_words(sc: Scenario) -> str:
+    return (f"{sc.ranks} ranks, {sc.net.topology} at "
+            f"{', '.join(f'{r / 1e9:g}' for r in sc.net.rate_bps)} Gbit/s")
+
+
+def report(path: str, tolerance: float, calibs: Optional[Sequence[Calibration]] = None
+           ) -> Tuple[str, List[Row]]:
+    """(Markdown for one results file, its rows beyond ``tolerance``). ``calibs``: the
+    --local-from files, one of which must match (:func:`calibration_for`)."""
     with open(path, encoding="utf-8") as f:
         res = json.load(f)
     inp = inputs_of(res)
-    rows = rows_of(res, inp)
+    calib = calibration_for(res, calibs, path) if calibs is not None else None
+    rows = rows_of(res, inp, calib)
     sc = inp.scenario
     text = [f"### {path}", "",
-            f"{sc.ranks} ranks, {sc.net.topology} at "
-            f"{', '.join(f'{r / 1e9:g}' for r in sc.net.rate_bps)} Gbit/s, model "
-            f"{res['settings'].get('model')} (d = {sc.d}).", ""]
+            f"{_net_words(sc)}, model {res['settings'].get('model')} (d = {sc.d}).", ""]
     text += [f"- {n}" for n in inp.notes]
-    text += ["", table(rows), "",
-             "(m) measured input; local = the measured selection (m) plus the streaming passes "
-             "and scatters the model counts for the strategy (derived pass cost); comm from the "
-             "model. Bytes: `*` the benchmark's figure is itself derived (a ring/allgather "
+    if calib is not None:
+        csc = calib.inputs.scenario
+        n_m = sum(r.calib is not None for r in rows)
+        text += [f"- measured: compute + local of {n_m} of {len(rows)} peers from {calib.path} "
+                 f"({_net_words(csc)}): its median minus the model's communication there; "
+                 "added to the communication modelled here (see validate's docstring)"]
+        text += [f"- calibration: {n}" for n in calib.inputs.notes
+                 if not n.startswith("measured: compute")]
+        if csc.slim != sc.slim:
+            text.append(f"- warning: hvd_slim settings differ (calibration {csc.slim}, "
+                        f"here {sc.slim}): its calibrated local work is for the former's sizes")
+    if calib is not None:
+        legend = ("compute + local: (m) measured on the calibration run (its median minus the "
+                  "model's communication on its network; the floor's too), (d) derived as "
+                  "without --local-from (the floor's median here, measured, plus the counted "
+                  "passes at the floor's cost per element and the measured selection). comm "
+                  "from the model on this file's network.")
+    else:
+        legend = ("(m) measured input; local = the measured selection (m) plus the streaming "
+                  "passes and scatters the model counts for the strategy (derived pass cost); "
+                  "comm from the model.")
+    text += ["", table(rows, calib is not None), "",
+             legend + " Bytes: `*` the benchmark's figure is itself derived (a ring/allgather "
              "formula on counted buffers), others counted; hvd_slim's are the transport's push "
              "and pull sizes.", ""]
-    scored = [r for r in rows if r.peer != "floor"]   # the floor is an input: error 0
+    # The floor is an input (error 0) unless it was predicted from a calibration.
+    scored = [r for r in rows if r.peer != "floor" or r.calib is not None]
     bad = [r for r in scored if abs(r.error) > tolerance]
     worst = max(scored, key=lambda r: abs(r.error), default=None)
     if worst is not None:
         text.append(f"max |error| {100 * abs(worst.error):.1f}% ({worst.peer}); "
-                    f"{len(bad)} of {len(scored)} peers beyond {100 * tolerance:g}%"
+                    f"{len(scored) - len(bad)} of {len(scored)} peers within, {len(bad)} "
+                    f"beyond {100 * tolerance:g}%"
                     + (": " + ", ".join(r.peer for r in bad) if bad else ""))
     return "\n".join(text) + "\n", bad
 
 
-def main(paths: Sequence[str], tolerance: float) -> int:
-    """Print every file's table; 1 if any peer is beyond ``tolerance``, else 0."""
+def main(paths: Sequence[str], tolerance: float, local_from: Optional[Sequence[str]] = None
+         ) -> int:
+    """Print every file's table; 1 if any peer is beyond ``tolerance``, 2 if a file has no
+    calibration among ``local_from`` (checked before anything is printed), else 0."""
+    calibs = None
+    if local_from:
+        calibs = [load_calibration(c) for c in local_from]
+        try:
+            for path in paths:
+                with open(path, encoding="utf-8") as f:
+                    calibration_for(json.load(f), calibs, path)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     failed = False
     for path in paths:
-        text, bad = report(path, tolerance)
+        text, bad = report(path, tolerance, calibs)
         print(text)
         failed = failed or bool(bad)
     return 1 if failed else 0
-

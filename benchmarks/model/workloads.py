@@ -1,10 +1,12 @@
 """Parameter shapes the model reasons about, and the splits each strategy makes of them.
 
-ResNet-18/50 and BERT-base come from :mod:`benchmarks.models` (the benchmark's own shapes, so a
-prediction and a measurement talk about the same tensors). The 1B-parameter transformer exists
-only here, for extrapolation: a GPT-style decoder, 24 layers of hidden 2048 (16 heads) and a
-4x MLP, a 32000-token tied embedding and 2048 learned positions: 1.278e9 parameters, almost all
-in 2048x2048 / 8192x2048 matrices.
+ResNet-18/50, BERT-base and ``cnn1m`` (SmallCNN's shapes with synthetic gradients, 1.15M
+parameters) come from :mod:`benchmarks.models` (the benchmark's own shapes, so a prediction and
+a measurement talk about the same tensors), as do the two real-compute models, ``smallcnn`` and
+``resnet18-real`` (the CIFAR-stem ResNet-18), from the modules the benchmark trains. The
+1B-parameter transformer exists only here, for extrapolation: a GPT-style decoder, 24 layers of
+hidden 2048 (16 heads) and a 4x MLP, a 32000-token tied embedding and 2048 learned positions:
+1.278e9 parameters, almost all in 2048x2048 / 8192x2048 matrices.
 """
 from __future__ import annotations
 
@@ -34,14 +36,18 @@ def _bench(name: str) -> Callable[[], List[Shape]]:
     return get
 
 
-def _smallcnn() -> List[Shape]:
-    from benchmarks.models import SmallCNN
-    return [tuple(p.shape) for p in SmallCNN().parameters()]
+def _real(name: str) -> Callable[[], List[Shape]]:
+    def get() -> List[Shape]:
+        from benchmarks.models import ResNet18Small, SmallCNN   # what the benchmark trains
+        model = SmallCNN() if name == "smallcnn" else ResNet18Small()
+        return [tuple(p.shape) for p in model.parameters()]
+    return get
 
 
 WORKLOADS: Dict[str, Callable[[], List[Shape]]] = {
     "resnet18": _bench("resnet18"), "resnet50": _bench("resnet50"), "bert": _bench("bert"),
-    "tiny": _bench("tiny"), "smallcnn": _smallcnn, "transformer-1b": transformer_shapes}
+    "tiny": _bench("tiny"), "cnn1m": _bench("cnn1m"), "smallcnn": _real("smallcnn"),
+    "resnet18-real": _real("resnet18-real"), "transformer-1b": transformer_shapes}
 
 
 def shapes_of(name: str) -> List[Shape]:

@@ -351,3 +351,92 @@ def test_validate_reads_the_switched_fields():
     ring = predict("mpi-allreduce", inp.scenario)
     assert ring.comm_s == pytest.approx(6 * (4 * d / 4 * 8 / 2.5e9 + 2e-5))
     assert ring.busiest_tx == pytest.approx(2 * 3 / 4 * 4 * d * (1514 / 1448 + 66 / 2896))
+
+
+def test_cnn1m_is_smallcnns_shapes_and_the_real_models_are_known():
+    from benchmarks.models import ResNet18Small
+    cnn = shapes_of("cnn1m")
+    assert cnn == shapes_of("smallcnn")
+    assert numel(cnn) == 1_147_466    # 3x3 convs 3-32-64-128 with biases, 2048-512-10
+    assert split(cnn, 4096) == (1_145_856, 1_610)
+    assert numel(shapes_of("resnet18-real")) == sum(p.numel() for p in
+                                                    ResNet18Small().parameters())
+
+
+# --- validate --local-from -------------------------------------------------------------------
+CAL_GBIT, CAL_LAT, CAL_LOCAL = 10.0, 2e-4, 0.05
+
+
+def _calibration(tmp_path, ranks=4, model="tiny", name="cal.json"):
+    """A loopback calibration run: the floor at 0.011 s, mpi-allreduce at CAL_LOCAL plus the
+    ring on a shared link at the pingpong's CAL_GBIT (every rank's d/4-element chunk crosses
+    it in each of the 6 phases)."""
+    d = numel(shapes_of(model))
+    ring = 2 * (ranks - 1) * (ranks * 4 * d / ranks * 8 / (CAL_GBIT * GBIT) + CAL_LAT)
+    res = {"settings": {"ranks": ranks, "model": model, "net": "loopback"},
+           "network": {"mode": "loopback", "latency_ms": CAL_LAT * 1e3,
+                       "pingpong": {"gbit_per_s": CAL_GBIT}},
+           "peers": {"floor": {"status": "ok", "median_s": 0.011},
+                     "mpi-allreduce": {"status": "ok", "median_s": CAL_LOCAL + ring}}}
+    path = tmp_path / name
+    path.write_text(json.dumps(res))
+    return str(path)
+
+
+def _target(tmp_path):
+    """A switched 4 x 1 Gbit/s file: floor 0.01, mpi-allreduce at CAL_LOCAL plus its ring
+    there, and horovod (not in the calibration) at its derived closed form."""
+    d = numel(shapes_of("tiny"))
+    lat = 1e-4
+    ring = 2 * 3 * (4 * d / 4 * 8 / GBIT + lat)
+    res = {"settings": {"ranks": 4, "model": "tiny", "net": "switched"},
+           "network": {"mode": "switched", "hosts": 4, "ranks_per_host": 1,
+                       "rate_gbit": [1, 1, 1, 1], "latency_ms": lat * 1e3},
+           "peers": {"floor": {"status": "ok", "median_s": 0.01},
+                     "mpi-allreduce": {"status": "ok", "median_s": CAL_LOCAL + ring},
+                     "horovod": {"status": "ok", "median_s": 0.01 + PASSES["horovod"] * 0.01 /
+                                 FLOOR_PASSES + ring}}}
+    path = tmp_path / "target.json"
+    path.write_text(json.dumps(res))
+    return str(path), ring
+
+
+def test_local_from_takes_each_peers_calibrated_local_work(tmp_path, capsys):
+    cal, (target, ring) = _calibration(tmp_path), _target(tmp_path)
+    with open(target, encoding="utf-8") as f:
+        res = json.load(f)
+    c = validate.load_calibration(cal)
+    assert c.inputs.scenario.net.topology == "loopback"
+    assert c.inputs.scenario.net.rate() == pytest.approx(CAL_GBIT * GBIT)
+    rows = {r.peer: r for r in validate.rows_of(res, validate.inputs_of(res), c)}
+    mpi = rows["mpi-allreduce"]
+    assert mpi.local_m == pytest.approx(CAL_LOCAL, rel=1e-9)        # median - loopback ring
+    assert mpi.seconds == pytest.approx(CAL_LOCAL + ring, rel=1e-9)
+    assert mpi.error == pytest.approx(0, abs=1e-9)
+    assert rows["floor"].seconds == pytest.approx(0.011)   # predicted, so scored: +10%
+    assert rows["horovod"].calib is None and rows["horovod"].error == pytest.approx(0, abs=1e-9)
+    assert cli(["validate", target, "--local-from", cal]) == 0
+    out = capsys.readouterr().out
+    assert "| compute + local | from |" in out
+    assert f"| {CAL_LOCAL:.4f} (m) | calibration " in out and " (d) | compute 0.0100 (m)" in out
+    assert "compute + local of 2 of 3 peers from" in out
+    assert "max |error| 10.0% (floor); 3 of 3 peers within, 0 beyond 25%" in out
+    # Without the flag: the derived local work, the floor unscored.
+    assert cli(["validate", target]) == 1
+    assert "| compute (m) | local |" in capsys.readouterr().out
+
+
+def test_local_from_refuses_a_file_without_its_calibration(tmp_path, capsys):
+    target, _ = _target(tmp_path)
+    other = [_calibration(tmp_path, ranks=2, name="c2.json"),
+             _calibration(tmp_path, model="cnn1m", name="c3.json")]
+    assert cli(["validate", target, "--local-from", *other]) == 2
+    captured = capsys.readouterr()
+    assert "no calibration for" in captured.err and "'tiny', 4 ranks" in captured.err
+    assert captured.out == ""
+    twice = [_calibration(tmp_path, name="a.json"), _calibration(tmp_path, name="b.json")]
+    assert cli(["validate", target, "--local-from", *twice]) == 2
+    assert "2 calibrations for" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no calibration"):
+        validate.calibration_for(json.load(open(target, encoding="utf-8")),
+                                 [validate.load_calibration(other[0])])

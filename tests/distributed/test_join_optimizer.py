@@ -14,7 +14,7 @@ from hvd_slim import join_sync
 from hvd_slim.runtime.checks import MismatchError
 
 from test_optimizer_mpi import (Net, assert_same_on_every_rank, batch, flat, flat_grads,
-                                 loss_of, wrap)
+                                 held_residual, loss_of, wrap)
 
 COMM = MPI.COMM_WORLD
 
@@ -89,18 +89,7 @@ def test_a_joined_server_keeps_aggregating_and_nothing_is_lost():
     hvd.join()
     assert_same_on_every_rank(flat(model))
     pulled = torch.from_numpy(COMM.bcast(pulled.numpy(), root=n - 1))   # it saw every step
-    ex = opt._exchange
-    memories = [ex.worker.memory] + ([ex.server.memory] if ex.server is not None else [])
-    offsets, off = {}, 0
-    for name, p in model.named_parameters():
-        offsets[name] = off
-        off += p.numel()
-    residual = torch.zeros_like(fed)
-    for mem in memories:
-        for b in ex.layout.sparse:
-            for s in b.segments:
-                o = offsets[s.name]
-                residual[o:o + s.numel] += mem[b.index].residual[s.offset:s.offset + s.numel].double()
+    residual = held_residual(opt, model)
     total = torch.from_numpy(COMM.allreduce(residual.numpy(), op=MPI.SUM))
     fed_all = torch.from_numpy(COMM.allreduce(fed.numpy(), op=MPI.SUM))
     assert torch.allclose(pulled + total, fed_all, rtol=1e-5, atol=1e-5)

@@ -71,6 +71,24 @@ def mpi_mean(t):
     return torch.from_numpy(buf / COMM.Get_size())
 
 
+def held_residual(opt, model):
+    """Every residual this rank holds (its worker's and, on the server, the server's), as one
+    float64 vector in ``model.named_parameters()`` order (zero where nothing is compressed)."""
+    ex = opt._exchange
+    offsets, off = {}, 0
+    for name, p in model.named_parameters():
+        offsets[name] = off
+        off += p.numel()
+    out = torch.zeros(off, dtype=torch.float64)
+    for mem in [ex.worker.memory] + ([ex.server.memory] if ex.server is not None else []):
+        for b in ex.layout.sparse:
+            r = mem[b.index].residual
+            for s in b.segments:
+                o = offsets[s.name]
+                out[o:o + s.numel] += r[s.offset:s.offset + s.numel].double()
+    return out
+
+
 def train(model, opt, steps):
     """``steps`` plain training steps (zero_grad, backward, step)."""
     for t in range(steps):
@@ -147,18 +165,7 @@ def test_conservation_at_one_percent():
         with opt.skip_synchronize():
             opt.step()
     ex = opt._exchange
-    residual = torch.zeros_like(fed)
-    offsets, off = {}, 0
-    for name, p in model.named_parameters():
-        offsets[name] = (off, p.numel())
-        off += p.numel()
-    memories = [ex.worker.memory] + ([ex.server.memory] if ex.server is not None else [])
-    for mem in memories:
-        for b in ex.layout.sparse:
-            r = mem[b.index].residual
-            for s in b.segments:
-                o, n = offsets[s.name]
-                residual[o:o + n] += r[s.offset:s.offset + s.numel].double()
+    residual = held_residual(opt, model)
     size = COMM.Get_size()
     lhs = pulled + mpi_mean(residual) * size  # pulled is identical on every rank
     rhs = mpi_mean(fed) * size

@@ -19,7 +19,7 @@ from mpi4py import MPI
 from hvd_slim.exchange import ExchangeError
 from hvd_slim.transport import run_ranks
 
-from test_optimizer_mpi import Net, batch, digest, flat, flat_grads
+from test_optimizer_mpi import Net, batch, digest, flat, flat_grads, held_residual
 
 COMM = MPI.COMM_WORLD
 STEPS = 8
@@ -112,17 +112,7 @@ def test_conservation_within_the_set(hvd, sets, set_comm):
         with opt.skip_synchronize():
             opt.step()
     ex = opt._exchange
-    offsets, off = {}, 0
-    for name, p in model.named_parameters():
-        offsets[name] = off
-        off += p.numel()
-    residual = torch.zeros_like(fed)
-    for mem in [ex.worker.memory] + ([ex.server.memory] if ex.server is not None else []):
-        for b in ex.layout.sparse:
-            r = mem[b.index].residual
-            for s in b.segments:
-                o = offsets[s.name]
-                residual[o:o + s.numel] += r[s.offset:s.offset + s.numel].double()
+    residual = held_residual(opt, model)
 
     def set_sum(t):
         buf = t.numpy().copy()

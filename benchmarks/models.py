@@ -13,6 +13,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
+from examples.synthetic_benchmark import ResNet
+
 Shape = Tuple[int, ...]
 Shapes = List[Tuple[str, Shape]]
 
@@ -141,46 +143,13 @@ class SmallCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-class _Block(nn.Module):
-    """ResNet's basic block: two 3x3 convolutions with batch norm and a shortcut."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.bn1(self.conv1(x)))
-        h = self.bn2(self.conv2(h))
-        return torch.relu(h + (x if self.down is None else self.down(x)))
-
-
-class ResNet18Small(nn.Module):
-    """ResNet-18 (four stages of two basic blocks, 64 to 512 channels, 11.2M parameters) with a
-    3x3 stem for small images, as used on CIFAR: real compute at a size 2 cores can run."""
-
-    def __init__(self, classes: int = 10) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64),
-                                  nn.ReLU())
-        blocks, cin = [], 64
-        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-            blocks += [_Block(cin, cout, stride), _Block(cout, cout, 1)]
-            cin = cout
-        self.blocks = nn.Sequential(*blocks)
-        self.fc = nn.Linear(512, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.blocks(self.stem(x))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(h, 1), 1))
-
-
-def _real_model(name: str) -> nn.Module:
-    return SmallCNN() if name == "smallcnn" else ResNet18Small()
+def real_model(name: str) -> nn.Module:
+    """The module a real-compute workload (:data:`REAL`) trains."""
+    if name == "smallcnn":
+        return SmallCNN()
+    # ResNet-18 (11.2M parameters) with the 3x3 stem for small images: real compute at a size
+    # 2 cores can run; the same model examples/synthetic_benchmark.py trains.
+    return ResNet([2, 2, 2, 2], num_classes=10, small_images=True)
 
 
 class Workload:
@@ -191,7 +160,7 @@ class Workload:
         self.name = name
         if name in REAL:
             torch.manual_seed(seed)
-            self.model: nn.Module = _real_model(name)
+            self.model: nn.Module = real_model(name)
             batch = batch if name == "smallcnn" else 8   # ResNet-18: about 0.3 s a step here
             g = torch.Generator().manual_seed(seed + 101 * (rank + 1))
             # A few fixed batches of random images cycled: real compute, no data loading.
@@ -211,7 +180,7 @@ class Workload:
     def numel_of(name: str) -> int:
         """Parameter count of a workload, without building its gradients."""
         if name in REAL:
-            return sum(p.numel() for p in _real_model(name).parameters())
+            return sum(p.numel() for p in real_model(name).parameters())
         return sum(math.prod(s) for _, s in SHAPES[name]())
 
     def backward(self, step: int, module: nn.Module) -> None:

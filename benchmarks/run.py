@@ -126,10 +126,11 @@ def mpirun_argv(args: argparse.Namespace, peers: List[str], out: str, port: int,
                 pingpong: int, net: Any = None) -> List[str]:
     """Open MPI's TCP transport only, on every network: shared memory would bypass the shaping,
     and the loopback runs stay comparable with the shaped ones. Over ``lo`` (netem.MPI_ARGS),
-    or on a switched cluster (``net``) over each host's eth0, each rank entering its host."""
+    or on a switched cluster (``net``) over each host's eth0, each rank entering its host. The
+    whole command line: mpirun starts inside the shared namespace or the launcher's."""
     switched = isinstance(net, cluster.Cluster)
-    return [*(net.mpirun_prefix() if switched else []),
-            "mpirun", "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
+    prefix = net.mpirun_prefix() if switched else netem.wrap(net, [])
+    return [*prefix, "mpirun", "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
             *(cluster.MPI_ARGS if switched else netem.MPI_ARGS),
             # Ranks waiting in MPI yield the core to ranks still computing (4 ranks, 2 cores).
             "--mca", "mpi_yield_when_idle", "1",
@@ -175,8 +176,6 @@ def run_job(argv: List[str], net: Any, timeout: float, out: str
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     if isinstance(net, cluster.Cluster):
         env.update(net.env())
-    else:
-        argv = netem.wrap(net, argv)
     try:
         returncode, text, _ = launch.run_session(argv, timeout, env)
         status = f"exit {returncode}"
@@ -231,8 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                           f"{quiet['loadavg_1m']:.2f})", file=sys.stderr, flush=True)
                     res = run_job(argv_, ns, job_timeout(args, len(job), numel), out)
                     meta["jobs"].append({"peers": job, "repeat": rep, "status": res["status"],
-                                         "argv": argv_ if isinstance(ns, cluster.Cluster)
-                                         else netem.wrap(ns, argv_), **quiet})
+                                         "argv": argv_, **quiet})
                     got = {r.get("peer") for r in res["records"]}
                     for r in res["records"]:
                         if "pingpong" in r:

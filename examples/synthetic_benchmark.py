@@ -48,12 +48,18 @@ class BasicBlock(nn.Module):
 
 class ResNet(nn.Module):
     """An ImageNet-style ResNet: 7x7/2 stem and max-pool, four stages of basic blocks
-    (64, 128, 256, 512 channels), global average pool, linear classifier."""
+    (64, 128, 256, 512 channels), global average pool, linear classifier. ``small_images``:
+    a 3x3/1 stem without max-pool instead, as used on 32x32 images (CIFAR)."""
 
-    def __init__(self, blocks: List[int], num_classes: int = 1000) -> None:
+    def __init__(self, blocks: List[int], num_classes: int = 1000,
+                 small_images: bool = False) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
-                                  nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
+        if small_images:
+            self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64),
+                                      nn.ReLU(inplace=True))
+        else:
+            self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
+                                      nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
         layers, cin = [], 64
         for i, n in enumerate(blocks):
             cout = 64 * 2 ** i

@@ -38,8 +38,8 @@ def _bench(name: str) -> Callable[[], List[Shape]]:
 
 def _real(name: str) -> Callable[[], List[Shape]]:
     def get() -> List[Shape]:
-        from benchmarks.models import ResNet18Small, SmallCNN   # what the benchmark trains
-        model = SmallCNN() if name == "smallcnn" else ResNet18Small()
+        from benchmarks.models import real_model   # what the benchmark trains
+        model = real_model(name)
         return [tuple(p.shape) for p in model.parameters()]
     return get
 

@@ -62,7 +62,7 @@ def get() -> Engine:
     with _lock:
         if _engine is None or _engine_of is not state:
             _engine, _engine_of = Engine(bool(basics._mpi().thread_multiple()), state.api,
-                                         _exchanges), state
+                                         registered), state
         return _engine
 
 

@@ -47,7 +47,7 @@ class Engine:
     """The queue, the thread and the handles of one running hvd_slim (see the module)."""
 
     def __init__(self, threaded: bool, job_api: Any,
-                 exchanges: Optional[Dict[int, Callable[[], Any]]] = None) -> None:
+                 find_exchange: Callable[[int], Any] = lambda oid: None) -> None:
         self._job_api = job_api                 # the job's own group: where joins count
         self._cv = threading.Condition()
         self._queue: Deque[Job] = collections.deque()
@@ -57,8 +57,8 @@ class Engine:
         self._held = 0
         self._stopping = False
         self.joins = JoinState()
-        # id -> weak reference to an optimizer whose exchange starts with a round (join_sync)
-        self.exchanges = {} if exchanges is None else exchanges
+        # id -> the optimizer whose exchange starts with a round (join_sync), or None if gone
+        self._find_exchange = find_exchange
         self._thread: Optional[threading.Thread] = None
         if threaded:
             self._thread = threading.Thread(target=self._loop, name="hvd_slim-engine", daemon=True)
@@ -275,8 +275,7 @@ class Engine:
     def _serve_exchange(self, rnd: Round, what: str) -> None:
         """Run, with zero gradients, the exchange the active ranks start (the optimizer's
         own collectives, on its transport)."""
-        serve = self.exchanges.get(rnd.exchange_id())
-        optimizer = serve() if serve is not None else None
+        optimizer = self._find_exchange(rnd.exchange_id())
         if optimizer is None:
             raise TransportError(
                 f"{what}: the other ranks step DistributedOptimizer #{rnd.exchange_id()}, which "

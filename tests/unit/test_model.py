@@ -354,13 +354,13 @@ def test_validate_reads_the_switched_fields():
 
 
 def test_cnn1m_is_smallcnns_shapes_and_the_real_models_are_known():
-    from benchmarks.models import ResNet18Small
+    from benchmarks.models import real_model
     cnn = shapes_of("cnn1m")
     assert cnn == shapes_of("smallcnn")
     assert numel(cnn) == 1_147_466    # 3x3 convs 3-32-64-128 with biases, 2048-512-10
     assert split(cnn, 4096) == (1_145_856, 1_610)
     assert numel(shapes_of("resnet18-real")) == sum(p.numel() for p in
-                                                    ResNet18Small().parameters())
+                                                    real_model("resnet18-real").parameters())
 
 
 # --- validate --local-from -------------------------------------------------------------------

@@ -33,7 +33,7 @@ import abc
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -138,6 +138,49 @@ class Transport(Deadlines, abc.ABC):
         """The root sends ``payload``; every rank (the root too) returns the bytes received.
         Non-root ranks pass None. The payload does not exceed ``bound`` when it is given."""
 
+    # --- several roots at once (sharded servers) ---------------------------------------------
+    def gather_many(self, payloads: Sequence[np.ndarray], roots: Sequence[int],
+                    bounds: Sequence[Optional[int]]) -> Optional[List[np.ndarray]]:
+        """Send ``payloads[i]`` to ``roots[i]`` (distinct ranks, the same list on every rank):
+        one :meth:`gather` per root, which a transport may run concurrently. A rank that is
+        ``roots[i]`` returns every rank's ``payloads[i]`` in rank order; others return None.
+        Byte accounting is that of the gathers. The default runs them one after another."""
+        _check_roots(roots, self.size, len(payloads), len(bounds))
+        mine = None
+        for root, payload, bound in zip(roots, payloads, bounds):
+            out = self.gather(payload, root, bound)
+            mine = out if out is not None else mine
+        return mine
+
+    def broadcast_many(self, payload: Optional[np.ndarray], roots: Sequence[int],
+                       bounds: Sequence[Optional[int]]) -> List[np.ndarray]:
+        """Every root (distinct ranks, the same list on every rank) sends its ``payload``
+        (None on other ranks): one :meth:`broadcast` per root, which a transport may run
+        concurrently. Every rank returns the roots' payloads in ``roots`` order. Byte
+        accounting is that of the broadcasts. The default runs them one after another."""
+        _check_roots(roots, self.size, len(roots), len(bounds))
+        return [self.broadcast(payload if self.rank == root else None, root, bound)
+                for root, bound in zip(roots, bounds)]
+
+    def gather_many_tensor(self, payloads: Sequence[Any], roots: Sequence[int],
+                           bounds: Sequence[Optional[int]]) -> Optional[List[Any]]:
+        """:meth:`gather_many` for 1-D uint8 tensors (:meth:`gather_tensor` per root)."""
+        _check_roots(roots, self.size, len(payloads), len(bounds))
+        mine = None
+        for root, payload, bound in zip(roots, payloads, bounds):
+            out = self.gather_tensor(payload, root, bound)
+            mine = out if out is not None else mine
+        return mine
+
+    def broadcast_many_tensor(self, payload: Any, roots: Sequence[int],
+                              bounds: Sequence[Optional[int]], device: Any = "cpu"
+                              ) -> List[Any]:
+        """:meth:`broadcast_many` for 1-D uint8 tensors; every rank gets tensors on
+        ``device``."""
+        _check_roots(roots, self.size, len(roots), len(bounds))
+        return [self.broadcast_tensor(payload if self.rank == root else None, root, bound,
+                                      device) for root, bound in zip(roots, bounds)]
+
     # --- device payloads --------------------------------------------------------------------
     def device_payloads(self, device: Any) -> bool:
         """Whether the exchange should hand this transport its messages as uint8 tensors on
@@ -163,6 +206,18 @@ class Transport(Deadlines, abc.ABC):
 
     def close(self) -> None:
         """Release resources; the default has none."""
+
+
+def _check_roots(roots: Sequence[int], size: int, n_payloads: int, n_bounds: int) -> None:
+    """The roots of a many-root collective: distinct ranks, one payload and bound each."""
+    roots = list(roots)
+    if not roots or len(set(roots)) != len(roots) or \
+            any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < size
+                for r in roots):
+        raise ValueError(f"roots must be distinct ranks in [0, {size}), got {roots}")
+    if n_payloads != len(roots) or n_bounds != len(roots):
+        raise ValueError(f"{len(roots)} roots need as many payloads and bounds, got "
+                         f"{n_payloads} and {n_bounds}")
 
 
 def check_bound(payload: Any, bound: Optional[int], rank: int, op: str) -> None:

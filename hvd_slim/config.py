@@ -29,11 +29,14 @@ ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight"
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
-                "warmup_start_density")
+                "warmup_start_density", "servers")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
 RESUMABLE_FIELDS = ("timeout", "nonfinite")
+# servers="auto": one shard per rank once a shard would hold at least this many compressed
+# coordinates (below it the messages' fixed costs outweigh spreading the bytes), else one server.
+AUTO_MIN_SHARD = 1 << 16
 DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's NCCL default, long enough for an evaluation
 
 
@@ -113,6 +116,9 @@ class SlimConfig:
     # --- server and reduction ----------------------------------------------------------------
     pull: str = "slim"                 # "slim": server keeps a residual; "union": exact union
     server_rank: int = 0               # rank that aggregates pushes (it is also a worker)
+    # Server shards: each aggregates 1/S of every bucket (exchange/shards.py); "auto": see
+    # servers_for. Shard 0 is server_rank's, the others evenly spaced after it.
+    servers: Any = 1
     op: str = "average"                # "average" or "sum" of the workers' contributions
     gradient_predivide_factor: float = 1.0  # Horovod's: scale by 1/f before, f/N after (average)
     backward_passes_per_step: int = 1  # local backward passes accumulated per exchange
@@ -181,6 +187,11 @@ class SlimConfig:
                               "use op=hvd.Average or leave the factor at 1.0",
                               "gradient_predivide_factor")
         norm["timeout"] = _check_timeout(self.timeout)
+        if self.servers != "auto":
+            if isinstance(self.servers, str):
+                raise ConfigError(f"servers must be an integer >= 1 or 'auto', got "
+                                  f"{self.servers!r}", "servers")
+            norm["servers"] = _check_int("servers", self.servers, 1)
         for name, value in norm.items():
             object.__setattr__(self, name, value)
 
@@ -230,11 +241,31 @@ class SlimConfig:
         return push, max(push, pull_start * (pull / pull_start) ** x)
 
     def check_world(self, size: int) -> None:
-        """Checks that need the world size: the server must be one of the ranks."""
+        """Checks that need the world size: the server must be one of the ranks, and there
+        are at most as many servers as ranks."""
         if not 0 <= self.server_rank < size:
             raise ConfigError(f"server_rank must be in [0, {size}) for a job of {size} ranks, "
                               f"got {self.server_rank}{self.env_note('server_rank')}",
                               "server_rank")
+        self._check_servers(size)
+
+    def _check_servers(self, size: int) -> None:
+        if self.servers != "auto" and self.servers > size:
+            raise ConfigError(f"servers must be an integer in 1..{size} (the ranks of the "
+                              f"exchange) or 'auto', got {self.servers}"
+                              f"{self.env_note('servers')}",
+                              "servers")
+
+    def servers_for(self, size: int, compressed_numel: int) -> int:
+        """The number of server shards for ``size`` ranks: ``servers``, or for ``"auto"`` one
+        per rank when each shard would hold at least ``AUTO_MIN_SHARD`` compressed
+        coordinates and there are 3 ranks or more, else 1."""
+        self._check_servers(size)
+        if self.servers != "auto":
+            return self.servers
+        if size >= 3 and compressed_numel >= AUTO_MIN_SHARD * size:
+            return size
+        return 1
 
     def for_ranks(self, ranks: Sequence[int]) -> "SlimConfig":
         """The config of an exchange among the job ranks ``ranks`` (a process set, in order),
@@ -245,6 +276,7 @@ class SlimConfig:
             raise ConfigError(f"server_rank must be a rank of the process set {ranks} (a job "
                               f"rank), got {self.server_rank}{self.env_note('server_rank')}",
                               "server_rank")
+        self._check_servers(len(ranks))
         out = dataclasses.replace(self, server_rank=ranks.index(self.server_rank))
         object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
         return out

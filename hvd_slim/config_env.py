@@ -36,6 +36,8 @@ def _parse_env(name: str, text: str) -> Any:
         if name in ("pull_density", "warmup_start_density", "warmup_decay_steps") \
                 and t.lower() in ("none", "auto", ""):
             return None
+        if name == "servers" and t.lower() == "auto":
+            return "auto"
         if name in _INT_FIELDS:
             try:
                 return int(t)
@@ -50,7 +52,7 @@ def _parse_env(name: str, text: str) -> Any:
                           f"{name} ({_ENV_FORMS.get(name, 'a number')}): {exc}", name) from None
 
 
-_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed",
+_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed", "servers",
                "warmup_dense_steps", "warmup_decay_steps", "value_bits")
 # What each variable accepts, for parse errors.
 _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a number in (0, 1] "
@@ -62,7 +64,8 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "warmup_decay_steps": "an integer >= 0 or auto",
               "warmup_start_density": "a number in (0, 1] or auto",
               "value_bits": "one of 8, 16 or 32", "adam_variance": "auto, rescaled or live",
-              "momentum_masking": "true, false or a number in [0, 1]"}
+              "momentum_masking": "true, false or a number in [0, 1]",
+              "servers": "an integer >= 1 or auto"}
 
 
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None

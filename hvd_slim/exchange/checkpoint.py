@@ -15,7 +15,7 @@ import torch
 
 from ..config import RESUMABLE_FIELDS
 from .describe import config_difference, param_difference, params_of
-from .layout import Bucket
+from .layout import DENSE, Bucket
 
 if TYPE_CHECKING:   # step.py imports this module
     from .step import SlimExchange
@@ -23,7 +23,7 @@ if TYPE_CHECKING:   # step.py imports this module
 # What fields added later meant before they existed: a checkpoint without one was made with
 # that behaviour (values at full precision, DGC's masking, decays from dense).
 OLD_FIELDS = {"adam_variance": "auto", "momentum_masking": 1.0, "value_bits": 32,
-              "warmup_start_density": 1.0}
+              "warmup_start_density": 1.0, "servers": 1}
 
 VERSION = 3   # 3: adds "effective", the settings in force (automatic fields resolved)
 FIX_RANK = ("Residuals are per rank: save every rank's optimizer.state_dict() (e.g. to "
@@ -44,6 +44,7 @@ def state_of(ex: SlimExchange) -> dict:
             "selector": {i: s.state_dict() for i, s in ex.worker.selector.items()},
             "core": {i: c.clone() for i, c in ex.worker.core.items()},
             "pull_core": {i: c.clone() for i, c in ex.worker.pull_core.items()},
+            "servers": ex.servers, "roots": list(ex.roots),
             "server": None if ex.server is None else ex.server.state_dict(),
             "stats": ex.stats.state_dict()}
 
@@ -63,9 +64,13 @@ def validate(ex: SlimExchange, state: Any) -> None:
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"hvd_slim checkpoint: step must be an integer >= 0, got {step!r}")
-    # Cores cached at the last step taken have that step's sizes (a warm-up changes them; it
-    # needs refresh_interval=1, so the last step re-selected every core).
-    sizes = {c.index: c for c in ex.layout.at_step(max(step - 1, 0))}
+    saved_servers = state.get("servers", 1)
+    if saved_servers != ex.servers:
+        raise ValueError(f"hvd_slim checkpoint was made with {saved_servers} server shard(s); "
+                         f"this exchange has {ex.servers} (servers={ex.cfg.servers!r}). Shards "
+                         "hold different server residuals: resume with the same servers value "
+                         "and world size, or call optimizer.flush() before saving and load "
+                         "without the 'hvd_slim' entry")
     for b in ex.layout.sparse:
         mem = _entry(state, "memory", b.index)
         _tensor(mem, "residual", (b.numel,), b.dtype, b.index)
@@ -75,10 +80,17 @@ def validate(ex: SlimExchange, state: Any) -> None:
             raise ValueError(f"hvd_slim checkpoint: bucket {b.index} has a momentum-correction "
                              "velocity but this optimizer has none: load it with the same "
                              "optimizer (SGD momentum) and momentum_correction setting")
-        _threshold(_entry(state, "selector", b.index), b.index)
-        at = sizes[b.index]
-        _core(state.get("core"), b.index, at.k_core, b.numel, "core")
-        _core(state.get("pull_core"), b.index, at.k_pull_core, b.numel, "pull core")
+    # Cores cached at the last step taken have that step's sizes (a warm-up changes them; it
+    # needs refresh_interval=1, so the last step re-selected every core). Selectors and cores
+    # are kept per piece (one per shard; the bucket itself with one server).
+    sizes = ex.shards.piece_sizes(max(step - 1, 0))
+    for pb in ex.shards.piece_sizes(None).values():
+        if pb.kind == DENSE:
+            continue
+        _threshold(_entry(state, "selector", pb.index), pb.index)
+        at = sizes[pb.index]
+        _core(state.get("core"), pb.index, at.k_core, pb.numel, "core")
+        _core(state.get("pull_core"), pb.index, at.k_pull_core, pb.numel, "pull core")
     if ex.server is not None:
         _check_server(ex, state.get("server"), sizes)
     if not isinstance(state.get("stats", {}), dict):
@@ -90,7 +102,8 @@ def load(ex: SlimExchange, state: dict) -> None:
     ex.step_count = int(state["step"])
     for i, m in ex.worker.memory.items():
         m.load_state_dict(state["memory"][i])
-        ex.worker.selector[i].load_state_dict(state["selector"][i])
+    for i, sel in ex.worker.selector.items():
+        sel.load_state_dict(state["selector"][i])
     ex.worker.core = {int(i): c.clone() for i, c in state["core"].items()}
     ex.worker.pull_core = {int(i): c.clone() for i, c in state["pull_core"].items()}
     if ex.server is not None:
@@ -198,7 +211,7 @@ def _check_server(ex: SlimExchange, srv: Any, sizes: Dict[int, Bucket]) -> None:
     if not isinstance(cores, list) or len(cores) != ex.size:
         n = len(cores) if isinstance(cores, list) else "?"
         raise ValueError(f"server checkpoint is from a job of {n} ranks, this job has {ex.size}")
-    for b in ex.layout.sparse:
+    for b in ex.server.layout.sparse:   # this server's pieces (its shard)
         _tensor(_entry(srv, "memory", b.index), "residual", (b.numel,), b.dtype, b.index)
         _threshold(_entry(srv, "selector", b.index), b.index)
         at = sizes[b.index]

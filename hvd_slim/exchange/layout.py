@@ -52,6 +52,9 @@ class Bucket:
     k_pull_core: int = 0
     k_pull_explore: int = 0
     slice_dtype: Optional[torch.dtype] = None  # sliced values (value_bits); None: comm_dtype
+    # A shard's piece of a compressed bucket (shards.py): whether the bucket is sent whole at
+    # this step, which all its pieces follow; None: decided by the sizes (sent_whole).
+    whole: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.slice_dtype is None:
@@ -92,6 +95,8 @@ def slice_is_smaller(d: int, k: int, k_core: int, slice_bytes: int, value_bytes:
 def sent_whole(b: Bucket) -> bool:
     """A compressed bucket whose push slice (at a warm-up step's size) would not be smaller than
     all of it: that step sends it whole, the residual included (see the worker)."""
+    if b.kind == SPARSE and b.whole is not None:
+        return b.whole
     return b.kind == SPARSE and not slice_is_smaller(b.numel, b.k, b.k_core, b.slice_bytes,
                                                      b.value_bytes)
 

@@ -49,6 +49,8 @@ class Server:
         # (profiled: ~23% of the server's exchange time on ResNet-18 shapes).
         self._total: Dict[int, torch.Tensor] = {}
         self._touched: Dict[int, torch.Tensor] = {}
+        # What serve() planned, applied by settle() once every shard's reply is known.
+        self._pending: Optional[Tuple["_Plan", Dict[int, torch.Tensor], Dict[int, dict]]] = None
 
     def _zeroed(self, cache: Dict[int, torch.Tensor], b: Bucket, dtype: torch.dtype
                 ) -> torch.Tensor:
@@ -61,7 +63,9 @@ class Server:
     def serve(self, payloads: List[Any], step: int, digest: int, flush: bool = False,
               limit: Optional[int] = None) -> Any:
         """Aggregate ``payloads`` (rank order) and return the pull (or SKIP/ERROR verdict) to
-        broadcast; ``limit`` is the pull's byte bound, which a verdict's text is cut to."""
+        broadcast; ``limit`` is the pull's byte bound, which a verdict's text is cut to. A pull
+        changes nothing yet: :meth:`settle` commits it once the step's outcome is known."""
+        self.settle(False)   # a step whose outcome never arrived did not go through
         cfg, buckets = self.cfg, self.layout.at_step(step)
         kind = wm.FLUSH_PUSH if flush else wm.PUSH
         expect = push_expect(buckets, step, cfg.refresh_interval, flush)
@@ -108,16 +112,34 @@ class Server:
                 self.selector[i].load_state_dict(st)
             text = f"the server's aggregate: {nonfinite_text(plan.overflow, True, plan.sent_dtype)}"
             return self._verdict([(self.rank, text)], step, digest, limit)
-        adopted = plan.commit(self)
-        out = self.path.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,
-                               sections, itemsizes(buckets, sections))[0]
+        try:
+            out = self.path.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,
+                                   sections, itemsizes(buckets, sections))[0]
+        except BaseException:
+            plan.undo()
+            raise
+        self._pending = (plan, totals, selectors)
+        return out
+
+    def settle(self, ok: bool) -> None:
+        """The outcome of the step last served: ``ok`` (every shard's reply was a pull) commits
+        what :meth:`serve` planned; otherwise (a shard skipped or failed, or the replies never
+        arrived) it is undone exactly, selectors included. Nothing to do after a verdict."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        plan, totals, selectors = pending
+        if ok:
+            adopted = plan.commit(self)
+        else:
+            plan.undo()
+            for i, st in selectors.items():
+                self.selector[i].load_state_dict(st)
+            adopted = {}
         # encode() copied every section: the aggregate buffers are free again. A residual that
         # adopted a bucket's aggregate handed back its old buffer instead.
-        for b in buckets:
-            if b.index in totals:
-                mem = self.memory.get(b.index)
-                self._total[b.index] = adopted.get(id(mem), totals[b.index])
-        return out
+        for index, total in totals.items():
+            self._total[index] = adopted.get(id(self.memory.get(index)), total)
 
     def _verdict(self, reports: List[Tuple[int, str]], step: int, digest: int,
                  limit: Optional[int]) -> Any:

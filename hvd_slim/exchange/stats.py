@@ -6,7 +6,7 @@ from typing import Dict, List
 import numpy as np
 
 from ..wire import message as wm
-from .layout import SPARSE, Layout
+from .layout import SPARSE, Bucket, Layout
 
 
 class ExchangeStats:
@@ -18,7 +18,8 @@ class ExchangeStats:
               "ring_allreduce_bytes", "push_header_bytes", "push_dense_value_bytes",
               "push_sparse_value_bytes", "push_index_bytes", "pull_header_bytes",
               "pull_value_bytes", "pull_dense_value_bytes", "pull_sparse_value_bytes",
-              "pull_index_bytes", "compressed_dense_bytes", "select_seconds", "exchange_seconds")
+              "pull_index_bytes", "compressed_dense_bytes", "select_seconds", "exchange_seconds",
+              "bytes_sent", "bytes_received")
 
     def __init__(self, layout: Layout, size: int) -> None:
         self._layout = layout
@@ -35,31 +36,29 @@ class ExchangeStats:
         self.last: Dict[str, int] = {}
         self.last_skip = ""   # why the last skipped step was skipped (every rank has the same)
 
-    def record_push(self, sections: List[wm.Section], sizes: Dict[str, int]) -> None:
-        dense = sum(len(s.values) for b, s in zip(self._layout.buckets, sections)
-                    if b.kind != SPARSE)
-        sparse = sizes["values"] - dense
-        self.push_header_bytes += sizes["header"]
-        self.push_dense_value_bytes += dense
-        self.push_sparse_value_bytes += sparse
-        self.push_index_bytes += sizes["indices"]
-        self.last = {"push_header_bytes": sizes["header"], "push_dense_value_bytes": dense,
-                     "push_sparse_value_bytes": sparse, "push_index_bytes": sizes["indices"]}
+    def _add(self, **parts: int) -> None:
+        """Add to the cumulative fields and to this step's figures (``last``)."""
+        for name, n in parts.items():
+            setattr(self, name, getattr(self, name) + n)
+            self.last[name] = self.last.get(name, 0) + n
 
-    def record_pull(self, buf: np.ndarray, sections: List[wm.Section]) -> None:
+    def record_push(self, buckets: List[Bucket], sections: List[wm.Section],
+                    sizes: Dict[str, int]) -> None:
+        """One push message (one per server shard) of ``sections`` for ``buckets``."""
+        dense = sum(len(s.values) for b, s in zip(buckets, sections) if b.kind != SPARSE)
+        self._add(push_header_bytes=sizes["header"], push_dense_value_bytes=dense,
+                  push_sparse_value_bytes=sizes["values"] - dense,
+                  push_index_bytes=sizes["indices"])
+
+    def record_pull(self, buckets: List[Bucket], buf: np.ndarray,
+                    sections: List[wm.Section]) -> None:
+        """One pulled message (one per server shard) of ``sections`` for ``buckets``."""
         values = sum(len(s.values) for s in sections)
-        dense = sum(len(s.values) for b, s in zip(self._layout.buckets, sections)
-                    if b.kind != SPARSE)
+        dense = sum(len(s.values) for b, s in zip(buckets, sections) if b.kind != SPARSE)
         index = sum(len(s.idx_bytes) for s in sections)
-        header = len(buf) - values - index
-        self.pull_header_bytes += header
-        self.pull_value_bytes += values
-        self.pull_dense_value_bytes += dense
-        self.pull_sparse_value_bytes += values - dense
-        self.pull_index_bytes += index
-        self.last.update(pull_header_bytes=header, pull_value_bytes=values,
-                         pull_dense_value_bytes=dense, pull_sparse_value_bytes=values - dense,
-                         pull_index_bytes=index)
+        self._add(pull_header_bytes=len(buf) - values - index, pull_value_bytes=values,
+                  pull_dense_value_bytes=dense, pull_sparse_value_bytes=values - dense,
+                  pull_index_bytes=index)
 
     def finish_step(self, seconds: float) -> None:
         self.steps += 1

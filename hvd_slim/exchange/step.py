@@ -33,6 +33,7 @@ from .expect import message_bound, pull_expect, push_expect
 from .layout import Layout
 from .sections import itemsizes
 from .server import Server
+from .shards import ShardPlan, ShardView
 from .stats import ExchangeStats
 from .wirepath import WirePath, wire_path
 from .worker import Worker
@@ -68,10 +69,17 @@ class SlimExchange:
         # parameters' device (the layout refuses parameters on more than one device).
         device = layout.buckets[0].device if layout.buckets else torch.device("cpu")
         self.path: WirePath = wire_path(transport, device)
+        # servers=S: shard s of every bucket is aggregated by rank roots[s] (shards.py).
+        self.servers = config.servers_for(self.size, sum(b.numel for b in layout.sparse))
+        self.shards = ShardPlan(layout, self.servers, self.size, config.server_rank)
+        self.roots = self.shards.roots
         self.worker = Worker(layout, config, self.rank, self.size, self.digest, self.path,
-                             self.stats, momentum)
-        self.server = Server(layout, config, self.size, self.rank, self.path) \
-            if self.rank == config.server_rank else None
+                             self.stats, momentum, self.shards)
+        self.shard = self.roots.index(self.rank) if self.rank in self.roots else None
+        self.server = None
+        if self.shard is not None:
+            view = layout if self.servers == 1 else ShardView(self.shards, self.shard)
+            self.server = Server(view, config, self.size, self.rank, self.path)
         self._agreed = False   # the handshake has not run yet
 
     # --- the step ----------------------------------------------------------------------------
@@ -83,6 +91,8 @@ class SlimExchange:
         t, t0 = self.step_count, time.perf_counter()
         worker = self.worker
         selectors = worker.selector_states()
+        self.stats.last = {}
+        before = self._traffic()
         try:
             compensated = worker.compensate(t)
             sections, report = worker.select(t, compensated)
@@ -98,6 +108,8 @@ class SlimExchange:
         except BaseException:
             worker.absorb()
             raise
+        finally:
+            self._count_traffic(before)
         if pulled is None:
             worker.rollback(selectors)
             self.stats.skipped_steps += 1
@@ -114,6 +126,8 @@ class SlimExchange:
         it and dense-bucket grads are untouched. Call the inner optimizer's step afterwards."""
         t = self.step_count
         sections = self.worker.flush_sections()
+        self.stats.last = {}
+        before = self._traffic()
         try:
             self._handshake(t)
             pushed = self._push(sections, None, t, flush=True)
@@ -122,6 +136,8 @@ class SlimExchange:
         except BaseException:
             self.worker.drop_pending()   # nothing was forgotten: every residual is in place
             raise
+        finally:
+            self._count_traffic(before)
         self.worker.apply(pulled, t)
         self.stats.flushes += 1
 
@@ -134,33 +150,42 @@ class SlimExchange:
                              f"the handshake of step {t}")
             self._agreed = True
 
-    def _push(self, sections: List[wm.Section], report: Optional[str], t: int,
+    def _push(self, sections: List[List[wm.Section]], report: Optional[str], t: int,
               flush: bool = False) -> Optional[List[Any]]:
-        """Gather every rank's push (or NaN/Inf report) on the server; None off the server."""
+        """Gather every rank's push for each shard (or NaN/Inf report) on its server: on a
+        server, its shard's pushes in rank order; None elsewhere."""
         kind = wm.FLUSH_PUSH if flush else wm.PUSH
-        bound = message_bound(push_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
-                                          flush=flush))
-        if report is None:
-            buf, sizes = self.path.encode(kind, self.rank, t, self.digest, sections,
-                                          itemsizes(self.layout.at_step(t), sections))
-            self.stats.record_push(sections, sizes)
-        else:   # a NaN/Inf: report it instead of pushing; the server decides for every rank
-            buf = self.path.from_host(control.encode_text(wm.NONFINITE, self.rank, t,
-                                                          self.digest, report, limit=bound))
+        bufs, bounds = [], []
+        for s in range(self.servers):
+            buckets = self.shards.shard_buckets(t, s)
+            bound = message_bound(push_expect(buckets, t, self.cfg.refresh_interval,
+                                              flush=flush))
+            if report is None:
+                buf, sizes = self.path.encode(kind, self.rank, t, self.digest, sections[s],
+                                              itemsizes(buckets, sections[s]))
+                self.stats.record_push(buckets, sections[s], sizes)
+            else:   # a NaN/Inf: report it instead of pushing; the servers decide for all
+                buf = self.path.from_host(control.encode_text(wm.NONFINITE, self.rank, t,
+                                                              self.digest, report, limit=bound))
+            bufs.append(buf)
+            bounds.append(bound)
         before = self.transport.stats.bytes_sent
-        gathered = self._collective(lambda: self.path.gather(
-            self.transport, buf, self.cfg.server_rank, bound), f"the push of step {t}")
+        if self.servers == 1:
+            gather = lambda: self.path.gather(self.transport, bufs[0], self.roots[0], bounds[0])
+        else:
+            gather = lambda: self.path.gather_many(self.transport, bufs, self.roots, bounds)
+        gathered = self._collective(gather, f"the push of step {t}")
         sent = self.transport.stats.bytes_sent - before
         self.stats.bytes_pushed += sent
         self.stats.last["bytes_pushed"] = sent
         return gathered
 
     def _aggregate(self, gathered: Optional[List[Any]], t: int, flush: bool = False) -> Any:
-        """On the server: the reply to broadcast (the pull, a SKIP, or an ERROR every rank
+        """On a server: the reply to broadcast (its shard's pull, a SKIP, or an ERROR every rank
         raises, also for a failure of the server itself). None on the other ranks."""
         if self.server is None:
             return None
-        bound = self._pull_bound(t, flush)
+        bound = self._pull_bounds(t, flush)[self.shard]
         try:
             return self.server.serve(gathered, t, self.digest, flush, limit=bound)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
@@ -168,25 +193,51 @@ class SlimExchange:
                 self.rank, t, f"server rank {self.rank} failed at step {t}: "
                 f"{type(exc).__name__}: {exc}", limit=bound))
 
-    def _pull(self, reply: Any, t: int, flush: bool = False) -> Optional[List[wm.Section]]:
-        """Broadcast the server's reply; every rank's decoded pull, or None for a step every
-        rank skips (an ERROR raises)."""
-        bound = self._pull_bound(t, flush)
-        before = self.transport.stats.bytes_received
-        buf = self._collective(lambda: self.path.broadcast(
-            self.transport, reply, self.cfg.server_rank, bound), f"the pull of step {t}")
-        received = self.transport.stats.bytes_received - before
-        self.stats.bytes_pulled += received
-        self.stats.last["bytes_pulled"] = received
-        sections = self.worker.read_pull(buf, t, flush)
-        if sections is not None:
-            self.stats.record_pull(buf, sections)
+    def _pull(self, reply: Any, t: int, flush: bool = False
+              ) -> Optional[List[List[wm.Section]]]:
+        """Broadcast every server's reply; every rank's decoded pull (per shard), or None for a
+        step every rank skips (an ERROR raises). The servers settle the step here: what they
+        planned is committed only when every shard's reply is a pull."""
+        sections = None
+        try:
+            bounds = self._pull_bounds(t, flush)
+            before = self.transport.stats.bytes_received
+            if self.servers == 1:
+                bcast = lambda: [self.path.broadcast(self.transport, reply, self.roots[0],
+                                                     bounds[0])]
+            else:
+                bcast = lambda: self.path.broadcast_many(self.transport, reply, self.roots,
+                                                         bounds)
+            bufs = self._collective(bcast, f"the pull of step {t}")
+            received = self.transport.stats.bytes_received - before
+            self.stats.bytes_pulled += received
+            self.stats.last["bytes_pulled"] = received
+            sections = self.worker.read_pulls(bufs, t, flush)
+        finally:
+            if self.server is not None:
+                self.server.settle(sections is not None)
+        for s, (buf, secs) in enumerate(zip(bufs, sections or [])):
+            self.stats.record_pull(self.shards.shard_buckets(t, s), buf, secs)
         return sections
 
-    def _pull_bound(self, t: int, flush: bool) -> int:
-        """The most bytes the pull of step ``t`` can take (every rank computes the same)."""
-        return message_bound(pull_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
-                                         self.cfg.pull, flush, size=self.size))
+    def _pull_bounds(self, t: int, flush: bool) -> List[int]:
+        """The most bytes each shard's pull of step ``t`` can take (every rank computes the
+        same)."""
+        return [message_bound(pull_expect(self.shards.shard_buckets(t, s), t,
+                                          self.cfg.refresh_interval, self.cfg.pull, flush,
+                                          size=self.size))
+                for s in range(self.servers)]
+
+    def _traffic(self) -> tuple:
+        stats = self.transport.stats
+        return stats.bytes_sent, stats.bytes_received
+
+    def _count_traffic(self, before: tuple) -> None:
+        """Everything this rank's transport moved in the exchange (its server's share too)."""
+        sent, received = (a - b for a, b in zip(self._traffic(), before))
+        self.stats.bytes_sent += sent
+        self.stats.bytes_received += received
+        self.stats.last.update(bytes_sent=sent, bytes_received=received)
 
     def _collective(self, fn: Callable[[], Any], what: str) -> Any:
         """Run collectives under the exchange timeout; a timeout error says what to do."""

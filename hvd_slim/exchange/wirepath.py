@@ -69,6 +69,16 @@ class WirePath(Protocol):
     def broadcast(self, tr: Transport, buf: Any, root: int, bound: Optional[int]) -> Any:
         """``root``'s message (``buf``; None off the root) on every rank."""
 
+    def gather_many(self, tr: Transport, bufs: Sequence[Any], roots: Sequence[int],
+                    bounds: Sequence[Optional[int]]) -> Any:
+        """``bufs[i]`` to ``roots[i]``: on a root, every rank's message for it in rank order;
+        None on the other ranks (sharded servers)."""
+
+    def broadcast_many(self, tr: Transport, buf: Any, roots: Sequence[int],
+                       bounds: Sequence[Optional[int]]) -> List[Any]:
+        """Every root's message (``buf`` on a root, None elsewhere) on every rank, in
+        ``roots`` order."""
+
 
 class HostPath:
     """:class:`WirePath` with messages as numpy arrays (the transport's ``gather`` /
@@ -109,6 +119,14 @@ class HostPath:
 
     def broadcast(self, tr: Transport, buf: Any, root: int, bound: Optional[int]) -> Any:
         return tr.broadcast(buf, root=root, bound=bound)
+
+    def gather_many(self, tr: Transport, bufs: Sequence[Any], roots: Sequence[int],
+                    bounds: Sequence[Optional[int]]) -> Any:
+        return tr.gather_many(bufs, roots, bounds)
+
+    def broadcast_many(self, tr: Transport, buf: Any, roots: Sequence[int],
+                       bounds: Sequence[Optional[int]]) -> List[Any]:
+        return tr.broadcast_many(buf, roots, bounds)
 
 
 class DevicePath:
@@ -152,6 +170,14 @@ class DevicePath:
 
     def broadcast(self, tr: Transport, buf: Any, root: int, bound: Optional[int]) -> Any:
         return tr.broadcast_tensor(buf, root=root, bound=bound, device=self.device)
+
+    def gather_many(self, tr: Transport, bufs: Sequence[Any], roots: Sequence[int],
+                    bounds: Sequence[Optional[int]]) -> Any:
+        return tr.gather_many_tensor(bufs, roots, bounds)
+
+    def broadcast_many(self, tr: Transport, buf: Any, roots: Sequence[int],
+                       bounds: Sequence[Optional[int]]) -> List[Any]:
+        return tr.broadcast_many_tensor(buf, roots, bounds, device=self.device)
 
 
 def wire_path(transport: Transport, device: torch.device) -> WirePath:

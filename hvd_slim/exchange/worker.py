@@ -9,7 +9,7 @@ stats it adds to) and owns this rank's residuals, selectors and cached cores.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -25,6 +25,7 @@ from .expect import is_refresh, pull_expect
 from .finite import nonfinite_params, nonfinite_sent, nonfinite_text
 from .layout import DENSE, Bucket, Layout, sent_whole
 from .sections import indices_on, section_values
+from .shards import Piece, ShardPlan
 from .stats import ExchangeStats
 from .wirepath import WirePath
 
@@ -47,7 +48,8 @@ class Proposal:
     mask_velocity: float = 1.0             # share of the velocity dropped at ``sel``
     a: Optional[torch.Tensor] = None       # proposed residual before forgetting ``sel``
     u_new: Optional[torch.Tensor] = None   # proposed velocity (momentum correction)
-    core: Optional[torch.Tensor] = None    # a freshly selected core, cached once committed
+    # Freshly selected cores by piece id (shards.py), cached once committed
+    cores: Dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,20 +64,27 @@ class Compensated:
 
 class Worker:
     """One rank's worker state (residuals, selectors, cached push and pull cores) and its
-    phases of a step."""
+    phases of a step.
+
+    Residuals and velocities are kept per bucket; selection works per piece of a bucket (one
+    piece per server shard, shards.py), so selectors and cached cores are kept by piece id
+    (the bucket's index when there is one server). Messages are lists of sections per shard."""
 
     def __init__(self, layout: Layout, config: SlimConfig, rank: int, size: int, digest: int,
                  path: WirePath, stats: ExchangeStats,
-                 momentum: Optional[Dict[int, dict]] = None) -> None:
+                 momentum: Optional[Dict[int, dict]] = None,
+                 shards: Optional[ShardPlan] = None) -> None:
         self.layout, self.cfg, self.path, self.stats = layout, config, path, stats
         self.rank, self.size, self.digest = rank, size, digest
+        self.shards = ShardPlan(layout, 1, size, config.server_rank) if shards is None else shards
         momentum = momentum or {}
         self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device,
                                                **momentum.get(b.index, {}))
                        for b in layout.sparse}
-        self.selector = {b.index: CoreSelector() for b in layout.sparse}
+        self.selector = {p.b.index: CoreSelector() for ps in self.shards.pieces(None)
+                         for p in ps if p.b.kind != DENSE}
         self.core: Dict[int, torch.Tensor] = {}        # this worker's cached push cores
-        self.pull_core: Dict[int, torch.Tensor] = {}   # the server's cached pull cores
+        self.pull_core: Dict[int, torch.Tensor] = {}   # the servers' cached pull cores
         self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
                       for b in layout.buckets}
         self._score: Dict[int, torch.Tensor] = {}   # only with magnitude_weight > 0
@@ -101,40 +110,46 @@ class Worker:
         return Compensated(folded)
 
     def select(self, t: int, compensated: Compensated
-               ) -> Tuple[List[wm.Section], Optional[str]]:
-        """Every bucket's push section, or (NaN/Inf found by compensate, or made by a lossy
-        coding, and nonfinite is not "propagate") no sections and a report naming the
-        tensors."""
+               ) -> Tuple[List[List[wm.Section]], Optional[str]]:
+        """Every shard's push sections (its pieces', in bucket order), or (NaN/Inf found by
+        compensate, or made by a lossy coding, and nonfinite is not "propagate") no sections and
+        a report naming the tensors."""
         if compensated.report is not None:
             return [], compensated.report
         check = self.cfg.nonfinite != "propagate"
-        sections, overflow, sent_dtype = [], [], None
-        for b, (x, u_new) in zip(self.layout.at_step(t), compensated.proposed):
-            sec, lossy, sel = self._select(b, t, x, u_new)
+        out: List[List[wm.Section]] = [[] for _ in range(self.shards.servers)]
+        overflow: List[str] = []
+        sent_dtype = None
+        for b, pieces, (x, u_new) in zip(self.layout.at_step(t), self.shards.pieces(t),
+                                         compensated.proposed):
+            secs, lossy, sel = self._select(b, pieces, t, x, u_new)
             if check and lossy is not None:   # what a lossy coding made of the values
                 found = nonfinite_sent(b, lossy[0], sel)
                 overflow, sent_dtype = overflow + found, (lossy[1] if found else sent_dtype)
-            sections.append(sec)
+            for p, sec in zip(pieces, secs):
+                out[p.shard].append(sec)
         if overflow:
             return [], nonfinite_text(overflow, overflow=True, sent_dtype=sent_dtype)
-        return sections, None
+        return out, None
 
-    def flush_sections(self) -> List[wm.Section]:
-        """Every residual as a dense section (dense buckets send nothing), pending until the
-        flush's pull says it went through."""
+    def flush_sections(self) -> List[List[wm.Section]]:
+        """Every residual as dense sections, per shard (dense buckets send nothing), pending
+        until the flush's pull says it went through."""
         self._pending = []
-        sections = []
-        for b in self.layout.buckets:
+        out: List[List[wm.Section]] = [[] for _ in range(self.shards.servers)]
+        for b, pieces in zip(self.layout.buckets, self.shards.pieces(None)):
             if b.kind == DENSE:
-                sections.append(self.path.empty())
+                for p in pieces:
+                    out[p.shard].append(self.path.empty())
                 continue
             values = self.memory[b.index].residual.to(b.comm_dtype, copy=True)
             delivered = values.to(b.dtype) if b.comm_dtype != b.dtype else None
             # Nothing is masked: the velocity stays (a flush sends residuals, not momentum).
             self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
                                           mask_velocity=0.0))
-            sections.append(self.path.section(wm.M_DENSE, values, b.numel))
-        return sections
+            for p, part in zip(pieces, _cut(values, pieces)):
+                out[p.shard].append(self.path.section(wm.M_DENSE, part, p.b.numel))
+        return out
 
     def _fold(self, b: Bucket) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """A dense bucket's flat gradient, or a compressed bucket's proposed ``(a, u_new)``
@@ -148,70 +163,101 @@ class Worker:
             return (g, None) if b.kind == DENSE else self.memory[b.index].propose(g)
         return self.memory[b.index].propose_parts(self.layout.grad_parts(b), flat)
 
-    def _select(self, b: Bucket, t: int, a: torch.Tensor, u_new: Optional[torch.Tensor]
-                ) -> Tuple[wm.Section, Optional[Lossy], Optional[torch.Tensor]]:
-        """This bucket's section; the values a lossy coding delivers (and its dtype), for
-        the overflow check; and the coordinates sent (None: all)."""
+    def _select(self, b: Bucket, pieces: List[Piece], t: int, a: torch.Tensor,
+                u_new: Optional[torch.Tensor]
+                ) -> Tuple[List[wm.Section], Optional[Lossy], Optional[torch.Tensor]]:
+        """This bucket's sections, one per piece; the values a lossy coding delivers (and its
+        dtype), for the overflow check; and the bucket's coordinates sent (None: all)."""
         cfg = self.cfg
-        if b.kind == DENSE:
+        if b.kind == DENSE or sent_whole(b):
             coded, _, delivered = quantize(a, b.comm_dtype)
-            return self.path.section(wm.M_DENSE, coded, b.numel), _lossy(delivered, coded), None
-        if sent_whole(b):
-            # A dense warm-up step: all of a goes, and the velocity is not masked (masking every
-            # coordinate every step would cancel the momentum): dense momentum SGD exactly.
-            coded, _, delivered = quantize(a, b.comm_dtype)
-            self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
-                                          mask_velocity=0.0, a=a, u_new=u_new))
-            return self.path.section(wm.M_DENSE, coded, b.numel), _lossy(delivered, coded), None
+            if b.kind != DENSE:
+                # A dense warm-up step: all of a goes, and the velocity is not masked (masking
+                # every coordinate every step would cancel the momentum): dense momentum SGD.
+                self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
+                                              mask_velocity=0.0, a=a, u_new=u_new))
+            secs = [self.path.section(wm.M_DENSE, part, p.b.numel)
+                    for p, part in zip(pieces, _cut(coded, pieces))]
+            return secs, _lossy(delivered, coded), None
         t_sel = time.perf_counter()
-        new_core = None
-        if is_refresh(t, cfg.refresh_interval) or b.index not in self.core:
-            new_core = self._select_core(b, a)
-        core = (self.core[b.index] if new_core is None else new_core).to(b.device)
-        sel = slice_indices(b.numel, core, b.k_explore, seed=cfg.seed, role=ROLE_PUSH,
-                            rank=self.rank, step=t, bucket=b.index, device=b.device)
+        refresh = is_refresh(t, cfg.refresh_interval)
+        w = None
+        if cfg.magnitude_weight and (refresh or any(p.b.index not in self.core for p in pieces)):
+            w = self.layout.read_params(b, torch.empty_like(a))
+        secs, sels, delivered, cores = [], [], [], {}
+        for p, ap in zip(pieces, _cut(a, pieces)):
+            pb = p.b
+            new_core = None
+            if refresh or pb.index not in self.core:
+                new_core = cores[pb.index] = self._select_core(
+                    pb, ap, None if w is None else w[p.lo:p.hi])
+            core = (self.core[pb.index] if new_core is None else new_core).to(b.device)
+            sel = slice_indices(pb.numel, core, pb.k_explore, seed=cfg.seed, role=ROLE_PUSH,
+                                rank=self.rank, step=t, bucket=pb.index, device=b.device)
+            # value_bits: the values travel in the slice dtype; what rounding lost stays in the
+            # residual (``delivered`` is what the server decodes), to be sent later.
+            coded, exp, got = quantize(ap[sel], pb.slice_dtype)
+            if refresh:
+                secs.append(self.path.section(wm.M_SLICE, coded, pb.numel, indices=core,
+                                              exp=exp))
+            else:
+                secs.append(self.path.section(wm.M_SLICE_CACHED, coded, pb.numel, exp=exp))
+            sels.append(sel + p.lo if p.lo else sel)
+            delivered.append(got)
         self.stats.select_seconds += time.perf_counter() - t_sel
-        # value_bits: the values travel in the slice dtype; what rounding lost stays in the
-        # residual (``delivered`` is what the server decodes), to be sent later.
-        coded, exp, delivered = quantize(a[sel], b.slice_dtype)
-        self._pending.append(Proposal(index=b.index, sel=sel, delivered=delivered,
+        sel = sels[0] if len(sels) == 1 else torch.cat(sels)
+        lossy = None
+        if delivered[0] is not None:
+            lossy = (delivered[0] if len(delivered) == 1 else torch.cat(delivered), coded.dtype)
+        self._pending.append(Proposal(index=b.index, sel=sel,
+                                      delivered=None if lossy is None else lossy[0],
                                       mask_velocity=cfg.momentum_masking, a=a, u_new=u_new,
-                                      core=new_core))
-        if is_refresh(t, cfg.refresh_interval):
-            sec = self.path.section(wm.M_SLICE, coded, b.numel, indices=core, exp=exp)
-        else:
-            sec = self.path.section(wm.M_SLICE_CACHED, coded, b.numel, exp=exp)
-        return sec, _lossy(delivered, coded), sel
+                                      cores=cores))
+        return secs, lossy, sel
 
-    def _select_core(self, b: Bucket, a: torch.Tensor) -> torch.Tensor:
-        """The ``k_core`` most significant coordinates of ``a`` (docs/design.md §2)."""
-        lam, selector = self.cfg.magnitude_weight, self.selector[b.index]
+    def _select_core(self, pb: Bucket, a: torch.Tensor, w: Optional[torch.Tensor]
+                     ) -> torch.Tensor:
+        """The ``k_core`` most significant coordinates of a piece's ``a`` (docs/design.md §2);
+        ``w``: its parameters, when ``magnitude_weight`` weighs them in."""
+        lam, selector = self.cfg.magnitude_weight, self.selector[pb.index]
         if lam == 0:   # |a| alone: selected without writing a score buffer
-            return selector.select_magnitude(a, b.k_core)
-        score = self._score.get(b.index)
+            return selector.select_magnitude(a, pb.k_core)
+        score = self._score.get(pb.index)
         if score is None:
-            score = self._score[b.index] = torch.empty_like(a)
-        w = self.layout.read_params(b, torch.empty_like(a))
-        return selector.select(significance(a, w, lam, out=score), b.k_core)
+            score = self._score[pb.index] = torch.empty_like(a)
+        return selector.select(significance(a, w, lam, out=score), pb.k_core)
 
     # --- pull and apply ----------------------------------------------------------------------
-    def read_pull(self, buf: Any, t: int, flush: bool) -> Optional[List[wm.Section]]:
-        """The server's reply decoded strictly: the pulled sections, or None for a step every
-        rank skips. An ERROR reply raises its text (as NonFiniteGradientError for a NaN/Inf
-        under nonfinite="raise"), as does a malformed one (ExchangeError)."""
-        who = "pull from the server"
+    def read_pulls(self, bufs: List[Any], t: int, flush: bool
+                   ) -> Optional[List[List[wm.Section]]]:
+        """Every server's reply (one per shard) decoded strictly: the pulled sections per
+        shard, or None for a step every rank skips. An ERROR reply from any server raises its
+        text (as NonFiniteGradientError for a NaN/Inf under nonfinite="raise"), as does a
+        malformed one (ExchangeError); every rank reads the same replies, so all decide alike."""
+        roots = self.shards.roots
+        whos = ["pull from the server"] if len(roots) == 1 else \
+            [f"pull from the server of shard {s} (rank {r})" for s, r in enumerate(roots)]
         try:
-            if not flush and self.path.peek(buf, who) == wm.SKIP:
-                self.stats.last_skip = control.decode_text(
-                    self.path.host(buf), kind=wm.SKIP, sender=self.cfg.server_rank, step=t,
-                    digest=self.digest, who=who)
-                return None
-            # The world size bounds a union pull: at most ``size * k`` coordinates a bucket.
-            expect = pull_expect(self.layout.at_step(t), t, self.cfg.refresh_interval,
-                                 self.cfg.pull, flush, size=self.size)
-            return self.path.decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
-                                    sender=self.cfg.server_rank, step=t, digest=self.digest,
-                                    expect=expect, who=who)
+            for buf, who in zip(bufs, whos):   # an ERROR anywhere outranks a SKIP
+                if self.path.is_error(buf):
+                    self.path.peek(buf, who)   # raises its text
+            if not flush:
+                for buf, who, root in zip(bufs, whos, roots):
+                    if self.path.peek(buf, who) == wm.SKIP:
+                        self.stats.last_skip = control.decode_text(
+                            self.path.host(buf), kind=wm.SKIP, sender=root, step=t,
+                            digest=self.digest, who=who)
+                        return None
+            out = []
+            for s, (buf, who, root) in enumerate(zip(bufs, whos, roots)):
+                # The world size bounds a union pull: at most ``size * k`` coordinates a bucket.
+                expect = pull_expect(self.shards.shard_buckets(t, s), t,
+                                     self.cfg.refresh_interval, self.cfg.pull, flush,
+                                     size=self.size)
+                out.append(self.path.decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
+                                            sender=root, step=t, digest=self.digest,
+                                            expect=expect, who=who))
+            return out
         except wm.RemoteError as exc:
             if exc.code == wm.E_NONFINITE:
                 raise NonFiniteGradientError(str(exc)) from None
@@ -219,18 +265,26 @@ class Worker:
         except wm.WireError as exc:
             raise ExchangeError(f"rank {self.rank}: {exc}") from None
 
-    def apply(self, sections: List[wm.Section], t: int) -> None:
+    def apply(self, pulled: List[List[wm.Section]], t: int) -> None:
         """The step went through: commit this rank's proposals, then write the pulled values
-        into ``p.grad`` (zeros where nothing was delivered; dense sections straight in)."""
+        (per shard) into ``p.grad`` (zeros where nothing was delivered; dense sections straight
+        in)."""
         self._commit()
-        for b, sec in zip(self.layout.at_step(t), sections):
-            if sec.mode == wm.M_EMPTY:
+        parts: List[List[Tuple[Piece, wm.Section]]] = [[] for _ in self.layout.buckets]
+        for pieces, sections in zip(self.shards.by_shard(t), pulled):
+            for p, sec in zip(pieces, sections):
+                parts[p.bucket].append((p, sec))
+        for b, got in zip(self.layout.at_step(t), parts):
+            got.sort(key=lambda ps: ps[0].lo)
+            if all(sec.mode == wm.M_EMPTY for _, sec in got):
                 continue
-            vals = section_values(sec, b)
-            if sec.mode == wm.M_DENSE:
-                self.layout.write_grads(b, vals)
+            if len(got) == 1 and got[0][1].mode == wm.M_DENSE:
+                self.layout.write_grads(b, section_values(got[0][1], b))
                 continue
-            idx = self._pull_indices(b, sec, t)
+            if b.kind == DENSE:   # a dense bucket cut into pieces: put it back together
+                flat = torch.cat([section_values(sec, p.b) for p, sec in got])
+                self.layout.write_grads(b, flat)
+                continue
             # The pull is scattered into a buffer this rank keeps, and each p.grad becomes a view
             # of it (as DDP's gradient_as_bucket_view): no copy into separate .grad tensors.
             flat = self._pulled.get(b.index)
@@ -239,22 +293,30 @@ class Worker:
                                                            device=b.device)
             else:
                 flat.zero_()
-            flat[idx] = vals
+            for p, sec in got:
+                vals = section_values(sec, p.b)
+                part = flat[p.lo:p.hi]
+                if sec.mode == wm.M_DENSE:
+                    part.copy_(vals)
+                else:
+                    part[self._pull_indices(p, sec, t)] = vals
             self.layout.point_grads(b, flat)
 
-    def _pull_indices(self, b: Bucket, sec: wm.Section, t: int) -> torch.Tensor:
-        """The coordinates of a pulled slice: explicit, or the server's core plus exploration."""
+    def _pull_indices(self, p: Piece, sec: wm.Section, t: int) -> torch.Tensor:
+        """The coordinates of a pulled slice in its piece: explicit, or the server's core plus
+        exploration."""
+        pb = p.b
         if sec.mode == wm.M_EXPLICIT:
-            return indices_on(sec.indices, b)
+            return indices_on(sec.indices, pb)
         if sec.mode == wm.M_SLICE:
-            self.pull_core[b.index] = indices_on(sec.indices, b)
-        core = self.pull_core.get(b.index)
+            self.pull_core[pb.index] = indices_on(sec.indices, pb)
+        core = self.pull_core.get(pb.index)
         if core is None:
             raise ExchangeError(f"rank {self.rank}: the server reused a cached pull core this "
                                 "rank does not have")
-        return slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
-                             role=ROLE_PULL, rank=self.cfg.server_rank, step=t,
-                             bucket=b.index, device=b.device)
+        return slice_indices(pb.numel, core, pb.k_pull_explore, seed=self.cfg.seed,
+                             role=ROLE_PULL, rank=self.shards.roots[p.shard], step=t,
+                             bucket=pb.index, device=pb.device)
 
     # --- the step's outcome on this rank's memory --------------------------------------------
     def selector_states(self) -> Dict[int, dict]:
@@ -269,8 +331,7 @@ class Worker:
                 mem.update(p.sel, p.delivered, p.mask_velocity)
                 continue
             self._flat[p.index] = mem.commit(p.a, p.u_new, p.sel, p.delivered, p.mask_velocity)
-            if p.core is not None:
-                self.core[p.index] = p.core
+            self.core.update(p.cores)
         self._pending = []
 
     def absorb(self) -> None:
@@ -303,3 +364,9 @@ class Worker:
         residuals are all still in place, or a loaded checkpoint)."""
         self._pending = []
 
+
+def _cut(values: torch.Tensor, pieces: List[Piece]) -> List[torch.Tensor]:
+    """``values`` (a whole bucket's) as the pieces' parts: itself when there is one piece."""
+    if len(pieces) == 1 and pieces[0].lo == 0 and pieces[0].hi == values.numel():
+        return [values]
+    return [values[p.lo:p.hi] for p in pieces]

@@ -59,6 +59,11 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
     (dict(min_compress_numel=-1), r"^min_compress_numel must be >= 0"),
     (dict(pull="both"), r"^pull must be one of \('slim', 'union'\), got 'both'"),
     (dict(value_bits=4), r"^value_bits must be one of \(8, 16, 32\), got 4"),
+    (dict(servers=0), r"^servers must be >= 1, got 0"),
+    (dict(servers=3), r"^servers must be an integer in 1\.\.2 \(the ranks of the exchange\) "
+                      r"or 'auto', got 3"),
+    (dict(servers="many"), r"^servers must be an integer >= 1 or 'auto', got 'many'"),
+    (dict(servers=1.5), r"^servers must be an integer >= 1, got 1.5"),
     (dict(value_bits=True), r"^value_bits must be one of \(8, 16, 32\), got True"),
     (dict(value_bits=8.5), r"^value_bits must be one of \(8, 16, 32\), got 8.5"),
     (dict(warmup_start_density=0.001, density=0.01),
@@ -134,6 +139,7 @@ BAD_ENV = [
     ("momentum_masking", "auto"),
     ("value_bits", "4"), ("value_bits", "eight"),
     ("warmup_start_density", "0"), ("warmup_start_density", "dense"),
+    ("servers", "0"), ("servers", "many"), ("servers", "3"),
 ]
 
 
@@ -162,7 +168,7 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "min_compress_numel": 100, "server_rank": 1, "seed": 4, "nonfinite": "skip",
             "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
             "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
-            "warmup_start_density": 0.5}[name]
+            "warmup_start_density": 0.5, "servers": 2}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 
@@ -171,6 +177,13 @@ def test_momentum_correction_from_the_environment_is_named_when_it_cannot_apply(
     with pytest.raises(ValueError, match=r"needs torch.optim.SGD with momentum.*"
                                          r"HVD_SLIM_MOMENTUM_CORRECTION"):
         build(opt_cls=torch.optim.Adam, opt_kw={"lr": 0.1}, min_compress_numel=100)
+
+
+def test_servers_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HVD_SLIM_SERVERS", "Auto")
+    assert build(size=2).slim_config.servers == "auto"
+    monkeypatch.setenv("HVD_SLIM_SERVERS", "2")
+    assert build(size=2).slim_config.servers == 2
 
 
 def test_good_environment_values_are_used(monkeypatch):
@@ -183,7 +196,7 @@ def test_good_environment_values_are_used(monkeypatch):
 
 def test_resolve_config_reports_the_field_of_every_error():
     for name, text in BAD_ENV:
-        if name == "server_rank" and text == "7":
+        if (name, text) in (("server_rank", "7"), ("servers", "3")):
             continue  # needs the world size: checked by check_world (above)
         with pytest.raises(ConfigError) as info:
             resolve_config({}, {"HVD_SLIM_" + name.upper(): text})

@@ -90,16 +90,19 @@ class Server:
         plan = _Plan()
         sections, totals = [], {}
         try:
-            for b in buckets:
+            # A message's sections follow its buckets' order (a shard's pieces are numbered
+            # otherwise): section ``pos`` of every push is bucket ``pos`` of ``buckets``.
+            for pos, b in enumerate(buckets):
+                secs = [d[pos] for d in decoded]
                 if b.kind != DENSE and cfg.pull == "slim" and not flush and not pull_is_dense(b):
-                    sections.append(self._slim_section(b, decoded, step, scale, plan))
+                    sections.append(self._slim_section(b, secs, step, scale, plan))
                     continue
                 total = totals[b.index] = self._zeroed(self._total, b, b.dtype)
                 touched = None
                 if cfg.pull == "union":
                     touched = self._touched[b.index] = self._zeroed(self._touched, b, torch.bool)
                 for j in range(self.size):
-                    self._accumulate(b, j, decoded[j][b.index], step, total, touched, plan)
+                    self._accumulate(b, j, secs[j], step, total, touched, plan)
                 if scale != 1.0:
                     total.mul_(scale)
                 sections.append(self._pull_section(b, total, touched, step, flush, plan))
@@ -158,14 +161,14 @@ class Server:
             "default, for torch.amp.GradScaler) or nonfinite='skip'",
             code=wm.E_NONFINITE, limit=limit))
 
-    def _slim_section(self, b: Bucket, decoded: List[List[wm.Section]], step: int,
+    def _slim_section(self, b: Bucket, secs: List[wm.Section], step: int,
                       scale: float, plan: "_Plan") -> wm.Section:
         """pull="slim" on a compressed bucket, aggregated straight into the server's residual:
         ``e += scale * push_j`` at each push's coordinates only, instead of summing into a
         zeroed dense buffer and adding ``e`` (three full passes fewer). ``e``'s old values
         there are kept in the plan, so a step that does not go through restores them exactly."""
         e = self.memory[b.index].residual
-        pushes = [self._push_slice(b, j, decoded[j][b.index], step, plan)
+        pushes = [self._push_slice(b, j, secs[j], step, plan)
                   for j in range(self.size)]
         touched = torch.cat([idx for idx, _ in pushes])
         plan.saved.append((e, touched, e[touched]))

@@ -258,6 +258,18 @@ class SlimExchange:
                          for m in self.server.memory.values())
         return total
 
+    def held_residuals(self) -> Dict[int, torch.Tensor]:
+        """Per compressed bucket (by index), every residual this rank holds as one float64
+        vector: its worker's plus, on a server, its shard's pieces of the server residual."""
+        out = {i: m.residual.double() for i, m in self.worker.memory.items()}
+        if self.server is not None:
+            for piece in self.shards.by_shard(None)[self.shard]:
+                mem = self.server.memory.get(piece.b.index)
+                if mem is not None:
+                    i = self.layout.buckets[piece.bucket].index
+                    out[i][piece.lo:piece.hi] += mem.residual.double()
+        return out
+
     def state_dict(self) -> dict:
         """This rank's residuals, velocities, cores, step and stats (and the server's state on
         the server rank): tensors and plain values only."""

@@ -80,12 +80,12 @@ def held_residual(opt, model):
         offsets[name] = off
         off += p.numel()
     out = torch.zeros(off, dtype=torch.float64)
-    for mem in [ex.worker.memory] + ([ex.server.memory] if ex.server is not None else []):
-        for b in ex.layout.sparse:
-            r = mem[b.index].residual
-            for s in b.segments:
-                o = offsets[s.name]
-                out[o:o + s.numel] += r[s.offset:s.offset + s.numel].double()
+    held = ex.held_residuals()   # the server's shard (if any) included
+    for b in ex.layout.sparse:
+        r = held[b.index]
+        for s in b.segments:
+            o = offsets[s.name]
+            out[o:o + s.numel] += r[s.offset:s.offset + s.numel]
     return out
 
 

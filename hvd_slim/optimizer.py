@@ -227,9 +227,13 @@ class _SlimOptimizer(torch.optim.Optimizer):
         ``ring_allreduce_bytes`` (what a ring allreduce would send per rank), the per-part
         breakdown, selection time and ``last_step``; ``skipped_steps`` and
         ``last_skip_reason`` count the steps every rank skipped (a NaN/Inf under
-        ``nonfinite="flag"`` or ``"skip"``)."""
+        ``nonfinite="flag"`` or ``"skip"``). ``bytes_sent`` and ``bytes_received`` count
+        everything this rank's transport moved in the exchange, its server shard's traffic
+        included (``bytes_pushed``/``bytes_pulled`` are its worker side only); ``servers``
+        is the number of server shards in force."""
         out = self._exchange.stats.as_dict()
         out.update(transport=self._settings.transport.name, world_size=self._exchange.size,
+                   servers=self._exchange.servers,
                    density=self._settings.config.density,
                    compressed_numel=sum(b.numel for b in self._layout.sparse),
                    dense_numel=sum(b.numel for b in self._layout.buckets if b.kind != SPARSE))
@@ -353,6 +357,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             * ``pull_density``: slice size of the server's pull (``pull="slim"``).
             * ``min_compress_numel``: tensors smaller than this are fused and sent dense.
             * ``server_rank``: the job rank that aggregates (it is also a worker).
+            * ``servers``: server shards, 1 to the number of ranks, or ``"auto"``: each
+              aggregates about 1/S of every tensor, so no rank's link carries every push
+              (shard 0 on ``server_rank``, the others evenly spaced after it).
             * ``seed``: keys the exploration generator.
             * ``warmup_dense_steps``, ``warmup_decay_steps`` and ``warmup_start_density``:
               dense first steps, then a geometric decay from the start density to the

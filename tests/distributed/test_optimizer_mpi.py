@@ -107,10 +107,16 @@ def dense_step(ref, ref_opt, t):
     ref_opt.step()
 
 
+def servers_of(spec):
+    """A ``servers`` value: 1, or one server shard per rank ("all")."""
+    return COMM.Get_size() if spec == "all" else spec
+
+
+@pytest.mark.parametrize("servers", [1, "all"])
 @pytest.mark.parametrize("pull", ["slim", "union"])
-def test_fifty_steps_keep_replicas_identical(pull):
+def test_fifty_steps_keep_replicas_identical(pull, servers):
     model = Net()
-    opt = wrap(model, density=0.01, pull=pull)
+    opt = wrap(model, density=0.01, pull=pull, servers=servers_of(servers))
     train(model, opt, 50)
     assert_same_on_every_rank(flat(model))
     assert opt.comm_stats()["steps"] == 50
@@ -149,11 +155,13 @@ def test_adam_at_one_percent_keeps_replicas_identical():
     assert any("last_delivery" in opt.state[p] for p in model.parameters())
 
 
-def test_conservation_at_one_percent():
-    """op=Sum: everything pulled + the server's residual + every worker's residual equals the
+@pytest.mark.parametrize("servers", [1, "all"])
+def test_conservation_at_one_percent(servers):
+    """op=Sum: everything pulled + the servers' residuals + every worker's residual equals the
     sum over ranks and steps of every gradient computed."""
     model = Net()
-    opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.01), density=0.01, op=hvd.Sum)
+    opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.01), density=0.01, op=hvd.Sum,
+               servers=servers_of(servers))
     fed = torch.zeros_like(flat(model), dtype=torch.float64)
     pulled = torch.zeros_like(fed)
     for t in range(10):
@@ -171,6 +179,32 @@ def test_conservation_at_one_percent():
     rhs = mpi_mean(fed) * size
     assert torch.allclose(lhs, rhs, rtol=1e-5, atol=1e-5)
     assert ex.residual_norm() > 0  # something really was held back
+
+
+def test_a_server_per_rank_at_density_one_is_the_mpi_average():
+    model, ref = Net(), Net()
+    opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.05), density=1.0,
+               servers=COMM.Get_size())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for t in range(5):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+        dense_step(ref, ref_opt, t)
+    assert torch.allclose(flat(model), flat(ref), rtol=1e-6, atol=1e-6)
+
+
+def test_a_server_per_rank_spreads_the_traffic():
+    """Counted by the transport: with a server per rank no rank moves much more than the
+    others (with one server, the server receives every push)."""
+    model = Net()
+    opt = wrap(model, density=0.01, servers=COMM.Get_size(), warmup_decay_steps=0)
+    train(model, opt, 4)
+    st = opt.comm_stats()
+    moved = COMM.allgather(st["bytes_sent"] + st["bytes_received"])
+    assert st["bytes_sent"] >= st["bytes_pushed"] > 0
+    assert max(moved) <= 1.5 * sum(moved) / len(moved), moved
+    assert_same_on_every_rank(flat(model))
 
 
 @pytest.mark.parametrize("q, bits", [(1, 8), (8, 8), (1, 32)])

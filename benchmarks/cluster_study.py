@@ -33,7 +33,7 @@ from .study_report import summarise
 SERIES = ("peers", "compute", "scaling", "hetero", "shared", "calibrate")
 # hvd_slim at its default density (0.02, pull "slim") and at the 0.01 the peers are compared at
 SUBSET = "floor,mpi-allreduce,horovod,ddp-powersgd-r1,topk-ef@0.01,hvd_slim-slim@0.02," \
-         "hvd_slim-slim@0.01,hvd_slim-union@0.01"
+         "hvd_slim-slim@0.01,hvd_slim-union@0.01,hvd_slim-sharded@0.01"
 DENSITIES = "0.1,0.02,0.01,0.001"
 
 

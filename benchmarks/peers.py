@@ -161,7 +161,8 @@ class TopKAllgather(Peer):
 
 
 class Slim(Peer):
-    """hvd_slim's ``DistributedOptimizer`` at one density and pull mode."""
+    """hvd_slim's ``DistributedOptimizer`` at one density and pull mode; the mode "sharded"
+    is ``pull="slim"`` with a server shard per rank (``servers=N``)."""
 
     name = "hvd_slim"
     family = "hvd_slim"
@@ -171,11 +172,13 @@ class Slim(Peer):
         import hvd_slim
         hvd_slim.init()
         self.name = f"hvd_slim-{pull}@{density:g}"
+        servers = hvd_slim.size() if pull == "sharded" else 1
+        pull = "slim" if pull == "sharded" else pull
         self.density, self.pull = density, pull
         # The steady state is what a step costs: the automatic warm-up (denser slices for the
         # first 1/density steps of training) is switched off here.
         self.opt = hvd_slim.DistributedOptimizer(self.opt, named_parameters=work.named,
-                                                 density=density, pull=pull,
+                                                 density=density, pull=pull, servers=servers,
                                                  warmup_decay_steps=0)
         self.basis = {"handed": "counted", "wire": "counted",
                       "note": "opt.comm_stats(): bytes_pushed (payload + 8-byte length word "

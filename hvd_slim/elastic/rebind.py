@@ -10,6 +10,7 @@ in this one place, so that optimizer.py needs no elastic code.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -46,7 +47,14 @@ def rebind(optimizer: torch.optim.Optimizer) -> bool:
     if new is old:
         return False
     opt: Any = optimizer
-    settings = dataclasses.replace(opt._settings, transport=new)
+    config = opt._settings.config
+    if config.servers != "auto" and config.servers > new.size:
+        # Fewer survivors than server shards: one shard per survivor (a state saved with
+        # the old count is refused on load anyway, as its size differs).
+        warnings.warn(f"hvd_slim.elastic: servers={config.servers} exceeds the {new.size} "
+                      f"surviving ranks; the exchange continues with servers={new.size}")
+        config = dataclasses.replace(config, servers=new.size)
+    settings = dataclasses.replace(opt._settings, transport=new, config=config)
     plan = momentum_plan(opt, opt._layout, settings.config)
     opt._settings = settings
     opt._exchange = SlimExchange(opt._layout, settings.config, new, plan)

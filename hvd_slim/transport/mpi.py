@@ -9,20 +9,22 @@ The exchange's two collectives are nonblocking and polled against the deadline o
 :meth:`Transport.watch`, so a rank that died or hangs ends the step with a
 :class:`TransportTimeout` (naming the collective, the step and the missing ranks) instead of a
 silent hang. The gather is point-to-point (one matched receive per rank), which is what lets the
-root say exactly which ranks never sent; its code is in :mod:`hvd_slim.transport.mpi_many`.
+root say exactly which ranks never sent. Its code, and the concurrent many-root collectives
+(``gather_many``/``broadcast_many``, for sharded servers), are in
+:mod:`hvd_slim.transport.mpi_many`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, as_payload,
-                   check_bound)
+from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, _check_roots,
+                   as_payload, check_bound)
 from .deadline import poll_until
 from .mpi_comm import CHUNK, mpi_errors
-from .mpi_many import gather_many_buffers
+from .mpi_many import broadcast_many_buffers, gather_many_buffers
 
 __all__ = ["MpiTransport"]
 
@@ -112,6 +114,28 @@ class MpiTransport(Transport):
         self.stats.record("broadcast", n if is_root else 0, n)
         return out
 
+    # --- several roots at once (sharded servers; mpi_many.py) --------------------------------
+    @mpi_errors("gather")
+    def gather_many(self, payloads: Sequence[np.ndarray], roots: Sequence[int],
+                    bounds: Sequence[Optional[int]]) -> Optional[List[np.ndarray]]:
+        """Every rank's sends to all roots, and each root's receives, at once (mpi_many.py)."""
+        _check_roots(roots, self.size, len(payloads), len(bounds))
+        payloads = [as_payload(p) for p in payloads]
+        return gather_many_buffers(
+            self, payloads, roots, bounds,
+            own=lambda: payloads[list(roots).index(self.rank)].copy(),
+            alloc=lambda n: np.empty(n, dtype=np.uint8))
+
+    @mpi_errors("broadcast")
+    def broadcast_many(self, payload: Optional[np.ndarray], roots: Sequence[int],
+                       bounds: Sequence[Optional[int]]) -> List[np.ndarray]:
+        """All roots' lengths in one Iallgather, then their data at once (mpi_many.py)."""
+        _check_roots(roots, self.size, len(roots), len(bounds))
+        if self.rank in roots:
+            payload = as_payload(payload)
+        return broadcast_many_buffers(self, payload, roots, bounds,
+                                      alloc=lambda n: np.empty(n, dtype=np.uint8))
+
     # --- device payloads (mpi_device.py; torch is imported only when they are used) ---------
     def device_payloads(self, device: Any) -> bool:
         """CUDA tensors travel as tensors: straight from device memory with CUDA-aware MPI,
@@ -127,3 +151,13 @@ class MpiTransport(Transport):
                          device: Any = "cpu") -> Any:
         from .mpi_device import broadcast_tensor
         return broadcast_tensor(self, payload, root, bound, device)
+
+    def gather_many_tensor(self, payloads: Sequence[Any], roots: Sequence[int],
+                           bounds: Sequence[Optional[int]]) -> Optional[List[Any]]:
+        from .mpi_device import gather_many_tensor
+        return gather_many_tensor(self, payloads, roots, bounds)
+
+    def broadcast_many_tensor(self, payload: Any, roots: Sequence[int],
+                              bounds: Sequence[Optional[int]], device: Any = "cpu") -> List[Any]:
+        from .mpi_device import broadcast_many_tensor
+        return broadcast_many_tensor(self, payload, roots, bounds, device)

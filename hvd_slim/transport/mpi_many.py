@@ -1,10 +1,11 @@
-"""The point-to-point gather of :class:`~hvd_slim.transport.mpi.MpiTransport`, written for
-several roots at once (sharded servers); the single-root gather is its one-root case.
+"""The point-to-point gather of :class:`~hvd_slim.transport.mpi.MpiTransport`, to one root or to
+several at once (``gather_many``), and its concurrent ``broadcast_many``.
 
 With S sharded servers, S gathers run one after another would each wait on one root's link;
 here every rank posts its sends to all roots at once and every root receives from all ranks at
 once, everything polled together against one deadline (:meth:`MpiTransport._poll`), so a
-missing rank is still named.
+missing rank is still named. ``broadcast_many`` exchanges all roots' lengths in one
+``Iallgather``, then has every root's data in flight at once as nonblocking ``Ibcast``.
 
 Tags: every gather message carries :data:`TAG_GATHER`, single-root and many-root alike. That is
 safe because in each call a root receives exactly one message from each other rank, and a rank
@@ -20,9 +21,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 from mpi4py import MPI
 
 from .base import LENGTH_BYTES, check_bound
+from .bounds import check_length
+from .mpi_comm import CHUNK
 
 # Tag of the exchange's point-to-point gather (the exchange communicator is private to it).
 TAG_GATHER = 0x5D1
@@ -132,3 +136,50 @@ def gather_many_buffers(tr: Any, payloads: Sequence[Any], roots: Sequence[int],
         tr.stats.record("gather", len(payload) + LENGTH_BYTES, received)
     return out
 
+
+def broadcast_many_buffers(tr: Any, payload: Any, roots: Sequence[int],
+                           bounds: Sequence[Optional[int]], alloc: Callable[[int], Any]
+                           ) -> List[Any]:
+    """Every root in ``roots`` (checked distinct ranks) sends its ``payload`` (None off the
+    roots), all concurrently; ``alloc(n)`` makes the buffer another root's ``n`` bytes are
+    received into. Returns the roots' payloads in ``roots`` order (a root's own is ``payload``
+    itself); counted as one broadcast per root, in ``roots`` order."""
+    tr._check_usable()
+    me = list(roots).index(tr.rank) if tr.rank in roots else None
+    if me is not None:
+        check_bound(payload, bounds[me], tr.rank, "broadcast")
+    op = _label("broadcast from", roots)
+    # Every rank's length word (0 off the roots) in one collective instead of one per root.
+    lengths = np.zeros(tr.size, dtype=np.int64)
+    mine = np.array([0 if me is None else len(payload)], dtype=np.int64)
+    req = tr.comm.Iallgather(mine, lengths)
+    tr._poll(req.Test, op, me is not None,
+             lambda: "a rank did not take part (it died, hangs or is elsewhere)")
+    outs: List[Any] = []
+    pending: List[Tuple[int, Any]] = []
+    for i, root in enumerate(roots):
+        n = check_length(op, int(lengths[root]), root, tr.rank)
+        buf = payload if i == me else alloc(n)
+        outs.append(buf)
+        # Every rank knows every length now, so empty payloads are skipped alike everywhere,
+        # and all Ibcasts are started in the same order on every rank, as MPI requires.
+        pending += [(root, tr.comm.Ibcast(buf[lo:lo + CHUNK], root=root))
+                    for lo in range(0, n, CHUNK)]
+
+    def done() -> bool:
+        pending[:] = [(r, q) for r, q in pending if not q.Test()]
+        return not pending
+
+    def stalled() -> str:
+        waiting = sorted({r for r, _ in pending} - {tr.rank})
+        parts = [f"rank(s) {_ranks(waiting)} did not send"] if waiting else []
+        if any(r == tr.rank for r, _ in pending):
+            parts.append("a rank did not take this rank's payload (it died, hangs or is "
+                         "elsewhere)")
+        return "; ".join(parts) or "every root has sent"
+
+    tr._poll(done, op, me is not None, stalled)
+    for i, buf in enumerate(outs):
+        n = len(buf) + LENGTH_BYTES
+        tr.stats.record("broadcast", n if i == me else 0, n)
+    return outs

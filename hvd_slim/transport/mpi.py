@@ -9,19 +9,22 @@ The exchange's two collectives are nonblocking and polled against the deadline o
 :meth:`Transport.watch`, so a rank that died or hangs ends the step with a
 :class:`TransportTimeout` (naming the collective, the step and the missing ranks) instead of a
 silent hang. The gather is point-to-point (one matched receive per rank), which is what lets the
-root say exactly which ranks never sent.
+root say exactly which ranks never sent. Its code, and the concurrent many-root collectives
+(``gather_many``/``broadcast_many``, for sharded servers), are in
+:mod:`hvd_slim.transport.mpi_many`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, as_payload,
-                   check_bound)
+from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, _check_roots,
+                   as_payload, check_bound)
 from .deadline import poll_until
 from .mpi_comm import CHUNK, mpi_errors
+from .mpi_many import broadcast_many_buffers, gather_many_buffers
 
 __all__ = ["MpiTransport"]
 
@@ -29,10 +32,6 @@ __all__ = ["MpiTransport"]
 def _check_root(root: int, size: int, what: str) -> None:
     if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < size:
         raise ValueError(f"{what}: root {root!r} is not a rank in [0, {size})")
-
-
-# Tag of the exchange's point-to-point gather (the exchange communicator is private to it).
-_TAG_GATHER = 0x5D1
 
 
 class MpiTransport(Transport):
@@ -82,50 +81,9 @@ class MpiTransport(Transport):
         host memory, or device memory with CUDA-aware MPI). ``own()`` is the root's copy of its
         own payload; ``alloc(n)`` makes the buffer a peer's ``n`` bytes are received into."""
         self._check_usable()
-        check_bound(payload, bound, self.rank, "gather")  # point-to-point needs no padding
         _check_root(root, self.size, "MpiTransport.gather")
-        op = f"gather to rank {root}"
-        size = len(payload)
-        if self.rank != root:
-            req = self.comm.Isend([payload, MPI.BYTE], dest=root, tag=_TAG_GATHER)
-            self._wait(req, op, False, f"rank {root} did not take this rank's "
-                       f"{size}-byte payload (it died, hangs or is elsewhere)")
-            self.stats.record("gather", size + LENGTH_BYTES, 0)
-            return None
-        out: List[Any] = [None] * self.size
-        out[root] = own()
-        receiving: Dict[int, Tuple[Any, Any]] = {}
-        pending = set(range(self.size)) - {root}
-        status = MPI.Status()
-
-        def done() -> bool:
-            for j in sorted(pending):
-                if j not in receiving:
-                    msg = self.comm.Improbe(source=j, tag=_TAG_GATHER, status=status)
-                    if msg is None:
-                        continue
-                    buf = alloc(status.Get_count(MPI.BYTE))
-                    receiving[j] = (msg.Irecv([buf, MPI.BYTE]), buf)
-                req, buf = receiving[j]
-                if req.Test():
-                    out[j] = buf
-                    pending.discard(j)
-            return not pending
-
-        def stalled() -> str:
-            silent = sorted(pending - set(receiving))
-            partial = sorted(pending & set(receiving))
-            parts = []
-            if silent:
-                parts.append(f"rank(s) {', '.join(map(str, silent))} sent nothing")
-            if partial:
-                parts.append(f"rank(s) {', '.join(map(str, partial))} started but did not finish")
-            return "; ".join(parts) or "every rank has sent"
-
-        self._poll(done, op, True, stalled)
-        total = sum(len(b) for b in out)
-        self.stats.record("gather", size + LENGTH_BYTES, total + LENGTH_BYTES * self.size)
-        return out
+        # The one-root case of the concurrent gather: the same messages, checks and counts.
+        return gather_many_buffers(self, [payload], [root], [bound], own, alloc)
 
     @mpi_errors("broadcast")
     def broadcast(self, payload: Optional[np.ndarray], root: int, bound: Optional[int] = None
@@ -156,6 +114,28 @@ class MpiTransport(Transport):
         self.stats.record("broadcast", n if is_root else 0, n)
         return out
 
+    # --- several roots at once (sharded servers; mpi_many.py) --------------------------------
+    @mpi_errors("gather")
+    def gather_many(self, payloads: Sequence[np.ndarray], roots: Sequence[int],
+                    bounds: Sequence[Optional[int]]) -> Optional[List[np.ndarray]]:
+        """Every rank's sends to all roots, and each root's receives, at once (mpi_many.py)."""
+        _check_roots(roots, self.size, len(payloads), len(bounds))
+        payloads = [as_payload(p) for p in payloads]
+        return gather_many_buffers(
+            self, payloads, roots, bounds,
+            own=lambda: payloads[list(roots).index(self.rank)].copy(),
+            alloc=lambda n: np.empty(n, dtype=np.uint8))
+
+    @mpi_errors("broadcast")
+    def broadcast_many(self, payload: Optional[np.ndarray], roots: Sequence[int],
+                       bounds: Sequence[Optional[int]]) -> List[np.ndarray]:
+        """All roots' lengths in one Iallgather, then their data at once (mpi_many.py)."""
+        _check_roots(roots, self.size, len(roots), len(bounds))
+        if self.rank in roots:
+            payload = as_payload(payload)
+        return broadcast_many_buffers(self, payload, roots, bounds,
+                                      alloc=lambda n: np.empty(n, dtype=np.uint8))
+
     # --- device payloads (mpi_device.py; torch is imported only when they are used) ---------
     def device_payloads(self, device: Any) -> bool:
         """CUDA tensors travel as tensors: straight from device memory with CUDA-aware MPI,
@@ -171,3 +151,13 @@ class MpiTransport(Transport):
                          device: Any = "cpu") -> Any:
         from .mpi_device import broadcast_tensor
         return broadcast_tensor(self, payload, root, bound, device)
+
+    def gather_many_tensor(self, payloads: Sequence[Any], roots: Sequence[int],
+                           bounds: Sequence[Optional[int]]) -> Optional[List[Any]]:
+        from .mpi_device import gather_many_tensor
+        return gather_many_tensor(self, payloads, roots, bounds)
+
+    def broadcast_many_tensor(self, payload: Any, roots: Sequence[int],
+                              bounds: Sequence[Optional[int]], device: Any = "cpu") -> List[Any]:
+        from .mpi_device import broadcast_many_tensor
+        return broadcast_many_tensor(self, payload, roots, bounds, device)

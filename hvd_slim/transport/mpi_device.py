@@ -1,4 +1,5 @@
-"""Tensor payloads over MPI (:meth:`MpiTransport.gather_tensor` / ``broadcast_tensor``).
+"""Tensor payloads over MPI (:meth:`MpiTransport.gather_tensor` / ``broadcast_tensor``, and
+the many-root ``gather_many_tensor`` / ``broadcast_many_tensor``).
 
 mpi4py takes torch tensors directly (through DLPack), host or device memory alike. Device memory
 is handed to MPI only when the library says it can read it: Open MPI's
@@ -10,12 +11,14 @@ instead of the exchange converting every section to numpy.
 from __future__ import annotations
 
 import ctypes
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 from mpi4py import MPI
 
+from .base import _check_roots
 from .mpi_comm import mpi_errors
+from .mpi_many import broadcast_many_buffers, gather_many_buffers
 from .staging import host_buffer, to_device, to_host
 
 _CUDA_AWARE: Optional[bool] = None
@@ -106,3 +109,49 @@ def broadcast_tensor(tr, payload: Optional[torch.Tensor], root: int, bound: Opti
     out = tr.broadcast_buffer(send, root, bound,
                               alloc=lambda n: host_buffer(n, pinned=True).numpy())
     return payload.to(dev) if is_root else to_device(torch.from_numpy(out), dev)
+
+
+@mpi_errors("gather")
+def gather_many_tensor(tr, payloads: Sequence[torch.Tensor], roots: Sequence[int],
+                       bounds: Sequence[Optional[int]]) -> Optional[List[torch.Tensor]]:
+    """The concurrent gather of ``payloads[i]`` to ``roots[i]``; a root gets every rank's bytes
+    on the device of the payload it keeps."""
+    _check_roots(roots, tr.size, len(payloads), len(bounds))
+    for p in payloads:
+        _check(p, "gather_many_tensor")
+    # Each payload is sent straight or staged by its own device; a root receives as its own
+    # payload's device allows.
+    sends = [_ready(p) if _direct(p.device) else to_host(p).numpy() for p in payloads]
+    mine = payloads[list(roots).index(tr.rank)] if tr.rank in roots else None
+    dev = None if mine is None else mine.device
+    direct = dev is not None and _direct(dev)
+    alloc = (lambda n: torch.empty(n, dtype=torch.uint8, device=dev)) if direct else \
+        (lambda n: host_buffer(n, pinned=True).numpy())
+    out = gather_many_buffers(tr, sends, roots, bounds, own=lambda: mine.clone(), alloc=alloc)
+    if out is None or direct:
+        return out
+    return [b if r == tr.rank else to_device(torch.from_numpy(b), dev)
+            for r, b in enumerate(out)]
+
+
+@mpi_errors("broadcast")
+def broadcast_many_tensor(tr, payload: Optional[torch.Tensor], roots: Sequence[int],
+                          bounds: Sequence[Optional[int]], device: torch.device
+                          ) -> List[torch.Tensor]:
+    """The concurrent broadcasts of the roots' ``payload``; every rank gets the roots' bytes on
+    ``device``, in ``roots`` order."""
+    _check_roots(roots, tr.size, len(roots), len(bounds))
+    dev = torch.device(device)
+    is_root = tr.rank in roots
+    if is_root:
+        _check(payload, "broadcast_many_tensor")
+    if _direct(dev):
+        send = _ready(payload.to(dev)) if is_root else None
+        return broadcast_many_buffers(
+            tr, send, roots, bounds,
+            alloc=lambda n: torch.empty(n, dtype=torch.uint8, device=dev))
+    send = to_host(payload).numpy() if is_root else None
+    out = broadcast_many_buffers(tr, send, roots, bounds,
+                                 alloc=lambda n: host_buffer(n, pinned=True).numpy())
+    return [payload.to(dev) if r == tr.rank else to_device(torch.from_numpy(b), dev)
+            for r, b in zip(roots, out)]

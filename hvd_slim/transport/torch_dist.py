@@ -13,6 +13,11 @@ Byte accounting follows base.py, counting the padded frames that really move:
   (sent and received).
 * ``broadcast`` with bound B: the root sends ``B + 8``, every rank receives ``B + 8``. Without a
   bound: ``len + 8`` (the length word, then the payload), exactly as the MPI transport.
+* ``gather_many`` (one ``all_to_all_single``, each rank's frame for a root padded to that
+  root's bound) counts as its gathers would: per root, as ``gather`` above.
+* ``broadcast_many`` with every rank a root and every bound given (one ``all_gather`` of frames
+  padded to the largest bound M): per root, that root sends ``M + 8`` and every rank receives
+  ``M + 8``. Otherwise it is one ``broadcast`` per root, counted as those.
 
 Deadlines: inside ``with transport.watch(seconds, label)`` each collective runs asynchronously
 and is waited on for at most ``seconds``; otherwise the process group's own timeout applies
@@ -32,7 +37,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -124,6 +129,19 @@ class TorchDistTransport(TensorFrames, Transport):
         out = self.broadcast_tensor(_as_tensor(payload) if is_root else None, root, bound)
         # The root gets its own payload back: a copy, so the caller's buffer is never aliased.
         return out.numpy().copy() if is_root else out.numpy()
+
+    def gather_many(self, payloads: Sequence[np.ndarray], roots: Sequence[int],
+                    bounds: Sequence[Optional[int]]) -> Optional[List[np.ndarray]]:
+        # As gather: the tensor collective (one all_to_all_single) does everything.
+        out = self.gather_many_tensor([_as_tensor(p) for p in payloads], roots, bounds)
+        return None if out is None else [t.numpy() for t in out]
+
+    def broadcast_many(self, payload: Optional[np.ndarray], roots: Sequence[int],
+                       bounds: Sequence[Optional[int]]) -> List[np.ndarray]:
+        is_root = self.rank in roots
+        out = self.broadcast_many_tensor(_as_tensor(payload) if is_root else None, roots, bounds)
+        # As broadcast: a root's own payload comes back as a copy, never aliasing the caller's.
+        return [t.numpy().copy() if r == self.rank else t.numpy() for r, t in zip(roots, out)]
 
     def close(self) -> None:
         """Release the process group (once); later collectives raise TransportError."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -110,10 +111,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def selected(args: argparse.Namespace) -> List[str]:
-    names = peer_names(args.density_list, args.pull_list)
-    if not args.peers:
-        return names
+    """The peers to run: every one of ``--densities`` x ``--pulls``, or those ``--peers`` names
+    (an hvd_slim pull mode named there need not be in ``--pulls``); a name that matches no peer
+    is an error, never silently dropped."""
     want = [w for w in args.peers.split(",") if w]
+    pulls = list(args.pull_list)
+    for w in want:
+        m = re.match(r"hvd_slim-(\w+)@", w)
+        if m and m[1] not in pulls:
+            pulls.append(m[1])
+    names = peer_names(args.density_list, pulls)
+    if not want:
+        return names
+    unknown = [w for w in want if not any(n == w or n.startswith(w) for n in names)]
+    if unknown:
+        raise SystemExit(f"benchmarks.run: --peers names no peer for {unknown} (with "
+                         f"--densities {args.densities}); the peers are {', '.join(names)}")
     return [n for n in names if any(n == w or n.startswith(w) for w in want)]
 
 

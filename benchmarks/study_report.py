@@ -59,6 +59,17 @@ def _scaling(results: Dict[str, Dict[str, Any]], out: str) -> List[str]:
             series.setdefault(peer, []).append(
                 (p["median_s"] if p else None, nic["busiest_rx"] if nic else None))
         lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Balance: the busiest NIC's bytes (out + in) per step over the mean NIC's:", "",
+              "| peer | " + " | ".join(f"N={n}" for n in ns) + " |",
+              "|---|" + "---:|" * len(ns)]
+    for peer in peers:
+        cells = []
+        for _, res in runs:
+            hosts = ((_ok(res, peer) or {}).get("nic_bytes_per_step") or {}).get("per_host")
+            moved = [h["tx"] + h["rx"] for h in hosts or []]
+            cells.append(f"{max(moved) / (sum(moved) / len(moved)):.2f}x" if moved and sum(moved)
+                         else "-")
+        lines.append(f"| {peer} | " + " | ".join(cells) + " |")
     lines += ["", *[f"- N={n}: {_provenance(r)}" for n, r in runs], ""]
     lines += _scaling_plots(ns, series, out)
     return lines

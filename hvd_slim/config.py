@@ -34,9 +34,11 @@ ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight"
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
 RESUMABLE_FIELDS = ("timeout", "nonfinite")
-# servers="auto": one shard per rank once a shard would hold at least this many compressed
-# coordinates (below it the messages' fixed costs outweigh spreading the bytes), else one server.
-AUTO_MIN_SHARD = 1 << 16
+# servers="auto": as many shards as ranks, but none under this many compressed coordinates:
+# every piece pays fixed costs per step (its selection, exploration generator, a section in
+# every message; about 0.5 ms on this machine), which swamp what spreading the bytes saves on
+# small shards (docs/performance.md, "Sharded servers").
+AUTO_MIN_SHARD = 1 << 20
 DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's NCCL default, long enough for an evaluation
 
 
@@ -257,15 +259,15 @@ class SlimConfig:
                               "servers")
 
     def servers_for(self, size: int, compressed_numel: int) -> int:
-        """The number of server shards for ``size`` ranks: ``servers``, or for ``"auto"`` one
-        per rank when each shard would hold at least ``AUTO_MIN_SHARD`` compressed
-        coordinates and there are 3 ranks or more, else 1."""
+        """The number of server shards for ``size`` ranks: ``servers``, or for ``"auto"``
+        ``min(size, compressed_numel // AUTO_MIN_SHARD)`` from 3 ranks up (at 2, one server
+        already moves as many bytes as two), and at least 1."""
         self._check_servers(size)
         if self.servers != "auto":
             return self.servers
-        if size >= 3 and compressed_numel >= AUTO_MIN_SHARD * size:
-            return size
-        return 1
+        if size < 3:
+            return 1
+        return max(1, min(size, compressed_numel // AUTO_MIN_SHARD))
 
     def for_ranks(self, ranks: Sequence[int]) -> "SlimConfig":
         """The config of an exchange among the job ranks ``ranks`` (a process set, in order),

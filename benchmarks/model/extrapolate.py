@@ -17,7 +17,8 @@ from .strategies import LocalCosts, Prediction, Scenario, predict
 from .workloads import numel, shapes_of
 
 DEFAULT_PEERS = ("mpi-allreduce", "horovod-fp16", "ddp-powersgd-r4", "topk-ef@0.01",
-                 "hvd_slim-slim@0.02", "hvd_slim-slim@0.01", "hvd_slim-union@0.01")
+                 "hvd_slim-slim@0.02", "hvd_slim-slim@0.01", "hvd_slim-union@0.01",
+                 "hvd_slim-sharded@0.01")
 DEFAULT_RANKS = (16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_RATES = (10.0, 100.0)
 DEFAULT_MODELS = ("resnet50", "transformer-1b")

@@ -211,16 +211,68 @@ def hvd_slim(sc: Scenario, peer: str, select_s: Optional[float] = None,
                    bcast=algo, select_s=sel, server_local_s=server, value_bits=s.value_bits)
 
 
+def sharded_roots(n: int, servers: int, server_rank: int = 0) -> List[int]:
+    """The shard roots, as hvd_slim.exchange.shards.server_roots places them."""
+    return [(server_rank + s * n // servers) % n for s in range(servers)]
+
+
+def _bcast_edges(n: int, root: int, nbytes: float) -> List[Tuple[int, int, float]]:
+    """The edges one broadcast of libnbc's choice uses (every edge carries the message once)."""
+    algo, _ = nw.libnbc_ibcast(n, nbytes)
+    if algo == "linear":
+        return [(root, j, nbytes) for j in range(n) if j != root]
+    if algo == "binomial":
+        return [(nw._rank(v, root), nw._rank(v + (1 << r), root), nbytes)
+                for r in range(math.ceil(math.log2(n))) for v in range(1 << r) if v + (1 << r) < n]
+    return [(nw._rank(v, root), nw._rank(v + 1, root), nbytes) for v in range(n - 1)]
+
+
+def hvd_slim_sharded(sc: Scenario, peer: str, select_s: Optional[float] = None,
+                     density: Optional[float] = None, servers: int = 0) -> Prediction:
+    """hvd_slim with ``servers`` shards (0: one per rank): the header round, every worker's
+    pushes to every shard root at once (one phase), the roots' lengths (a small allgather),
+    every root's pull broadcast at once (one phase carrying all their edges, as many latencies
+    as the deepest), and the servers' work split S ways."""
+    s = sc.slim if density is None else replace(sc.slim, density=density)
+    s = replace(s, pull="slim")
+    n = sc.ranks
+    S = servers or n
+    roots = sharded_roots(n, S, s.server_rank)
+    big, small = split(sc.shapes, s.min_compress_numel)
+    b = step_bytes(big, small, n, s)
+    sel = big * sc.local.slim_select_s if select_s is None else select_s
+    if b.push_mode != "slice":
+        sel = 0.0
+    lc = sc.local
+    worker = sel + PASSES["hvd_slim"] * sc.d * lc.pass_s + (2 * b.k + b.pull_coords) * lc.scatter
+    server = ((sel if b.pull_mode == "slice" else PASSES["hvd_slim-server-dense"] * big *
+               lc.pass_s) + (2 * n * b.k + 2 * b.k_pull) * lc.scatter) / S
+    comm = nw.bruck_allgather(sc.net, n, HEADER_ROW_BYTES)
+    comm.add(nw.phase(sc.net, n, [(j, r, b.push / S) for r in roots for j in range(n)]))
+    comm.add(nw.bruck_allgather(sc.net, n, 8))
+    edges = [e for r in roots for e in _bcast_edges(n, r, b.pull / S)]
+    depth = 1 if nw.libnbc_ibcast(n, b.pull / S)[0] == "linear" else \
+        math.ceil(math.log2(n)) if nw.libnbc_ibcast(n, b.pull / S)[0] == "binomial" else n - 1
+    pull = nw.phase(sc.net, n, edges)
+    pull.seconds += (depth - 1) * sc.net.latency_s
+    comm.add(pull)
+    return _finish(peer, sc, worker + server, comm, b.push, b.pull, push=b.push, pull=b.pull,
+                   k=b.k, k_pull=b.k_pull, servers=S, select_s=sel, server_local_s=server,
+                   value_bits=s.value_bits)
+
+
 StrategyFn = Callable[..., Prediction]
 STRATEGIES: Dict[str, StrategyFn] = {
     "floor": floor, "mpi-allreduce": dense, "horovod": dense, "horovod-fp16": dense,
     "ddp-allreduce": dense, "ddp-fp16": dense, "ddp-powersgd": powersgd, "topk-ef": topk,
-    "hvd_slim": hvd_slim}
+    "hvd_slim": hvd_slim, "hvd_slim-sharded": hvd_slim_sharded}
 
 _PARAM = [(re.compile(r"^ddp-powersgd-r(\d+)$"), "ddp-powersgd", lambda m: {"rank": int(m[1])}),
           (re.compile(r"^topk-ef@([0-9.eE+-]+)$"), "topk-ef", lambda m: {"density": float(m[1])}),
           (re.compile(r"^hvd_slim-(slim|union)@([0-9.eE+-]+)$"), "hvd_slim",
-           lambda m: {"pull": m[1], "density": float(m[2])})]
+           lambda m: {"pull": m[1], "density": float(m[2])}),
+          (re.compile(r"^hvd_slim-sharded@([0-9.eE+-]+)$"), "hvd_slim-sharded",
+           lambda m: {"density": float(m[1])})]
 
 
 def parse(peer: str) -> Tuple[str, Dict[str, Any]]:

@@ -3,7 +3,7 @@
 Every bucket of at least ``S`` coordinates is cut into ``S`` contiguous pieces of near-equal
 length, piece ``s`` going to shard ``s`` (a smaller bucket goes whole to one shard), so each
 shard holds about ``1/S`` of every bucket and the servers' loads are balanced by construction
-(docs/design.md §6). Shard ``s`` is aggregated by rank ``roots[s]``, spaced evenly over the
+(docs/design.md §2, "Sharded servers"). Shard ``s`` is aggregated by rank ``roots[s]``, spaced evenly over the
 ranks so that on a launch with several ranks per host the servers fall on different hosts.
 
 A piece is itself a :class:`~hvd_slim.exchange.layout.Bucket` (its coordinates renumbered from

@@ -16,15 +16,13 @@ import torch
 
 from ..config import SlimConfig
 from ..memory import ResidualMemory
-from ..selection import ROLE_PULL, ROLE_PUSH, CoreSelector, significance, slice_indices
-from ..wire import control
+from ..selection import ROLE_PUSH, CoreSelector, significance, slice_indices
 from ..wire import message as wm
 from ..wire.values import quantize
-from .errors import ExchangeError, NonFiniteGradientError
-from .expect import is_refresh, pull_expect
+from .expect import is_refresh
 from .finite import nonfinite_params, nonfinite_sent, nonfinite_text
 from .layout import DENSE, Bucket, Layout, sent_whole
-from .sections import indices_on, section_values
+from .pull import Puller
 from .shards import Piece, ShardPlan
 from .stats import ExchangeStats
 from .wirepath import WirePath
@@ -84,11 +82,10 @@ class Worker:
         self.selector = {p.b.index: CoreSelector() for ps in self.shards.pieces(None)
                          for p in ps if p.b.kind != DENSE}
         self.core: Dict[int, torch.Tensor] = {}        # this worker's cached push cores
-        self.pull_core: Dict[int, torch.Tensor] = {}   # the servers' cached pull cores
+        self.puller = Puller(layout, config, self.shards, path, stats, rank, size, digest)
         self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
                       for b in layout.buckets}
         self._score: Dict[int, torch.Tensor] = {}   # only with magnitude_weight > 0
-        self._pulled: Dict[int, torch.Tensor] = {}  # sliced pulls; each p.grad views it
         self._pending: List[Proposal] = []
 
     # --- compensate and select ---------------------------------------------------------------
@@ -194,6 +191,7 @@ class Worker:
             core = (self.core[pb.index] if new_core is None else new_core).to(b.device)
             sel = slice_indices(pb.numel, core, pb.k_explore, seed=cfg.seed, role=ROLE_PUSH,
                                 rank=self.rank, step=t, bucket=pb.index, device=b.device)
+            t_code = time.perf_counter()
             # value_bits: the values travel in the slice dtype; what rounding lost stays in the
             # residual (``delivered`` is what the server decodes), to be sent later.
             coded, exp, got = quantize(ap[sel], pb.slice_dtype)
@@ -204,6 +202,7 @@ class Worker:
                 secs.append(self.path.section(wm.M_SLICE_CACHED, coded, pb.numel, exp=exp))
             sels.append(sel + p.lo if p.lo else sel)
             delivered.append(got)
+            t_sel += time.perf_counter() - t_code   # select_seconds: selection alone
         self.stats.select_seconds += time.perf_counter() - t_sel
         sel = sels[0] if len(sels) == 1 else torch.cat(sels)
         lossy = None
@@ -227,96 +226,27 @@ class Worker:
             score = self._score[pb.index] = torch.empty_like(a)
         return selector.select(significance(a, w, lam, out=score), pb.k_core)
 
-    # --- pull and apply ----------------------------------------------------------------------
+    # --- pull and apply (pull.py) -----------------------------------------------------------
     def read_pulls(self, bufs: List[Any], t: int, flush: bool
                    ) -> Optional[List[List[wm.Section]]]:
-        """Every server's reply (one per shard) decoded strictly: the pulled sections per
-        shard, or None for a step every rank skips. An ERROR reply from any server raises its
-        text (as NonFiniteGradientError for a NaN/Inf under nonfinite="raise"), as does a
-        malformed one (ExchangeError); every rank reads the same replies, so all decide alike."""
-        roots = self.shards.roots
-        whos = ["pull from the server"] if len(roots) == 1 else \
-            [f"pull from the server of shard {s} (rank {r})" for s, r in enumerate(roots)]
-        try:
-            for buf, who in zip(bufs, whos):   # an ERROR anywhere outranks a SKIP
-                if self.path.is_error(buf):
-                    self.path.peek(buf, who)   # raises its text
-            if not flush:
-                for buf, who, root in zip(bufs, whos, roots):
-                    if self.path.peek(buf, who) == wm.SKIP:
-                        self.stats.last_skip = control.decode_text(
-                            self.path.host(buf), kind=wm.SKIP, sender=root, step=t,
-                            digest=self.digest, who=who)
-                        return None
-            out = []
-            for s, (buf, who, root) in enumerate(zip(bufs, whos, roots)):
-                # The world size bounds a union pull: at most ``size * k`` coordinates a bucket.
-                expect = pull_expect(self.shards.shard_buckets(t, s), t,
-                                     self.cfg.refresh_interval, self.cfg.pull, flush,
-                                     size=self.size)
-                out.append(self.path.decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
-                                            sender=root, step=t, digest=self.digest,
-                                            expect=expect, who=who))
-            return out
-        except wm.RemoteError as exc:
-            if exc.code == wm.E_NONFINITE:
-                raise NonFiniteGradientError(str(exc)) from None
-            raise ExchangeError(str(exc)) from None
-        except wm.WireError as exc:
-            raise ExchangeError(f"rank {self.rank}: {exc}") from None
+        """Every server's reply read strictly (:meth:`Puller.read`): the pulled sections per
+        shard, or None for a step every rank skips; an ERROR reply raises."""
+        return self.puller.read(bufs, t, flush)
 
     def apply(self, pulled: List[List[wm.Section]], t: int) -> None:
         """The step went through: commit this rank's proposals, then write the pulled values
-        (per shard) into ``p.grad`` (zeros where nothing was delivered; dense sections straight
-        in)."""
+        into ``p.grad`` (:meth:`Puller.write`)."""
         self._commit()
-        parts: List[List[Tuple[Piece, wm.Section]]] = [[] for _ in self.layout.buckets]
-        for pieces, sections in zip(self.shards.by_shard(t), pulled):
-            for p, sec in zip(pieces, sections):
-                parts[p.bucket].append((p, sec))
-        for b, got in zip(self.layout.at_step(t), parts):
-            got.sort(key=lambda ps: ps[0].lo)
-            if all(sec.mode == wm.M_EMPTY for _, sec in got):
-                continue
-            if len(got) == 1 and got[0][1].mode == wm.M_DENSE:
-                self.layout.write_grads(b, section_values(got[0][1], b))
-                continue
-            if b.kind == DENSE:   # a dense bucket cut into pieces: put it back together
-                flat = torch.cat([section_values(sec, p.b) for p, sec in got])
-                self.layout.write_grads(b, flat)
-                continue
-            # The pull is scattered into a buffer this rank keeps, and each p.grad becomes a view
-            # of it (as DDP's gradient_as_bucket_view): no copy into separate .grad tensors.
-            flat = self._pulled.get(b.index)
-            if flat is None:
-                flat = self._pulled[b.index] = torch.zeros(b.numel, dtype=b.dtype,
-                                                           device=b.device)
-            else:
-                flat.zero_()
-            for p, sec in got:
-                vals = section_values(sec, p.b)
-                part = flat[p.lo:p.hi]
-                if sec.mode == wm.M_DENSE:
-                    part.copy_(vals)
-                else:
-                    part[self._pull_indices(p, sec, t)] = vals
-            self.layout.point_grads(b, flat)
+        self.puller.write(pulled, t)
 
-    def _pull_indices(self, p: Piece, sec: wm.Section, t: int) -> torch.Tensor:
-        """The coordinates of a pulled slice in its piece: explicit, or the server's core plus
-        exploration."""
-        pb = p.b
-        if sec.mode == wm.M_EXPLICIT:
-            return indices_on(sec.indices, pb)
-        if sec.mode == wm.M_SLICE:
-            self.pull_core[pb.index] = indices_on(sec.indices, pb)
-        core = self.pull_core.get(pb.index)
-        if core is None:
-            raise ExchangeError(f"rank {self.rank}: the server reused a cached pull core this "
-                                "rank does not have")
-        return slice_indices(pb.numel, core, pb.k_pull_explore, seed=self.cfg.seed,
-                             role=ROLE_PULL, rank=self.shards.roots[p.shard], step=t,
-                             bucket=pb.index, device=pb.device)
+    @property
+    def pull_core(self) -> Dict[int, torch.Tensor]:
+        """The servers' cached pull cores, by piece id (checkpointed)."""
+        return self.puller.pull_core
+
+    @pull_core.setter
+    def pull_core(self, cores: Dict[int, torch.Tensor]) -> None:
+        self.puller.pull_core = cores
 
     # --- the step's outcome on this rank's memory --------------------------------------------
     def selector_states(self) -> Dict[int, dict]:

@@ -218,10 +218,12 @@ def test_a_nonfinite_gradient_on_one_rank_changes_no_shard():
         assert not went and unchanged and "fc.weight" in why and "rank 2" in why, why
 
 
-def test_servers_auto_needs_a_large_enough_model():
-    big = SlimConfig(servers="auto")
-    assert big.servers_for(8, 8 << 16) == 8
-    assert big.servers_for(8, (8 << 16) - 1) == 1
-    assert big.servers_for(2, 1 << 30) == 1
+def test_servers_auto_keeps_every_shard_large():
+    auto = SlimConfig(servers="auto")
+    assert auto.servers_for(8, 8 << 20) == 8
+    assert auto.servers_for(8, (8 << 20) - 1) == 7
+    assert auto.servers_for(64, 25_000_000) == 23      # ResNet-50 on 64 hosts
+    assert auto.servers_for(8, 1_100_000) == 1         # 1.1M parameters: one server
+    assert auto.servers_for(2, 1 << 30) == 1
     with pytest.raises(ValueError, match=r"servers must be an integer in 1\.\.2"):
         SlimConfig(servers=3).servers_for(2, 100)

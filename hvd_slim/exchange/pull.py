@@ -1,0 +1,123 @@
+"""The pull side of one rank's step: every server's reply read strictly, and what it delivers
+written into each parameter's ``.grad``.
+
+:class:`Puller` is owned by the :class:`~hvd_slim.exchange.worker.Worker`, which commits its
+own proposals first; it keeps the servers' cached pull cores (``refresh_interval > 1``) and the
+buffers each ``p.grad`` of a compressed bucket views.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import SlimConfig
+from ..selection import ROLE_PULL, slice_indices
+from ..wire import control
+from ..wire import message as wm
+from .errors import ExchangeError, NonFiniteGradientError
+from .expect import pull_expect
+from .layout import DENSE, Layout
+from .sections import indices_on, section_values
+from .shards import Piece, ShardPlan
+from .stats import ExchangeStats
+from .wirepath import WirePath
+
+
+class Puller:
+    """Reads the replies of a plan's servers and applies the pulled sections."""
+
+    def __init__(self, layout: Layout, config: SlimConfig, shards: ShardPlan, path: WirePath,
+                 stats: ExchangeStats, rank: int, size: int, digest: int) -> None:
+        self.layout, self.cfg, self.shards, self.path, self.stats = \
+            layout, config, shards, path, stats
+        self.rank, self.size, self.digest = rank, size, digest
+        self.pull_core: Dict[int, torch.Tensor] = {}   # the servers' cached pull cores
+        self._pulled: Dict[int, torch.Tensor] = {}     # sliced pulls; each p.grad views it
+
+    def read(self, bufs: List[Any], t: int, flush: bool) -> Optional[List[List[wm.Section]]]:
+        """Every server's reply (one per shard) decoded strictly: the pulled sections per
+        shard, or None for a step every rank skips. An ERROR reply from any server raises its
+        text (as NonFiniteGradientError for a NaN/Inf under nonfinite="raise"), as does a
+        malformed one (ExchangeError); every rank reads the same replies, so all decide alike."""
+        roots = self.shards.roots
+        whos = ["pull from the server"] if len(roots) == 1 else \
+            [f"pull from the server of shard {s} (rank {r})" for s, r in enumerate(roots)]
+        try:
+            for buf, who in zip(bufs, whos):   # an ERROR anywhere outranks a SKIP
+                if self.path.is_error(buf):
+                    self.path.peek(buf, who)   # raises its text
+            if not flush:
+                for buf, who, root in zip(bufs, whos, roots):
+                    if self.path.peek(buf, who) == wm.SKIP:
+                        self.stats.last_skip = control.decode_text(
+                            self.path.host(buf), kind=wm.SKIP, sender=root, step=t,
+                            digest=self.digest, who=who)
+                        return None
+            out = []
+            for s, (buf, who, root) in enumerate(zip(bufs, whos, roots)):
+                # The world size bounds a union pull: at most ``size * k`` coordinates a bucket.
+                expect = pull_expect(self.shards.shard_buckets(t, s), t,
+                                     self.cfg.refresh_interval, self.cfg.pull, flush,
+                                     size=self.size)
+                out.append(self.path.decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
+                                            sender=root, step=t, digest=self.digest,
+                                            expect=expect, who=who))
+            return out
+        except wm.RemoteError as exc:
+            if exc.code == wm.E_NONFINITE:
+                raise NonFiniteGradientError(str(exc)) from None
+            raise ExchangeError(str(exc)) from None
+        except wm.WireError as exc:
+            raise ExchangeError(f"rank {self.rank}: {exc}") from None
+
+    def write(self, pulled: List[List[wm.Section]], t: int) -> None:
+        """Write the pulled values (per shard) into ``p.grad``: zeros where nothing was
+        delivered, dense sections straight in."""
+        parts: List[List[Tuple[Piece, wm.Section]]] = [[] for _ in self.layout.buckets]
+        for pieces, sections in zip(self.shards.by_shard(t), pulled):
+            for p, sec in zip(pieces, sections):
+                parts[p.bucket].append((p, sec))
+        for b, got in zip(self.layout.at_step(t), parts):
+            got.sort(key=lambda ps: ps[0].lo)
+            if all(sec.mode == wm.M_EMPTY for _, sec in got):
+                continue
+            if len(got) == 1 and got[0][1].mode == wm.M_DENSE:
+                self.layout.write_grads(b, section_values(got[0][1], got[0][0].b))
+                continue
+            if b.kind == DENSE:   # a dense bucket cut into pieces: put it back together
+                self.layout.write_grads(b, torch.cat([section_values(sec, p.b)
+                                                      for p, sec in got]))
+                continue
+            # The pull is scattered into a buffer this rank keeps, and each p.grad becomes a view
+            # of it (as DDP's gradient_as_bucket_view): no copy into separate .grad tensors.
+            flat = self._pulled.get(b.index)
+            if flat is None:
+                flat = self._pulled[b.index] = torch.zeros(b.numel, dtype=b.dtype,
+                                                           device=b.device)
+            else:
+                flat.zero_()
+            for p, sec in got:
+                vals = section_values(sec, p.b)
+                part = flat[p.lo:p.hi]
+                if sec.mode == wm.M_DENSE:
+                    part.copy_(vals)
+                else:
+                    part[self._indices(p, sec, t)] = vals
+            self.layout.point_grads(b, flat)
+
+    def _indices(self, p: Piece, sec: wm.Section, t: int) -> torch.Tensor:
+        """The coordinates of a pulled slice in its piece: explicit, or the server's core plus
+        exploration."""
+        pb = p.b
+        if sec.mode == wm.M_EXPLICIT:
+            return indices_on(sec.indices, pb)
+        if sec.mode == wm.M_SLICE:
+            self.pull_core[pb.index] = indices_on(sec.indices, pb)
+        core = self.pull_core.get(pb.index)
+        if core is None:
+            raise ExchangeError(f"rank {self.rank}: the server reused a cached pull core this "
+                                "rank does not have")
+        return slice_indices(pb.numel, core, pb.k_pull_explore, seed=self.cfg.seed,
+                             role=ROLE_PULL, rank=self.shards.roots[p.shard], step=t,
+                             bucket=pb.index, device=pb.device)

@@ -35,6 +35,7 @@ SERIES = ("peers", "compute", "scaling", "hetero", "shared", "calibrate")
 SUBSET = "floor,mpi-allreduce,horovod,ddp-powersgd-r1,topk-ef@0.01,hvd_slim-slim@0.02," \
          "hvd_slim-slim@0.01,hvd_slim-union@0.01,hvd_slim-sharded@0.01"
 DENSITIES = "0.1,0.02,0.01,0.001"
+PULLS = "slim,union,sharded"   # sharded: pull "slim" with a server shard per rank
 
 
 def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
@@ -44,7 +45,7 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
     if "peers" in series:
         jobs.append({"series": "peers", "tag": "peers_resnet18_4h_1g",
                      "argv": ["--model", "resnet18", "--ranks", "4", "--steps", str(steps),
-                              "--densities", DENSITIES]})
+                              "--densities", DENSITIES, "--pulls", PULLS]})
     if "compute" in series:
         for model in ("resnet18-real", "smallcnn"):
             jobs.append({"series": "compute", "tag": f"compute_{model}_4h_1g",
@@ -70,7 +71,8 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
     if "calibrate" in series:
         jobs.append({"series": "calibrate", "tag": "calibrate_resnet18_4r_loopback",
                      "argv": ["--model", "resnet18", "--ranks", "4", "--net", "loopback",
-                              "--steps", str(steps), "--densities", DENSITIES]})
+                              "--steps", str(steps), "--densities", DENSITIES,
+                              "--pulls", PULLS]})
         for hosts in (2, 4, 8):
             jobs.append({"series": "calibrate", "tag": f"calibrate_cnn1m_{hosts}r_loopback",
                          "argv": ["--model", "cnn1m", "--ranks", str(hosts), "--net", "loopback",

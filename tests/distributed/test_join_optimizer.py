@@ -69,13 +69,15 @@ def test_joined_ranks_feed_zeros_to_the_exchange_and_step_alike(broadcasts):
     assert opt.comm_stats()["steps"] == steps_of(n - 1)   # the joined ranks exchanged too
 
 
-def test_a_joined_server_keeps_aggregating_and_nothing_is_lost():
+@pytest.mark.parametrize("servers", [1, "all"])
+def test_a_joined_server_keeps_aggregating_and_nothing_is_lost(servers):
     """density 0.01, op=Sum, server rank 0 joins first: what was pulled, plus every residual
-    (workers' and the server's), equals every gradient fed on any rank."""
+    (workers' and the servers'), equals every gradient fed on any rank. With a server shard
+    per rank, every joined rank keeps serving its shard."""
     n, r = hvd.size(), hvd.rank()
     model = Net()
     opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.01), density=0.01,
-               op=hvd.Sum, server_rank=0)
+               op=hvd.Sum, server_rank=0, servers=n if servers == "all" else servers)
     fed = torch.zeros_like(flat(model), dtype=torch.float64)
     pulled = torch.zeros_like(fed)
     for t in range(steps_of(r)):

@@ -93,13 +93,16 @@ def test_two_sets_train_apart_and_match_a_simulation_of_their_ranks(hvd, sets):
     assert torch.equal(got, expected)
 
 
-def test_conservation_within_the_set(hvd, sets, set_comm):
-    """op=Sum: what was pulled + every residual of the set's ranks (workers' and server's) is
-    the sum of the gradients the set's ranks computed; the other set's gradients are not in it."""
+@pytest.mark.parametrize("servers", [1, "all"])
+def test_conservation_within_the_set(hvd, sets, set_comm, servers):
+    """op=Sum: what was pulled + every residual of the set's ranks (workers' and servers') is
+    the sum of the gradients the set's ranks computed; the other set's gradients are not in it.
+    With a server shard per rank of the set, the shards' roots are the set's ranks."""
     ps, which = mine(hvd, sets)
     model = seeded_net(SETTINGS[which]["seed"])
     opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.01), density=0.01,
-               op=hvd.Sum, process_set=ps, transport="mpi")
+               op=hvd.Sum, process_set=ps, transport="mpi",
+               servers=len(ps.ranks) if servers == "all" else servers)
     fed = torch.zeros_like(flat(model), dtype=torch.float64)
     pulled = torch.zeros_like(fed)
     for t in range(6):

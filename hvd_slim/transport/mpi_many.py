@@ -5,7 +5,9 @@ With S sharded servers, S gathers run one after another would each wait on one r
 here every rank posts its sends to all roots at once and every root receives from all ranks at
 once, everything polled together against one deadline (:meth:`MpiTransport._poll`), so a
 missing rank is still named. ``broadcast_many`` exchanges all roots' lengths in one
-``Iallgather``, then has every root's data in flight at once as nonblocking ``Ibcast``.
+``Iallgather``, then moves every root's data in one nonblocking ``Iallgatherv`` (each root's
+block straight to every rank; beyond an int's worth of bytes, one ``Ibcast`` per root, all in
+flight at once).
 
 Tags: every gather message carries :data:`TAG_GATHER`, single-root and many-root alike. That is
 safe because in each call a root receives exactly one message from each other rank, and a rank
@@ -155,10 +157,44 @@ def broadcast_many_buffers(tr: Any, payload: Any, roots: Sequence[int],
     req = tr.comm.Iallgather(mine, lengths)
     tr._poll(req.Test, op, me is not None,
              lambda: "a rank did not take part (it died, hangs or is elsewhere)")
+    counts = [check_length(op, int(lengths[r]), r, tr.rank) if r in roots else 0
+              for r in range(tr.size)]
+    if sum(counts) <= CHUNK:
+        outs = _allgatherv(tr, payload if me is not None else alloc(0), roots, counts, alloc,
+                           op, me)
+    else:
+        outs = _ibcasts(tr, payload, roots, counts, alloc, op, me)
+    for i, buf in enumerate(outs):
+        n = len(buf) + LENGTH_BYTES
+        tr.stats.record("broadcast", n if i == me else 0, n)
+    return outs
+
+
+def _allgatherv(tr: Any, payload: Any, roots: Sequence[int], counts: List[int],
+                alloc: Callable[[int], Any], op: str, me: Optional[int]) -> List[Any]:
+    """Every root's payload in one ``Iallgatherv`` into one buffer (the others contribute
+    nothing): each root sends its block straight to every rank, so every NIC carries about
+    one block per root and no rank forwards another's, unlike S binomial or chain
+    ``Ibcast`` trees, whose inner ranks forward for every root."""
+    displs = [0] * tr.size
+    for r in range(1, tr.size):
+        displs[r] = displs[r - 1] + counts[r - 1]
+    recv = alloc(sum(counts))
+    req = tr.comm.Iallgatherv([payload, MPI.BYTE], [recv, counts, displs, MPI.BYTE])
+    tr._poll(req.Test, op, me is not None,
+             lambda: "a rank did not take part (it died, hangs or is elsewhere)")
+    return [payload if i == me else recv[displs[r]:displs[r] + counts[r]]
+            for i, r in enumerate(roots)]
+
+
+def _ibcasts(tr: Any, payload: Any, roots: Sequence[int], counts: List[int],
+             alloc: Callable[[int], Any], op: str, me: Optional[int]) -> List[Any]:
+    """Every root's payload by its own chunked ``Ibcast``, all in flight at once (payloads
+    too large for one ``Iallgatherv``'s int counts)."""
     outs: List[Any] = []
     pending: List[Tuple[int, Any]] = []
     for i, root in enumerate(roots):
-        n = check_length(op, int(lengths[root]), root, tr.rank)
+        n = counts[root]
         buf = payload if i == me else alloc(n)
         outs.append(buf)
         # Every rank knows every length now, so empty payloads are skipped alike everywhere,
@@ -179,7 +215,4 @@ def broadcast_many_buffers(tr: Any, payload: Any, roots: Sequence[int],
         return "; ".join(parts) or "every root has sent"
 
     tr._poll(done, op, me is not None, stalled)
-    for i, buf in enumerate(outs):
-        n = len(buf) + LENGTH_BYTES
-        tr.stats.record("broadcast", n if i == me else 0, n)
     return outs

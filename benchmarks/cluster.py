@@ -176,7 +176,10 @@ def _wrapper(path: str, spec: ClusterSpec, hosts: List[str]) -> None:
                 f"{spec.ranks_per_host} ))\n"
                 f"case $host in\n{cases}\n  *) echo \"rank $OMPI_COMM_WORLD_RANK has no host "
                 f"(the cluster has {spec.hosts} hosts of {spec.ranks_per_host} ranks)\" >&2; "
-                f"exit 2 ;;\nesac\nexport HVDSLIM_BENCH_HOST=$host\n"
+                f"exit 2 ;;\nesac\n"
+                # HVD_SLIM_HOST_KEY: hvd_slim's local_rank()/local_size() see these hosts, not
+                # the one machine that MPI's shared-memory split sees.
+                f"export HVDSLIM_BENCH_HOST=$host HVD_SLIM_HOST_KEY=host$host\n"
                 f"exec ip netns exec \"$ns\" \"$@\"\n")
     os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 

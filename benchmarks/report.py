@@ -78,6 +78,7 @@ def _peer(name: str, recs: List[Dict[str, Any]], env: Dict[str, str]) -> Dict[st
         "handed_sent_per_step": mean["handed_sent"], "handed_recv_per_step": mean["handed_recv"],
         "select_ms_per_step": 1e3 * mean["select_s"],
         "basis": ok[0].get("basis", {}), "per_rank_per_step": ok[0]["per_rank_per_step"],
+        "hosts": ok[0].get("hosts"), "local_size": ok[0].get("local_size"),
         "step_times_s": times,
         "loadavg": [r.get("loadavg_before") for r in ok] + [ok[-1].get("loadavg_after")]}
     nic = _nic(ok[0])

@@ -82,6 +82,13 @@ def _numeric(d: Dict[str, Any]) -> Dict[str, float]:
     return {k: float(v) for k, v in d.items() if isinstance(v, (int, float))}
 
 
+def _local_size() -> Any:
+    """hvd_slim's ``local_size()`` where a peer started hvd_slim (None elsewhere): on the
+    switched cluster it shows that ``HVD_SLIM_HOST_KEY`` made it the ranks per host."""
+    import hvd_slim
+    return hvd_slim.local_size() if hvd_slim.is_initialized() else None
+
+
 def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     """Warm up and measure one peer; every rank returns, rank 0's return value is the record."""
     rank = comm.Get_rank()
@@ -110,6 +117,7 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     all_counts = comm.gather(per_step, root=0)
     all_extra = comm.gather(extra, root=0)
     all_hosts = comm.gather(os.environ.get("HVDSLIM_BENCH_HOST"), root=0)   # switched cluster
+    local = comm.gather(_local_size(), root=0)
     peer.close()
     del peer, work
     gc.collect()
@@ -119,7 +127,7 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     return {"peer": name, "status": "ok", "step_times_s": step_times,
             "rank_step_times_s": all_times, "per_rank_per_step": all_counts,
             "extra": all_extra, "basis": basis, "warmup_steps": warm, "measured_steps": args.steps,
-            "hosts": all_hosts,
+            "hosts": all_hosts, "local_size": local,
             "loadavg_before": load0, "loadavg_after": os.getloadavg()}
 
 

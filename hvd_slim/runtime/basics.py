@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from . import abort, env, horovod
+from . import abort, env, horovod, hosts
 
 NOT_INITIALIZED = "hvd_slim has not been initialized; use hvd.init()."
 
@@ -115,7 +115,7 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
         rank, size = job.Get_rank(), job.Get_size()
         if comm is not None:
             horovod.check_against(rank, size, "the communicator given to hvd_slim.init(comm=...)")
-        local = mpi.split_shared(job)
+        local = hosts.local_comm(mpi, job)   # HVD_SLIM_HOST_KEY, else shared memory
         local_rank, local_size = local.Get_rank(), local.Get_size()
         # Ranks with the same local rank form one cross communicator (one rank per node).
         cross = mpi.split(job, local_rank, rank)

@@ -1,0 +1,43 @@
+"""Which ranks share a host, for ``local_rank()``, ``local_size()`` and the cross communicator.
+
+MPI's shared-memory split (``MPI_Comm_split_type(COMM_TYPE_SHARED)``) answers this wherever
+ranks of one host can share memory. Where that is not what a host means (every "host" a
+network namespace or a container on one machine, as benchmarks/cluster.py builds, or a
+launcher that puts unrelated jobs' ranks on one node), ``HVD_SLIM_HOST_KEY`` names each rank's
+host: ranks with the same key are one host, ordered by rank. It must be set on every rank or on
+none; every rank checks the same gathered keys, so all raise the same error together.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+HOST_KEY_VAR = "HVD_SLIM_HOST_KEY"
+
+
+def host_colors(keys: List[Optional[str]]) -> Optional[List[int]]:
+    """Each rank's host number (the rank order of the hosts' first ranks) from every rank's
+    ``HVD_SLIM_HOST_KEY`` (None: not set); None when no rank sets it. ValueError when only some
+    do, or a key is blank."""
+    if all(k is None for k in keys):
+        return None
+    bad = [r for r, k in enumerate(keys) if k is None or not k.strip()]
+    if bad:
+        raise ValueError(f"{HOST_KEY_VAR} is unset or empty on rank(s) "
+                         f"{', '.join(map(str, bad))} but set on others: set it on every rank "
+                         "(the name of the rank's host) or on none (MPI's shared-memory split "
+                         "then decides)")
+    first: Dict[str, int] = {}
+    for k in keys:
+        first.setdefault(k.strip(), len(first))
+    return [first[k.strip()] for k in keys]
+
+
+def local_comm(mpi: Any, job: Any) -> Any:
+    """The communicator of the ranks of ``job`` on this rank's host, ordered by rank in ``job``
+    (collective over ``job``)."""
+    colors = host_colors(job.allgather(os.environ.get(HOST_KEY_VAR)))
+    if colors is None:
+        return mpi.split_shared(job)
+    rank = job.Get_rank()
+    return mpi.split(job, colors[rank], rank)

@@ -261,7 +261,9 @@ class SlimExchange:
     def held_residuals(self) -> Dict[int, torch.Tensor]:
         """Per compressed bucket (by index), every residual this rank holds as one float64
         vector: its worker's plus, on a server, its shard's pieces of the server residual."""
-        out = {i: m.residual.double() for i, m in self.worker.memory.items()}
+        # A copy: .double() of a float64 residual is the residual itself, which the server's
+        # pieces would then be added into.
+        out = {i: m.residual.to(torch.float64, copy=True) for i, m in self.worker.memory.items()}
         if self.server is not None:
             for piece in self.shards.by_shard(None)[self.shard]:
                 mem = self.server.memory.get(piece.b.index)

@@ -111,6 +111,16 @@ def test_flush_empties_every_shard(size):
             assert torch.equal(v, res[0][3][name])
 
 
+def test_held_residuals_leave_a_float64_residual_as_it_was():
+    res = simulate(3, 2, op="sum", density=0.02, servers=3, dtype=torch.float64)
+    for rank in res:
+        ex = rank[2]
+        before = {i: m.residual.clone() for i, m in ex.worker.memory.items()}
+        first, second = ex.held_residuals(), ex.held_residuals()
+        assert all(torch.equal(first[i], second[i]) for i in first)
+        assert all(torch.equal(before[i], m.residual) for i, m in ex.worker.memory.items())
+
+
 def test_determinism_with_shards():
     a = simulate(3, 4, density=0.01, seed=11, servers=3)
     b = simulate(3, 4, density=0.01, seed=11, servers=3)

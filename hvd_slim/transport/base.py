@@ -146,11 +146,7 @@ class Transport(Deadlines, abc.ABC):
         ``roots[i]`` returns every rank's ``payloads[i]`` in rank order; others return None.
         Byte accounting is that of the gathers. The default runs them one after another."""
         _check_roots(roots, self.size, len(payloads), len(bounds))
-        mine = None
-        for root, payload, bound in zip(roots, payloads, bounds):
-            out = self.gather(payload, root, bound)
-            mine = out if out is not None else mine
-        return mine
+        return _gather_each(self.gather, payloads, roots, bounds)
 
     def broadcast_many(self, payload: Optional[np.ndarray], roots: Sequence[int],
                        bounds: Sequence[Optional[int]]) -> List[np.ndarray]:
@@ -166,11 +162,7 @@ class Transport(Deadlines, abc.ABC):
                            bounds: Sequence[Optional[int]]) -> Optional[List[Any]]:
         """:meth:`gather_many` for 1-D uint8 tensors (:meth:`gather_tensor` per root)."""
         _check_roots(roots, self.size, len(payloads), len(bounds))
-        mine = None
-        for root, payload, bound in zip(roots, payloads, bounds):
-            out = self.gather_tensor(payload, root, bound)
-            mine = out if out is not None else mine
-        return mine
+        return _gather_each(self.gather_tensor, payloads, roots, bounds)
 
     def broadcast_many_tensor(self, payload: Any, roots: Sequence[int],
                               bounds: Sequence[Optional[int]], device: Any = "cpu"
@@ -206,6 +198,17 @@ class Transport(Deadlines, abc.ABC):
 
     def close(self) -> None:
         """Release resources; the default has none."""
+
+
+def _gather_each(gather: Any, payloads: Sequence[Any], roots: Sequence[int],
+                 bounds: Sequence[Optional[int]]) -> Optional[List[Any]]:
+    """One ``gather(payload, root, bound)`` per root, in order; what this rank received as a
+    root (None when it is none of them)."""
+    mine = None
+    for root, payload, bound in zip(roots, payloads, bounds):
+        out = gather(payload, root, bound)
+        mine = out if out is not None else mine
+    return mine
 
 
 def _check_roots(roots: Sequence[int], size: int, n_payloads: int, n_bounds: int) -> None:

@@ -44,7 +44,7 @@ def state_of(ex: SlimExchange) -> dict:
             "selector": {i: s.state_dict() for i, s in ex.worker.selector.items()},
             "core": {i: c.clone() for i, c in ex.worker.core.items()},
             "pull_core": {i: c.clone() for i, c in ex.worker.pull_core.items()},
-            "servers": ex.servers, "roots": list(ex.roots),
+            "servers": ex.servers,
             "server": None if ex.server is None else ex.server.state_dict(),
             "stats": ex.stats.state_dict()}
 

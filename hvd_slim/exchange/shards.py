@@ -71,30 +71,38 @@ class ShardPlan:
             raise ValueError(f"servers must be in 1..{size}, got {servers}")
         self.layout, self.servers = layout, servers
         self.roots = server_roots(size, servers, server_rank)
-        self._at: Tuple[int, List[List[Piece]]] = (-2, [])
+        # The last sizes cut (a step's key, -1 for the sizes after any warm-up): per bucket its
+        # pieces, per shard its pieces and their buckets. Every phase of a step asks for them.
+        self._at: Tuple[int, List[List[Piece]], List[List[Piece]], List[List[Bucket]]] = \
+            (-2, [], [], [])
+
+    def _plan(self, step: Optional[int]) -> tuple:
+        buckets = self.layout.buckets if step is None else self.layout.at_step(step)
+        key = -1 if buckets is self.layout.buckets else step
+        if self._at[0] != key:
+            if self.servers == 1:   # the one piece of a bucket is the bucket itself
+                pieces = [[Piece(i, 0, 0, b.numel, b)] for i, b in enumerate(buckets)]
+            else:
+                pieces = [self._cut(i, b) for i, b in enumerate(buckets)]
+            by: List[List[Piece]] = [[] for _ in range(self.servers)]
+            for ps in pieces:
+                for p in ps:
+                    by[p.shard].append(p)
+            self._at = (key, pieces, by, [[p.b for p in ps] for ps in by])
+        return self._at
 
     def pieces(self, step: Optional[int]) -> List[List[Piece]]:
         """Per bucket of ``layout.at_step(step)`` (``layout.buckets`` for None: the sizes after
-        any warm-up), its pieces in shard order."""
-        buckets = self.layout.buckets if step is None else self.layout.at_step(step)
-        if self.servers == 1:
-            return [[Piece(i, 0, 0, b.numel, b)] for i, b in enumerate(buckets)]
-        key = -1 if buckets is self.layout.buckets else step
-        if self._at[0] != key:
-            self._at = (key, [self._cut(i, b) for i, b in enumerate(buckets)])
-        return self._at[1]
+        any warm-up), its pieces in shard order (not to be changed by the caller)."""
+        return self._plan(step)[1]
 
     def shard_buckets(self, step: Optional[int], shard: int) -> List[Bucket]:
         """Shard ``shard``'s pieces as buckets, in bucket order: what its messages carry."""
-        return [p.b for ps in self.pieces(step) for p in ps if p.shard == shard]
+        return self._plan(step)[3][shard]
 
     def by_shard(self, step: Optional[int]) -> List[List[Piece]]:
         """Every shard's pieces, in bucket order."""
-        out: List[List[Piece]] = [[] for _ in range(self.servers)]
-        for ps in self.pieces(step):
-            for p in ps:
-                out[p.shard].append(p)
-        return out
+        return self._plan(step)[2]
 
     def piece_sizes(self, step: Optional[int]) -> Dict[int, Bucket]:
         """Every piece's bucket by piece id (what checkpoints are checked against)."""

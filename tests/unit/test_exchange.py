@@ -104,9 +104,15 @@ def test_conservation_and_identity(size, pull):
             assert float(server.server.memory[b.index].residual.abs().sum()) == 0.0
 
 
+def servers_of(spec, size):
+    """A ``servers`` value: 1, or one server shard per rank ("all", shards.py)."""
+    return size if spec == "all" else spec
+
+
+@pytest.mark.parametrize("servers", [1, "all"])
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
-def test_density_one_is_the_dense_mean(size):
-    res = simulate(size, 3, density=1.0)
+def test_density_one_is_the_dense_mean(size, servers):
+    res = simulate(size, 3, density=1.0, servers=servers_of(servers, size))
     for t in range(3):
         for name in SHAPES:
             mean = sum(res[r][1][t][name].double() for r in range(size)) / size
@@ -115,10 +121,12 @@ def test_density_one_is_the_dense_mean(size):
     assert not res[0][2].layout.sparse
 
 
+@pytest.mark.parametrize("servers", [1, "all"])
 @pytest.mark.parametrize("size", [2, 3])
-def test_flush_empties_every_residual_and_delivers_everything(size):
+def test_flush_empties_every_residual_and_delivers_everything(size, servers):
     steps = 5
-    res = simulate(size, steps, flush=True, op="sum", density=0.01, seed=3)
+    res = simulate(size, steps, flush=True, op="sum", density=0.01, seed=3,
+                   servers=servers_of(servers, size))
     fed = total(d for rank in res for d in rank[1])
     delivered = total(res[0][0] + [res[0][3]])
     for name in SHAPES:
@@ -130,10 +138,11 @@ def test_flush_empties_every_residual_and_delivers_everything(size):
             assert torch.equal(v, res[0][3][name])
 
 
-def test_determinism_same_seed_same_result_other_seed_differs():
-    a = simulate(3, 4, density=0.01, seed=11)
-    b = simulate(3, 4, density=0.01, seed=11)
-    c = simulate(3, 4, density=0.01, seed=12)
+@pytest.mark.parametrize("servers", [1, 3])
+def test_determinism_same_seed_same_result_other_seed_differs(servers):
+    a = simulate(3, 4, density=0.01, seed=11, servers=servers)
+    b = simulate(3, 4, density=0.01, seed=11, servers=servers)
+    c = simulate(3, 4, density=0.01, seed=12, servers=servers)
     same = all(torch.equal(a[0][0][t][n], b[0][0][t][n]) for t in range(4) for n in SHAPES)
     differs = any(not torch.equal(a[0][0][t][n], c[0][0][t][n]) for t in range(4) for n in SHAPES)
     assert same and differs

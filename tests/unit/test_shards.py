@@ -1,6 +1,7 @@
 """Sharded servers (``servers=S``) over the in-process fake transport: the pieces, and the
-invariants of docs/design.md §6 per shard (conservation, identity, determinism, the dense
-mean at density 1.0, flush, checkpoints, the handshake), at 2, 3 and 5 simulated ranks."""
+invariants of docs/design.md §6 per shard (conservation, identity, checkpoints, the handshake),
+at 2, 3 and 5 simulated ranks. The dense mean at density 1.0, flush and determinism with
+shards are test_exchange.py's tests, run with ``servers`` too."""
 import random
 
 import pytest
@@ -89,28 +90,6 @@ def test_conservation_and_identity_per_shard(size, servers, pull):
     assert sorted(servers_seen) == list(range(servers))
 
 
-@pytest.mark.parametrize("size", [2, 3, 5])
-def test_density_one_is_the_dense_mean_with_a_server_per_rank(size):
-    res = simulate(size, 3, density=1.0, servers=size)
-    for t in range(3):
-        for name in SHAPES:
-            mean = sum(res[r][1][t][name].double() for r in range(size)) / size
-            assert torch.allclose(res[0][0][t][name].double(), mean, rtol=1e-6, atol=1e-5)
-
-
-@pytest.mark.parametrize("size", [2, 3])
-def test_flush_empties_every_shard(size):
-    res = simulate(size, 5, flush=True, op="sum", density=0.01, seed=3, servers=size)
-    fed = total(d for rank in res for d in rank[1])
-    delivered = total(res[0][0] + [res[0][3]])
-    for name in SHAPES:
-        assert torch.allclose(delivered[name], fed[name], rtol=1e-5, atol=1e-4), name
-    for rank in res:
-        assert rank[2].residual_norm() == 0.0
-        for name, v in rank[3].items():
-            assert torch.equal(v, res[0][3][name])
-
-
 def test_held_residuals_leave_a_float64_residual_as_it_was():
     res = simulate(3, 2, op="sum", density=0.02, servers=3, dtype=torch.float64)
     for rank in res:
@@ -119,14 +98,6 @@ def test_held_residuals_leave_a_float64_residual_as_it_was():
         first, second = ex.held_residuals(), ex.held_residuals()
         assert all(torch.equal(first[i], second[i]) for i in first)
         assert all(torch.equal(before[i], m.residual) for i, m in ex.worker.memory.items())
-
-
-def test_determinism_with_shards():
-    a = simulate(3, 4, density=0.01, seed=11, servers=3)
-    b = simulate(3, 4, density=0.01, seed=11, servers=3)
-    c = simulate(3, 4, density=0.01, seed=12, servers=3)
-    assert all(torch.equal(a[0][0][t][n], b[0][0][t][n]) for t in range(4) for n in SHAPES)
-    assert any(not torch.equal(a[0][0][t][n], c[0][0][t][n]) for t in range(4) for n in SHAPES)
 
 
 @pytest.mark.parametrize("extra", [dict(refresh_interval=3, warmup_decay_steps=0),

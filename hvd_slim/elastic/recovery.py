@@ -127,11 +127,15 @@ def recover(wait: Optional[float] = None) -> List[int]:
     from ..transport import mpi_comm
     kept: list = []   # send buffers and requests: MPI may still read them
     me = mpi_comm.world_rank_size()[0]
+    old = members()
     survivors = agree(kept, wait)
     _generation += 1
     # The timed-out collectives are abandoned with the old communicators; recovery is how this
     # job goes on, so exit must not abort it any more (abort.end_job_at_exit).
     abort.forgive_abandoned()
+    lost = sorted(set(old) - set(survivors))
+    if lost:   # MPI_Finalize would wait for them (abort.leave_without_finalize)
+        abort.leave_without_finalize(f"COMM_WORLD ranks {lost} were left behind")
     _kept.append(kept)
     if me not in survivors:
         sys.stderr.write(f"hvd_slim.elastic: COMM_WORLD rank {me} was left out of the survivors "

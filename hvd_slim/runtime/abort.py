@@ -7,6 +7,7 @@ collective, and ``mpirun`` hangs. The hooks print which rank failed and why, flu
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import traceback
@@ -15,6 +16,8 @@ from typing import Any, Callable, Optional, Type
 
 _installed = False
 _end_at_exit: Optional[str] = None   # why this process must not finalise MPI normally
+_skip_finalize: Optional[str] = None   # why this process must leave without MPI_Finalize
+_exit_code: Any = 0   # what sys.exit was last given, for a process that leaves with os._exit
 
 
 def _world() -> Optional[tuple]:
@@ -123,3 +126,44 @@ def _abort_at_exit() -> None:
                      "cannot finalise with that collective pending\n")
     _flush()
     mpi.abort_world(1)
+
+
+def leave_without_finalize(reason: str) -> None:
+    """Ranks of this MPI job died and the job went on without them (elastic recovery): Open MPI's
+    ``MPI_Finalize`` fences over every process the job started, and with a dead one it can wait
+    forever. So this process leaves at exit with ``os._exit`` instead, after Python's other exit
+    handlers that were registered after this call and after flushing the standard streams and
+    ``logging``. Its status is what ``sys.exit`` was given, else 0 (an uncaught exception has
+    already ended the job through the abort hook). ``mpirun --enable-recovery``, which such a
+    job needs anyway, accepts a process that leaves without finalising."""
+    global _skip_finalize
+    if _skip_finalize is None:
+        atexit.register(_leave_at_exit)
+        previous = sys.exit
+
+        def exit_and_remember(status: Any = None) -> None:
+            global _exit_code
+            _exit_code = status
+            previous(status)
+
+        sys.exit = exit_and_remember
+    _skip_finalize = reason
+
+
+def _status(code: Any) -> int:
+    """The process status Python gives ``sys.exit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1   # Python has printed the message already
+
+
+def _leave_at_exit() -> None:
+    if _skip_finalize is None:
+        return
+    if "logging" in sys.modules:
+        _call_quietly(sys.modules["logging"].shutdown)
+    status = _status(_exit_code)
+    _flush()
+    os._exit(status)

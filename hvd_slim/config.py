@@ -29,7 +29,7 @@ ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight"
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
-                "warmup_start_density", "servers")
+                "warmup_start_density", "servers", "hierarchical")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -121,6 +121,9 @@ class SlimConfig:
     # Server shards: each aggregates 1/S of every bucket (exchange/shards.py); "auto": see
     # servers_for. Shard 0 is server_rank's, the others evenly spaced after it.
     servers: Any = 1
+    # Node-local aggregation (exchange/hierarchy.py): the ranks of each host first combine their
+    # gradients over the local link, then one exchange per local rank runs between the hosts.
+    hierarchical: bool = False
     op: str = "average"                # "average" or "sum" of the workers' contributions
     gradient_predivide_factor: float = 1.0  # Horovod's: scale by 1/f before, f/N after (average)
     backward_passes_per_step: int = 1  # local backward passes accumulated per exchange
@@ -194,6 +197,10 @@ class SlimConfig:
                 raise ConfigError(f"servers must be an integer >= 1 or 'auto', got "
                                   f"{self.servers!r}", "servers")
             norm["servers"] = _check_int("servers", self.servers, 1)
+        if not isinstance(self.hierarchical, bool) and type(self.hierarchical).__name__ != "bool_":
+            raise ConfigError(f"hierarchical must be True or False, got {self.hierarchical!r}",
+                              "hierarchical")
+        norm["hierarchical"] = bool(self.hierarchical)
         for name, value in norm.items():
             object.__setattr__(self, name, value)
 

@@ -29,6 +29,10 @@ def _parse_env(name: str, text: str) -> Any:
                  "0": False, "false": False, "no": False, "off": False}
         if name == "momentum_masking" and t.lower() in flags:
             return flags[t.lower()]
+        if name == "hierarchical":
+            if t.lower() not in flags:
+                raise ValueError(f"{t!r} is none of these")
+            return flags[t.lower()]
         if name == "momentum_correction":
             if t.lower() not in flags:
                 raise ValueError(f"{t!r} is none of these")
@@ -65,7 +69,7 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "warmup_start_density": "a number in (0, 1] or auto",
               "value_bits": "one of 8, 16 or 32", "adam_variance": "auto, rescaled or live",
               "momentum_masking": "true, false or a number in [0, 1]",
-              "servers": "an integer >= 1 or auto"}
+              "servers": "an integer >= 1 or auto", "hierarchical": "true or false"}
 
 
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None

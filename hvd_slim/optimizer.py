@@ -15,7 +15,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from . import join_sync
-from .exchange import SPARSE, Layout, SlimExchange
+from .exchange import SPARSE, Layout
+from .exchange.build import build_exchange
 from .inner import adam
 from .runtime import engine
 from .wrapping import (SlimSettings, adopt_source, comm_dtype_fn, momentum_plan,
@@ -45,8 +46,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
                            for p in b.params()}
         self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
         self._rescaled_params = adam.rescaled_parameters(self, self._layout, settings.config)
-        self._exchange = SlimExchange(self._layout, settings.config, settings.transport, plan,
-                                      ranks=settings.ranks)
+        self._exchange = build_exchange(self._layout, settings.config, settings.transport, plan,
+                                        ranks=settings.ranks)
         self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
         self._pending = set()
         self._synchronized = False

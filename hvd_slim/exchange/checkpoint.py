@@ -23,7 +23,9 @@ if TYPE_CHECKING:   # step.py imports this module
 # What fields added later meant before they existed: a checkpoint without one was made with
 # that behaviour (values at full precision, DGC's masking, decays from dense).
 OLD_FIELDS = {"adam_variance": "auto", "momentum_masking": 1.0, "value_bits": 32,
-              "warmup_start_density": 1.0, "servers": 1}
+              "warmup_start_density": 1.0, "servers": 1, "hierarchical": False}
+# Fields added after version 3's "effective" record: a record without one predates it.
+LATER_FIELDS = {"servers": 1, "hierarchical": False}
 
 VERSION = 3   # 3: adds "effective", the settings in force (automatic fields resolved)
 FIX_RANK = ("Residuals are per rank: save every rank's optimizer.state_dict() (e.g. to "
@@ -152,7 +154,7 @@ def _saved_effective(state: dict) -> Any:
     """The settings in force when ``state`` was saved (automatic fields resolved as they were
     then: before version 3 a default pull was ``max(d, min(4d, 0.004))``)."""
     if isinstance(state.get("effective"), dict):
-        return state["effective"]
+        return {**LATER_FIELDS, **state["effective"]}
     saved = state.get("config")
     if not isinstance(saved, dict):
         return saved

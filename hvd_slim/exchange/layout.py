@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -106,7 +106,10 @@ class Layout:
 
     def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]], config: SlimConfig,
                  comm_dtype_of: Callable[[torch.dtype], torch.dtype],
-                 frozen: Sequence[Tuple[str, torch.Tensor]] = ()) -> None:
+                 frozen: Sequence[Tuple[str, torch.Tensor]] = (),
+                 kinds: Optional[Dict[str, str]] = None) -> None:
+        # kinds: DENSE or SPARSE by name, instead of by size (hierarchy.py's host pieces keep
+        # the kind of the bucket they were cut from).
         # Frozen parameters (requires_grad=False) take no part in the exchange; they are kept
         # only so that a mismatch error can say "frozen on rank 1" rather than "missing".
         self.frozen = sorted(((n, tuple(p.shape), p.dtype) for n, p in frozen),
@@ -116,6 +119,7 @@ class Layout:
         for name, p in ordered:
             kind = SPARSE if p.numel() >= config.min_compress_numel and p.is_floating_point() \
                 else DENSE
+            kind = (kinds or {}).get(name, kind)
             groups.setdefault((kind, p.dtype, p.device), []).append((name, p))
         # Widest comm dtype first keeps every value section aligned for its own dtype.
         keys = sorted(groups, key=lambda kd: (-torch.empty((), dtype=comm_dtype_of(kd[1]))

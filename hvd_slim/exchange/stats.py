@@ -19,7 +19,7 @@ class ExchangeStats:
               "push_sparse_value_bytes", "push_index_bytes", "pull_header_bytes",
               "pull_value_bytes", "pull_dense_value_bytes", "pull_sparse_value_bytes",
               "pull_index_bytes", "compressed_dense_bytes", "select_seconds", "exchange_seconds",
-              "bytes_sent", "bytes_received")
+              "bytes_sent", "bytes_received", "local_bytes_sent", "local_bytes_received")
 
     def __init__(self, layout: Layout, size: int) -> None:
         self._layout = layout

@@ -36,6 +36,7 @@ class _State:
     cross_rank: int
     cross_size: int
     transport: Any = None
+    hosts: Any = None   # hosts.host_transports(), made on first use (hierarchical=True)
 
 
 _state: Optional[_State] = None
@@ -160,6 +161,9 @@ def shutdown() -> None:
     if state.transport is not None:
         state.transport.close()
     mpi = _mpi()
+    for t in (state.hosts or (None,))[1:]:   # the hierarchy's transports own their comms
+        t.close()
+        mpi.free(t.comm)
     for c in (state.exchange_comm, state.cross_comm, state.local_comm, state.comm):
         mpi.free(c)
 
@@ -330,6 +334,24 @@ def world_transport() -> Any:
         from ..transport.mpi import MpiTransport  # importable: init() imported mpi4py
         state.transport = MpiTransport(state.exchange_comm)
     return state.transport
+
+
+def host_transports() -> Any:
+    """``(hosts, local, cross)`` for ``hierarchical=True``: each rank's host number and the
+    exchange's MPI transports among this host's ranks and among this local rank's peers on the
+    other hosts (:func:`hvd_slim.runtime.hosts.host_transports`). Cached; collective on first
+    call.
+
+    Returns:
+        The host numbers (a list by rank) and the two transports.
+
+    Raises:
+        ValueError: neither hvd_slim nor Horovod is initialised.
+    """
+    state = _require_started()
+    if state.hosts is None:
+        state.hosts = hosts.host_transports(_mpi(), state.comm, state.local_comm)
+    return state.hosts
 
 
 def mpi_threads_supported() -> bool:

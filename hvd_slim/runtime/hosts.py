@@ -41,3 +41,17 @@ def local_comm(mpi: Any, job: Any) -> Any:
         return mpi.split_shared(job)
     rank = job.Get_rank()
     return mpi.split(job, colors[rank], rank)
+
+
+def host_transports(mpi: Any, job: Any, local: Any) -> tuple:
+    """``(hosts, local transport, cross transport)`` for ``hierarchical=True``
+    (exchange/hierarchy.py): each rank's host number (the rank order of the hosts' first ranks),
+    the exchange's transport among this host's ranks (rank order) and among the ranks of this
+    local rank on every host (numbered by host). Collective over ``job``."""
+    from ..transport.mpi import MpiTransport
+    first = int(local.allreduce(job.Get_rank(), op=mpi.MPI.MIN))
+    firsts = [int(f) for f in job.allgather(first)]
+    number = {f: h for h, f in enumerate(sorted(set(firsts)))}
+    hosts = [number[f] for f in firsts]
+    cross = mpi.split(job, local.Get_rank(), hosts[job.Get_rank()])
+    return hosts, MpiTransport(mpi.dup(local)), MpiTransport(cross)

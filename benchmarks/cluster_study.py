@@ -10,6 +10,8 @@ Series (each one or more ``benchmarks.run`` jobs, results in ``--out``):
   4 hosts, 1 Gbit/s, 2 ranks per core: each peer's step against the compute-only ``floor``.
 * ``scaling``: 2, 4 and 8 hosts at 100 Mbit/s on a 1.1M-parameter model (synthetic gradients,
   so the wire dominates the 2 cores): step time and the busiest NIC's bytes against N.
+* ``hosts``: 2 hosts of 2 ranks at 100 Mbit/s on the 1.1M-parameter model: the flat exchange,
+  ``hierarchical=True`` and a shard per rank, against MPI's allreduce.
 * ``hetero``: 4 hosts at 1 Gbit/s with one at 250 Mbit/s, once a worker's (host 3) and once
   the server's (host 0): how much each peer slows down.
 * ``shared``: the old shared medium (every rank on one 1 Gbit/s link), for comparison.
@@ -30,7 +32,7 @@ from typing import Any, Dict, List, Optional
 from . import run
 from .study_report import summarise
 
-SERIES = ("peers", "compute", "scaling", "hetero", "shared", "calibrate")
+SERIES = ("peers", "compute", "scaling", "hosts", "hetero", "shared", "calibrate")
 # hvd_slim at its default density (0.02, pull "slim") and at the 0.01 the peers are compared at
 SUBSET = "floor,mpi-allreduce,horovod,ddp-powersgd-r1,topk-ef@0.01,hvd_slim-slim@0.02," \
          "hvd_slim-slim@0.01,hvd_slim-union@0.01,hvd_slim-sharded@0.01"
@@ -57,6 +59,13 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
                          "argv": ["--model", "cnn1m", "--ranks", str(hosts), "--rate", "100mbit",
                                   "--peers", SUBSET.replace("horovod,", ""),
                                   "--densities", DENSITIES, "--steps", str(steps)]})
+    if "hosts" in series:   # 2 ranks per host: hierarchical=True against the flat exchange
+        jobs.append({"series": "hosts", "tag": "hosts_cnn1m_2hx2_100m",
+                     "argv": ["--model", "cnn1m", "--ranks", "4", "--ranks-per-host", "2",
+                              "--rate", "100mbit", "--pulls", "slim,hier,sharded",
+                              "--peers", "mpi-allreduce,hvd_slim-slim@0.01,hvd_slim-hier@0.01,"
+                                         "hvd_slim-sharded@0.01",
+                              "--densities", "0.01", "--steps", str(steps)]})
     if "hetero" in series:
         for slow in (3, 0):
             rates = ",".join("250mbit" if h == slow else "1gbit" for h in range(4))

@@ -23,18 +23,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
-import numpy as np
 import torch
 
 from ..config import ConfigError, SlimConfig
 from ..transport.base import Transport, TransportTimeout
 from . import checkpoint, handshake
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
+from .host_wire import FAILED, NONFINITE, OK, SKIPPED, HostFrames
 from .layout import SPARSE, Layout
 from .step import SlimExchange
 
-OK, SKIPPED, FAILED, NONFINITE = 0, 1, 2, 3   # step 3's verdict byte
-ERROR_BYTES = 1 << 12   # room for an error's text in step 3
 
 
 def host_table(hosts: Sequence[int]) -> List[List[int]]:
@@ -51,11 +49,6 @@ def host_table(hosts: Sequence[int]) -> List[List[int]]:
                           "Launch the same number of ranks per host, or pass "
                           "hierarchical=False", "hierarchical")
     return table
-
-
-def cuts(n: int, parts: int) -> List[int]:
-    """Bounds of ``parts`` contiguous pieces of ``n`` coordinates, near-equal in length."""
-    return [i * n // parts for i in range(parts + 1)]
 
 
 class HierarchicalExchange:
@@ -83,7 +76,8 @@ class HierarchicalExchange:
                              f"{self.local_size} ranks each")
         self.digest = layout.digest() ^ int(config.digest(), 16)
         self.ranks, self.in_set = list(range(self.size)), False
-        self.bounds = {b.index: cuts(b.numel, self.local_size) for b in layout.buckets}
+        self.frames = HostFrames(layout, self.local_size)
+        self.bounds = self.frames.bounds
         self.pieces, self.inner = self._build_inner(momentum or {}, hosts)
         self.servers = self.inner.servers if self.inner is not None else 1
         self.stats = self.inner.stats if self.inner is not None else None
@@ -172,32 +166,30 @@ class HierarchicalExchange:
 
     def _reduce(self, t: int) -> None:
         """Step 1: this rank's pieces' ``.grad`` become the host's sum (or mean) of them."""
-        L = self.local_size
+        L, f = self.local_size, self.frames
         check = self.cfg.nonfinite != "propagate"
-        flat = {b.index: Layout.read_grads(b, torch.empty(b.numel, dtype=b.dtype,
-                                                          device=b.device))
-                for b in self.layout.buckets}
-        bad = check and any(not bool(torch.isfinite(x).all()) for x in flat.values())
-        payloads = [self._encode([flat[i][self.bounds[i][j]:self.bounds[i][j + 1]]
-                                  for i in self.pieces_of(j)], bad) for j in range(L)]
-        bounds = [self._piece_bytes(j) + 1 for j in range(L)]
-        got = self._watch(self.local, lambda: self.local.gather_many(payloads, list(range(L)),
-                                                                     bounds),
-                          f"the host reduction of step {t}")
+        encoded = [f.encode_reduce(j, check) for j in range(L)]
+        bad = any(flag for _, flag in encoded)
+        payloads = [f.flag(buf, bad) for buf, _ in encoded]
+        got = self._watch(self.local, lambda: self.local.gather_many(
+            payloads, list(range(L)), f.reduce_sizes), f"the host reduction of step {t}")
         # Counted with step 3's (the cross exchange starts this step's figures afresh).
         self._reduced = (sum(len(p) for j, p in enumerate(payloads) if j != self.local_rank),
                          sum(len(p) for j, p in enumerate(got) if j != self.local_rank))
-        mine = [self._decode(buf, self.local_rank) for buf in got]
+        try:
+            mine = [f.decode_reduce(buf, self.local_rank) for buf in got]
+        except ValueError as exc:
+            raise ExchangeError(f"rank {self.rank}: {exc}") from None
         poisoned = check and any(flag for _, flag in mine)
-        for k, i in enumerate(self.pieces_of(self.local_rank)):
-            acc = mine[0][0][k].clone()
+        for k, i in enumerate(f.pieces_of(self.local_rank)):
+            acc = mine[0][0][k].clone()   # in local-rank order, the same on every run
             for parts, _ in mine[1:]:
                 acc += parts[k]
             if self.cfg.op == "average":
                 acc /= L
             if poisoned:   # every host piece reports it: every cross exchange skips alike
                 acc.fill_(float("nan"))
-            self.pieces[i][1].grad = acc
+            self.pieces[i][1].grad = acc.to(self.layout.buckets[i].device)
 
     def _run_inner(self, fn: Any) -> tuple:
         """Step 2, with its outcome as the verdict step 3 sends (an error is raised after it)."""
@@ -212,75 +204,37 @@ class HierarchicalExchange:
         """Step 3: every local rank sends its pulled pieces (or its verdict) to the host; every
         rank writes the whole update. Returns the host's verdict; raises a shared error."""
         status, exc = verdict
-        L = self.local_size
+        L, f, me = self.local_size, self.frames, self.local_rank
         if status == OK:
-            grads = [self.pieces[i][1].grad for i in self.pieces_of(self.local_rank)]
-            payload = self._encode([torch.zeros_like(self.pieces[i][1]) if g is None else g
-                                    for i, g in zip(self.pieces_of(self.local_rank), grads)],
-                                   False, head=OK)
+            mine = [self.pieces[i][1] for i in f.pieces_of(me)]
+            payload = f.encode_spread(me, [torch.zeros_like(p) if p.grad is None else p.grad
+                                           for p in mine])
         else:
-            text = f"{type(exc).__name__}: {exc}" if exc is not None else ""
-            payload = np.concatenate([np.array([status], np.uint8), np.frombuffer(
-                text.encode()[:ERROR_BYTES], np.uint8)])
-        bounds = [max(self._piece_bytes(j), ERROR_BYTES) + 1 for j in range(L)]
+            payload = f.encode_status(status, f"{type(exc).__name__}: {exc}" if exc else "")
         got = self._watch(self.local, lambda: self.local.broadcast_many(
-            payload, list(range(L)), bounds), f"the host spread of step {t}")
+            payload, list(range(L)), [f.spread_bound(j) for j in range(L)]),
+            f"the host spread of step {t}")
         before, self._reduced = self._reduced, (0, 0)
         self._count_local(before[0] + len(payload) * (L - 1),
-                          before[1] + sum(len(p) for j, p in enumerate(got) if j != self.local_rank))
-        heads = [int(buf[0]) for buf in got]
-        for head, buf in zip(heads, got):
+                          before[1] + sum(len(p) for j, p in enumerate(got) if j != me))
+        try:
+            read = [f.decode_spread(buf, j) for j, buf in enumerate(got)]
+        except ValueError as exc:
+            raise ExchangeError(f"rank {self.rank}: {exc}") from None
+        for j, (head, body) in enumerate(read):
             if head in (FAILED, NONFINITE):
                 if exc is not None:
                     raise exc
                 cls = NonFiniteGradientError if head == NONFINITE else ExchangeError
-                raise cls(f"rank {self.rank}: local rank {heads.index(head)} of host "
-                          f"{self.host} failed: {bytes(buf[1:]).decode(errors='replace')}")
-        if SKIPPED in heads:
+                raise cls(f"rank {self.rank}: local rank {j} of host {self.host} failed: {body}")
+        if any(head == SKIPPED for head, _ in read):
             return SKIPPED
-        parts = [self._decode(buf, j)[0] for j, buf in enumerate(got)]
         for b in self.layout.buckets:
             if only_sparse and b.kind != SPARSE:
                 continue
-            pieces = [parts[j][self.pieces_of(j).index(b.index)] for j in range(L)
-                      if b.index in self.pieces_of(j)]
-            Layout.write_grads(b, torch.cat(pieces).to(b.device))
+            parts = [body[b.index] for _, body in read if b.index in body]
+            Layout.write_grads(b, torch.cat(parts).to(b.device))
         return OK
-
-    # --- encoding ----------------------------------------------------------------------------
-    def pieces_of(self, j: int) -> List[int]:
-        """The buckets (by index) of which local rank ``j`` has a non-empty piece."""
-        return [b.index for b in self.layout.buckets
-                if self.bounds[b.index][j + 1] > self.bounds[b.index][j]]
-
-    def _piece_bytes(self, j: int) -> int:
-        return sum((self.bounds[i][j + 1] - self.bounds[i][j]) * self._bucket(i).dtype.itemsize
-                   for i in self.pieces_of(j))
-
-    def _bucket(self, i: int) -> Any:
-        return self.layout.buckets[i]
-
-    def _encode(self, tensors: List[torch.Tensor], flag: bool, head: Optional[int] = None
-                ) -> np.ndarray:
-        """One byte (the flag, or the verdict) and the tensors' raw bytes."""
-        first = np.array([int(flag) if head is None else head], np.uint8)
-        raw = [t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-               for t in tensors]
-        return np.concatenate([first, *raw])
-
-    def _decode(self, buf: np.ndarray, j: int) -> tuple:
-        """(local rank ``j``'s pieces as tensors, its first byte)."""
-        out, at = [], 1
-        for i in self.pieces_of(j):
-            b = self._bucket(i)
-            n = (self.bounds[i][j + 1] - self.bounds[i][j]) * b.dtype.itemsize
-            chunk = torch.from_numpy(np.array(buf[at:at + n], copy=True)).view(b.dtype)
-            out.append(chunk.to(b.device))
-            at += n
-        if at != len(buf):
-            raise ExchangeError(f"rank {self.rank}: a host message from local rank {j} has "
-                                f"{len(buf)} bytes, expected {at}")
-        return out, bool(buf[0])
 
     def _count_local(self, out: int, into: int) -> None:
         """Bytes this rank's host phases sent to and received from its host's other ranks."""

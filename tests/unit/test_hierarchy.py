@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from hvd_slim.config import ConfigError, SlimConfig
-from hvd_slim.exchange import Layout, SlimExchange
-from hvd_slim.exchange.hierarchy import HierarchicalExchange, cuts, host_table
+from hvd_slim.exchange import Layout
+from hvd_slim.exchange.hierarchy import HierarchicalExchange, host_table
+from hvd_slim.exchange.host_wire import cuts
 from hvd_slim.exchange.errors import NonFiniteGradientError
 from hvd_slim.transport import run_ranks
 from hvd_slim.transport.fake import FakeCluster
@@ -29,7 +30,12 @@ def run_hosts(hosts_of, fn, timeout=60.0):
     def body(rank, world):
         h = hosts_of[rank]
         lr = table[h].index(rank)
-        return fn(rank, world, locals_[h].transport(lr), crosses[lr].transport(h))
+        try:
+            return fn(rank, world, locals_[h].transport(lr), crosses[lr].transport(h))
+        except BaseException:   # wake the ranks waiting on the other clusters too
+            for c in locals_ + crosses:
+                c.abort()
+            raise
 
     return run_ranks(len(hosts_of), body, timeout=timeout)
 

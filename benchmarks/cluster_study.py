@@ -10,8 +10,8 @@ Series (each one or more ``benchmarks.run`` jobs, results in ``--out``):
   4 hosts, 1 Gbit/s, 2 ranks per core: each peer's step against the compute-only ``floor``.
 * ``scaling``: 2, 4 and 8 hosts at 100 Mbit/s on a 1.1M-parameter model (synthetic gradients,
   so the wire dominates the 2 cores): step time and the busiest NIC's bytes against N.
-* ``hosts``: 2 hosts of 2 ranks at 100 Mbit/s on the 1.1M-parameter model: the flat exchange,
-  ``hierarchical=True`` and a shard per rank, against MPI's allreduce.
+* ``hosts``: 2 hosts of 2 ranks at 100 and 10 Mbit/s on the 1.1M-parameter model: the flat
+  exchange, ``hierarchical=True`` and a shard per rank (and MPI's allreduce at 100 Mbit/s).
 * ``hetero``: 4 hosts at 1 Gbit/s with one at 250 Mbit/s, once a worker's (host 3) and once
   the server's (host 0): how much each peer slows down.
 * ``shared``: the old shared medium (every rank on one 1 Gbit/s link), for comparison.
@@ -60,12 +60,13 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
                                   "--peers", SUBSET.replace("horovod,", ""),
                                   "--densities", DENSITIES, "--steps", str(steps)]})
     if "hosts" in series:   # 2 ranks per host: hierarchical=True against the flat exchange
-        jobs.append({"series": "hosts", "tag": "hosts_cnn1m_2hx2_100m",
-                     "argv": ["--model", "cnn1m", "--ranks", "4", "--ranks-per-host", "2",
-                              "--rate", "100mbit", "--pulls", "slim,hier,sharded",
-                              "--peers", "mpi-allreduce,hvd_slim-slim@0.01,hvd_slim-hier@0.01,"
-                                         "hvd_slim-sharded@0.01",
-                              "--densities", "0.01", "--steps", str(steps)]})
+        for rate, dense in (("100m", "floor,mpi-allreduce,"), ("10m", "floor,")):   # dense: 4 s a step at 10
+            jobs.append({"series": "hosts", "tag": f"hosts_cnn1m_2hx2_{rate}",
+                         "argv": ["--model", "cnn1m", "--ranks", "4", "--ranks-per-host", "2",
+                                  "--rate", f"{rate}bit", "--pulls", "slim,hier,sharded",
+                                  "--peers", f"{dense}hvd_slim-slim@0.01,hvd_slim-hier@0.01,"
+                                             "hvd_slim-sharded@0.01",
+                                  "--densities", "0.01", "--steps", str(steps)]})
     if "hetero" in series:
         for slow in (3, 0):
             rates = ",".join("250mbit" if h == slow else "1gbit" for h in range(4))
@@ -82,6 +83,12 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
                      "argv": ["--model", "resnet18", "--ranks", "4", "--net", "loopback",
                               "--steps", str(steps), "--densities", DENSITIES,
                               "--pulls", PULLS]})
+        # The hosts series' local work: its 4 ranks named 2 hosts by HVD_SLIM_HOST_KEY.
+        jobs.append({"series": "calibrate", "tag": "calibrate_cnn1m_2hx2_loopback",
+                     "argv": ["--model", "cnn1m", "--ranks", "4", "--ranks-per-host", "2",
+                              "--net", "loopback", "--pulls", "slim,hier,sharded", "--peers",
+                              "floor,hvd_slim-slim@0.01,hvd_slim-hier@0.01,hvd_slim-sharded@0.01",
+                              "--densities", "0.01", "--steps", str(steps)]})
         for hosts in (2, 4, 8):
             jobs.append({"series": "calibrate", "tag": f"calibrate_cnn1m_{hosts}r_loopback",
                          "argv": ["--model", "cnn1m", "--ranks", str(hosts), "--net", "loopback",

@@ -57,7 +57,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--rate", default="1gbit", help="NIC rate (switched) or link rate (shared)")
     ap.add_argument("--hosts", type=int, default=0,
                     help="hosts of the switched cluster (default ranks / ranks-per-host)")
-    ap.add_argument("--ranks-per-host", type=int, default=1)
+    ap.add_argument("--ranks-per-host", type=int, default=1,
+                    help="ranks in each host namespace (switched); elsewhere only the hosts "
+                         "named by HVD_SLIM_HOST_KEY, for hierarchical=True")
     ap.add_argument("--host-rates", default="", help="comma-separated rate per host, e.g. "
                     "1gbit,1gbit,1gbit,250mbit (switched)")
     ap.add_argument("--latency-ms", type=float, default=0.0,
@@ -102,8 +104,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                             args.latency_ms)
         except ValueError as exc:
             ap.error(str(exc))
-    elif args.host_rates or args.latency_ms or args.ranks_per_host != 1 or args.hosts:
-        ap.error("--hosts, --ranks-per-host, --host-rates and --latency-ms need --net switched")
+    elif args.host_rates or args.latency_ms or args.hosts:
+        ap.error("--hosts, --host-rates and --latency-ms need --net switched")
+    elif args.ranks % args.ranks_per_host:
+        ap.error(f"--ranks {args.ranks} must be a multiple of --ranks-per-host "
+                 f"{args.ranks_per_host}")
     args.link_gbit = {"tbf1g": 1.0, "tbf10g": 10.0, "loopback": 20.0}.get(
         args.net, cluster.rate_bps(args.rate) / 1e9)
     net = {"switched": f"sw{args.rate}", "shared": f"shared{args.rate}"}.get(args.net, args.net)
@@ -152,11 +157,22 @@ def mpirun_argv(args: argparse.Namespace, peers: List[str], out: str, port: int,
             "-x", f"HVDSLIM_BENCH_PORT={port}", "-x", "OMP_NUM_THREADS", "-x", "GLOO_SOCKET_IFNAME",
             *[a for k in (net.env() if switched else {}) for a in ("-x", k)],
             *[a for kv in args.env for a in ("-x", kv)], *_profiler(args, peers),
-            *(net.rank_prefix() if switched else []),
+            *(net.rank_prefix() if switched else _host_key_prefix(args.ranks_per_host)),
             sys.executable, "-m", "benchmarks.worker", "--model", args.model,
             "--peers", ",".join(peers), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--threads", str(args.threads), "--seed", str(args.seed),
             "--pingpong-mib", str(pingpong), "--out", out]
+
+
+def _host_key_prefix(per_host: int) -> List[str]:
+    """Without host namespaces, ``--ranks-per-host`` names the hosts by HVD_SLIM_HOST_KEY only
+    (ranks r*k .. r*k+k-1 are host r), so that ``hierarchical=True`` sees them (a calibration
+    of the switched runs' local work on the loopback)."""
+    if per_host == 1:
+        return []
+    script = (f'HVD_SLIM_HOST_KEY=host$((OMPI_COMM_WORLD_RANK / {per_host})); '
+              'export HVD_SLIM_HOST_KEY; exec "$@"')
+    return ["sh", "-c", script, "sh"]
 
 
 def _profiler(args: argparse.Namespace, peers: List[str]) -> List[str]:
@@ -233,7 +249,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         with _network(args) as ns:
             meta["network"] = ns.describe() if isinstance(ns, cluster.Cluster) else {
                 "mode": "loopback" if args.net == "loopback" else "shared", "net": args.net,
-                "rate_gbit": [args.link_gbit], "namespace": ns, "qdisc": netem.qdisc(ns)}
+                "rate_gbit": [args.link_gbit], "namespace": ns, "qdisc": netem.qdisc(ns),
+                "host_key_ranks_per_host": args.ranks_per_host}
             for rep in range(args.repeats):
                 for j, job in enumerate(jobs):
                     out = os.path.join(tmp, f"r{rep}_j{j}.jsonl")

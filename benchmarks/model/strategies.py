@@ -10,8 +10,8 @@ after it, so nothing overlaps).
 * communication: :mod:`benchmarks.model.net`'s collectives on ``Scenario.net``.
 
 Strategies are looked up by the benchmark's peer names (``parse``), so predictions join
-measurements; :data:`STRATEGIES` maps a family to its function: add sharded servers
-(``servers=S``) or hierarchical schemes there.
+measurements; :data:`STRATEGIES` maps a family to its function (sharded servers and
+``hierarchical=True`` have theirs).
 """
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ PASSES: Dict[str, float] = {
     "topk-ef": 4,         # cat, residual add_, the average's zero_ and div_
     "hvd_slim": 4,        # u' = g + m u, a = r + u' (fused passes), the NaN/Inf sum, pull zero_
     "hvd_slim-server-dense": 3,   # a dense aggregate (union or dense pull): zero_, nonzero/+e, mul_
+    # hierarchical=True's host phases, per rank over d: the reduction's encode (1), sending and
+    # receiving (L-1)/L of it (a copy each way), the clone, the (L-1)/L adds and the mean of
+    # one piece (1/L each), and the spread's write into every .grad with its cat (2)
+    "hvd_slim-hier-host": 3,      # plus 3 (L-1)/L + 2/L, added in hvd_slim_hier
 }
 DDP_BUCKET_BYTES = 25 << 20       # DDP's bucket_cap_mb default: one allreduce per bucket
 HOROVOD_FUSION_BYTES = 64 << 20   # Horovod's fusion threshold
@@ -261,17 +265,38 @@ def hvd_slim_sharded(sc: Scenario, peer: str, select_s: Optional[float] = None,
                    value_bits=s.value_bits)
 
 
+def hvd_slim_hier(sc: Scenario, peer: str, select_s: Optional[float] = None,
+                  density: Optional[float] = None) -> Prediction:
+    """hvd_slim with ``hierarchical=True`` on hosts of L = ``net.ranks_per_host`` ranks: the host
+    phases (memory traffic, no NIC bytes), then L cross exchanges at once, one per local rank,
+    each hvd_slim's step among the H hosts on 1/L of the model: together they put one flat
+    exchange's bytes among H ranks on each NIC, and each rank does 1/L of its local work."""
+    L = sc.net.ranks_per_host
+    if sc.net.shared or L == 1:
+        return hvd_slim(sc, peer, select_s, density, "slim")
+    H = sc.ranks // L
+    cross = replace(sc, ranks=H, net=replace(sc.net, ranks_per_host=1), compute_s=0.0)
+    inner = hvd_slim(cross, peer, None if select_s is None else select_s * L, density, "slim")
+    host = (PASSES["hvd_slim-hier-host"] + 3 * (L - 1) / L + 2 / L) * sc.d * sc.local.pass_s
+    comm = nw.Cost(seconds=inner.comm_s, tx=list(inner.tx), rx=list(inner.rx))
+    return _finish(peer, sc, inner.local_s / L + host, comm, inner.sent_per_rank / L,
+                   inner.recv_per_rank / L, hosts=H, local_size=L, host_local_s=host,
+                   **{k: v for k, v in inner.detail.items() if k in ("push", "pull", "k")})
+
+
 StrategyFn = Callable[..., Prediction]
 STRATEGIES: Dict[str, StrategyFn] = {
     "floor": floor, "mpi-allreduce": dense, "horovod": dense, "horovod-fp16": dense,
     "ddp-allreduce": dense, "ddp-fp16": dense, "ddp-powersgd": powersgd, "topk-ef": topk,
-    "hvd_slim": hvd_slim, "hvd_slim-sharded": hvd_slim_sharded}
+    "hvd_slim": hvd_slim, "hvd_slim-sharded": hvd_slim_sharded, "hvd_slim-hier": hvd_slim_hier}
 
 _PARAM = [(re.compile(r"^ddp-powersgd-r(\d+)$"), "ddp-powersgd", lambda m: {"rank": int(m[1])}),
           (re.compile(r"^topk-ef@([0-9.eE+-]+)$"), "topk-ef", lambda m: {"density": float(m[1])}),
           (re.compile(r"^hvd_slim-(slim|union)@([0-9.eE+-]+)$"), "hvd_slim",
            lambda m: {"pull": m[1], "density": float(m[2])}),
           (re.compile(r"^hvd_slim-sharded@([0-9.eE+-]+)$"), "hvd_slim-sharded",
+           lambda m: {"density": float(m[1])}),
+          (re.compile(r"^hvd_slim-hier@([0-9.eE+-]+)$"), "hvd_slim-hier",
            lambda m: {"density": float(m[1])})]
 
 

@@ -98,3 +98,16 @@ def test_hvd_slim_counted_bytes_match_closed_form(result, density, pull):
             assert counts["handed_recv"] == fixed - k + k_pull + last["pull_index_bytes"]
     ring = 2 * (2 - 1) / 2 * (d + dense) * 4
     assert p["ring_allreduce_bytes_per_step"] == pytest.approx(ring)
+
+
+def test_ranks_per_host_off_the_switched_cluster_names_hosts_by_key_only():
+    from benchmarks import run
+    args = run.parse_args(["--net", "loopback", "--ranks", "4", "--ranks-per-host", "2"])
+    argv = run.mpirun_argv(args, ["hvd_slim-hier@0.01"], "/tmp/out.jsonl", 1, 0, None)
+    at = argv.index(sys.executable)
+    assert argv[at - 4:at - 2] == ["sh", "-c"] and \
+        "HVD_SLIM_HOST_KEY=host$((OMPI_COMM_WORLD_RANK / 2))" in argv[at - 2]
+    plain = run.mpirun_argv(run.parse_args(["--net", "loopback"]), ["floor"], "/tmp/o", 1, 0, None)
+    assert not any("HVD_SLIM_HOST_KEY" in a for a in plain)
+    with pytest.raises(SystemExit):   # argparse's error: 3 ranks are not hosts of 2
+        run.parse_args(["--net", "loopback", "--ranks", "3", "--ranks-per-host", "2"])

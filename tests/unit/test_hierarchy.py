@@ -187,3 +187,46 @@ def test_resume_is_bitwise():
     for a, b in zip(plain, resumed):
         for x, y in zip(a, b):
             assert all(torch.equal(u, v) for u, v in zip(x, y))
+
+
+def test_the_handshake_names_a_rank_without_hierarchical():
+    from hvd_slim.exchange import SlimExchange
+    from hvd_slim.exchange.errors import ExchangeError
+    hosts_of = host_numbers(2, 2)
+    on = SlimConfig(min_compress_numel=1000, density=0.02, hierarchical=True)
+    off = SlimConfig(min_compress_numel=1000, density=0.02)
+
+    def fn(rank, world, local, cross):
+        named = make_params()
+        for name, p in named:
+            p.grad = grad_for(rank, 0, name, p.shape)
+        if rank == 3:
+            ex = SlimExchange(Layout(named, off, lambda dt: dt), off, world)
+        else:
+            ex = HierarchicalExchange(Layout(named, on, lambda dt: dt), on, world, local, cross,
+                                      hosts_of)
+        try:
+            ex.step()
+        except ExchangeError as exc:
+            return str(exc)
+        return None
+
+    texts = run_hosts(hosts_of, fn)
+    assert all(t is not None and "Config field 'hierarchical': True on ranks 0, 1, 2 vs. False on rank 3" in t
+               for t in texts), texts
+    assert len(set(texts)) == 1   # every rank raises the same error
+
+
+def test_servers_beyond_the_hosts_are_refused_naming_them():
+    hosts_of = host_numbers(2, 2)
+    config = SlimConfig(min_compress_numel=1000, servers=3, hierarchical=True)
+
+    def fn(rank, world, local, cross):
+        named = make_params()
+        HierarchicalExchange(Layout(named, config, lambda dt: dt), config, world, local, cross,
+                             hosts_of)
+
+    with pytest.raises(RuntimeError, match=r"servers must be an integer in 1\.\.2 .*with "
+                                           r"hierarchical=True every host piece has its own "
+                                           r"servers, among the 2 hosts"):
+        run_hosts(hosts_of, fn)

@@ -440,3 +440,22 @@ def test_local_from_refuses_a_file_without_its_calibration(tmp_path, capsys):
     with pytest.raises(ValueError, match="no calibration"):
         validate.calibration_for(json.load(open(target, encoding="utf-8")),
                                  [validate.load_calibration(other[0])])
+
+
+def test_hierarchical_puts_the_flat_exchange_among_hosts_on_each_nic():
+    # 4 hosts of 2 ranks: the NICs carry what one flat exchange among the 4 hosts would, each
+    # rank sends half of a flat worker's push, and with one rank per host it is the flat step.
+    shapes = ((1000, 1000),)
+    local = LocalCosts(pass_s=1e-9, slim_select_s=2e-9)
+    hier = predict("hvd_slim-hier@0.01", Scenario(8, switched(ranks_per_host=2), shapes,
+                                                  local=local))
+    among_hosts = predict("hvd_slim-slim@0.01", Scenario(4, switched(), shapes, local=local))
+    assert hier.tx == pytest.approx(among_hosts.tx) and hier.rx == pytest.approx(among_hosts.rx)
+    assert hier.comm_s == pytest.approx(among_hosts.comm_s)
+    assert hier.sent_per_rank == pytest.approx(among_hosts.sent_per_rank / 2)
+    host = (PASSES["hvd_slim-hier-host"] + 3 / 2 + 1) * 1e6 * 1e-9
+    assert hier.local_s == pytest.approx(among_hosts.local_s / 2 + host)
+    one_per_host = Scenario(4, switched(), shapes, local=local)
+    assert predict("hvd_slim-hier@0.01", one_per_host).seconds == \
+        pytest.approx(predict("hvd_slim-slim@0.01", one_per_host).seconds)
+    assert parse("hvd_slim-hier@0.01") == ("hvd_slim-hier", {"density": 0.01})

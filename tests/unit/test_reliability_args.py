@@ -64,6 +64,8 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
                       r"or 'auto', got 3"),
     (dict(servers="many"), r"^servers must be an integer >= 1 or 'auto', got 'many'"),
     (dict(servers=1.5), r"^servers must be an integer >= 1, got 1.5"),
+    (dict(hierarchical="yes"), r"^hierarchical must be True or False, got 'yes'"),
+    (dict(hierarchical=True), r"^hierarchical=True needs transport='mpi' \(got 'fake'\)"),
     (dict(value_bits=True), r"^value_bits must be one of \(8, 16, 32\), got True"),
     (dict(value_bits=8.5), r"^value_bits must be one of \(8, 16, 32\), got 8.5"),
     (dict(warmup_start_density=0.001, density=0.01),
@@ -140,6 +142,7 @@ BAD_ENV = [
     ("value_bits", "4"), ("value_bits", "eight"),
     ("warmup_start_density", "0"), ("warmup_start_density", "dense"),
     ("servers", "0"), ("servers", "many"), ("servers", "3"),
+    ("hierarchical", "maybe"),
 ]
 
 
@@ -168,7 +171,7 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "min_compress_numel": 100, "server_rank": 1, "seed": 4, "nonfinite": "skip",
             "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
             "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
-            "warmup_start_density": 0.5, "servers": 2}[name]
+            "warmup_start_density": 0.5, "servers": 2, "hierarchical": False}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

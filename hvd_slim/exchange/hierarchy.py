@@ -31,6 +31,7 @@ from . import checkpoint, handshake
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
 from .host_wire import FAILED, NONFINITE, OK, SKIPPED, HostFrames
 from .layout import SPARSE, Layout
+from .stats import ExchangeStats
 from .step import SlimExchange
 
 
@@ -80,13 +81,14 @@ class HierarchicalExchange:
         self.bounds = self.frames.bounds
         self.pieces, self.inner = self._build_inner(momentum or {}, hosts)
         self.servers = self.inner.servers if self.inner is not None else 1
-        self.stats = self.inner.stats if self.inner is not None else None
-        if self.stats is not None:   # what a dense allreduce of the whole model would move
-            full = sum(b.numel * b.dtype.itemsize for b in layout.buckets)
-            self.stats.grad_bytes = full
-            self.stats.compressed_grad_bytes = sum(b.numel * b.dtype.itemsize
-                                                   for b in layout.sparse)
-            self.stats.ring_bytes = int(round(2 * (self.size - 1) / self.size * full))
+        # The cross exchange's figures (bytes that crossed a NIC), measured against what a
+        # dense allreduce of the whole model among every rank would move.
+        self.stats = self.inner.stats if self.inner is not None else \
+            ExchangeStats(layout, self.size)
+        whole = ExchangeStats(layout, self.size)
+        self.stats.grad_bytes, self.stats.ring_bytes = whole.grad_bytes, whole.ring_bytes
+        self.stats.compressed_grad_bytes = whole.compressed_grad_bytes
+        self.table = table
         self._reduced = (0, 0)   # bytes out and in of this step's host reduction
         self._steps = 0   # steps, when this rank has no pieces (and so no cross exchange)
         self._agreed = False
@@ -238,8 +240,6 @@ class HierarchicalExchange:
 
     def _count_local(self, out: int, into: int) -> None:
         """Bytes this rank's host phases sent to and received from its host's other ranks."""
-        if self.stats is None:
-            return
         self.stats.local_bytes_sent += out
         self.stats.local_bytes_received += into
         self.stats.last["local_bytes_sent"] = self.stats.last.get("local_bytes_sent", 0) + out
@@ -247,11 +247,16 @@ class HierarchicalExchange:
                                                    + into)
 
     def _watch(self, transport: Transport, fn: Any, what: str) -> Any:
+        """Run collectives under the exchange timeout; a timeout on the host's transport says
+        which job ranks its local ranks are."""
         try:
             with transport.watch(self.cfg.timeout, what):
                 return fn()
         except TransportTimeout as exc:
-            raise TransportTimeout(f"{exc}. {TIMEOUT_ADVICE} (now {self.cfg.timeout:g} s)"
+            where = "" if transport is self.transport else (
+                f" (on host {self.host}'s transport, local rank j is job rank "
+                f"{self.table[self.host]}[j])")
+            raise TransportTimeout(f"{exc}{where}. {TIMEOUT_ADVICE} (now {self.cfg.timeout:g} s)"
                                    ) from None
 
     # --- state -------------------------------------------------------------------------------

@@ -230,3 +230,29 @@ def test_servers_beyond_the_hosts_are_refused_naming_them():
                                            r"hierarchical=True every host piece has its own "
                                            r"servers, among the 2 hosts"):
         run_hosts(hosts_of, fn)
+
+
+def test_a_rank_whose_pieces_are_all_empty_follows_its_host():
+    # One 1-element tensor on hosts of 2 ranks: local rank 0 has no piece (no cross exchange),
+    # yet applies the same updates, skips the same steps and counts the same steps.
+    hosts_of = host_numbers(2, 2)
+    config = SlimConfig(min_compress_numel=0, density=0.5, nonfinite="skip")
+
+    def fn(rank, world, local, cross):
+        p = torch.nn.Parameter(torch.zeros(1))
+        ex = HierarchicalExchange(Layout([("w", p)], config, lambda dt: dt), config, world,
+                                  local, cross, hosts_of)
+        out = []
+        for t in range(3):
+            p.grad = torch.tensor([float("nan") if (t == 1 and rank == 1) else rank + t * 10.0])
+            out.append((ex.step(), p.grad.clone()))
+        return (ex.inner is None, ex.step_count, out, ex.stats.as_dict()["steps"] >= 0)
+
+    res = run_hosts(hosts_of, fn)
+    assert [r[0] for r in res] == [True, False, True, False]   # cuts(1, 2) == [0, 0, 1]
+    assert all(r[1] == res[0][1] for r in res)
+    for t in range(3):
+        assert all(r[2][t][0] == res[0][2][t][0] for r in res)
+        if res[0][2][t][0]:
+            assert all(torch.equal(r[2][t][1], res[0][2][t][1]) for r in res)
+    assert [ok for ok, _ in res[0][2]] == [True, False, True]

@@ -32,6 +32,19 @@ def _world() -> Optional[tuple]:
     return (rank, size, mpi) if size > 1 else None
 
 
+def _say(text: str) -> None:
+    """Write ``text`` where the user will see it before the job ends: ``sys.stderr``, and the
+    process's own stderr too when something swapped ``sys.stderr`` out (torch.distributed's
+    excepthook runs the chained hooks into a StringIO it prints only after they return, and
+    they never return here)."""
+    for stream in {id(s): s for s in (sys.stderr, sys.__stderr__) if s is not None}.values():
+        try:
+            stream.write(text)
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
+            pass
+
+
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -48,9 +61,8 @@ def _report_and_abort(exc_type: Type[BaseException], exc: Optional[BaseException
         return False
     rank, size, mpi = world
     lines = traceback.format_exception(exc_type, exc, tb)
-    sys.stderr.write(f"hvd_slim: rank {rank} of {size} failed with {exc_type.__name__}: {exc}{where}\n"
-                     + "".join(lines)
-                     + f"hvd_slim: aborting all {size} ranks (MPI.COMM_WORLD.Abort(1))\n")
+    _say(f"hvd_slim: rank {rank} of {size} failed with {exc_type.__name__}: {exc}{where}\n"
+         + "".join(lines) + f"hvd_slim: aborting all {size} ranks (MPI.COMM_WORLD.Abort(1))\n")
     _flush()
     mpi.abort_world(1)
     return True
@@ -121,9 +133,9 @@ def _abort_at_exit() -> None:
     if world is None or _end_at_exit is None:
         return
     rank, size, mpi = world
-    sys.stderr.write(f"hvd_slim: rank {rank} of {size} reached exit after a collective timed out "
-                     f"({_end_at_exit}); ending all {size} ranks (MPI.COMM_WORLD.Abort(1)): MPI "
-                     "cannot finalise with that collective pending\n")
+    _say(f"hvd_slim: rank {rank} of {size} reached exit after a collective timed out "
+         f"({_end_at_exit}); ending all {size} ranks (MPI.COMM_WORLD.Abort(1)): MPI "
+         "cannot finalise with that collective pending\n")
     _flush()
     mpi.abort_world(1)
 

@@ -63,7 +63,7 @@ def test_distributed_tier(np_: int, transport: str) -> None:
                              f"tail:\n{tail(out)}")
 
 
-@pytest.mark.parametrize("mode", ["main", "thread"])
+@pytest.mark.parametrize("mode", ["main", "thread", "gloo"])
 @pytest.mark.parametrize("np_", [n for n in NPS if n >= 2] or [2])
 def test_exception_on_one_rank_ends_the_job(np_: int, mode: str) -> None:
     script = ROOT / "tests" / "scripts" / "raise_on_one_rank.py"

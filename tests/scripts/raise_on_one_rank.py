@@ -1,8 +1,9 @@
 """Rank 1 fails right after ``hvd.init()`` while the other ranks wait in a collective it will
 never join. With hvd_slim's abort hooks the whole mpirun job must end, non-zero, naming rank 1.
 
-Usage: ``mpirun -np N python tests/scripts/raise_on_one_rank.py [main|thread]``: ``main`` raises in
-the main thread, ``thread`` in a worker thread.
+Usage: ``mpirun -np N python tests/scripts/raise_on_one_rank.py [main|thread|gloo]``: ``main``
+raises in the main thread, ``thread`` in a worker thread, ``gloo`` in the main thread after a
+Gloo transport started torch.distributed (whose excepthook then wraps hvd_slim's).
 """
 import sys
 import threading
@@ -21,6 +22,9 @@ def fail() -> None:
 
 def main(mode: str) -> None:
     hvd.init()
+    if mode == "gloo":
+        from hvd_slim.runtime.rendezvous import torch_transport
+        torch_transport("gloo", torch.device("cpu"))
     if hvd.rank() == 1:
         if mode == "thread":
             worker = threading.Thread(target=fail, name="worker")

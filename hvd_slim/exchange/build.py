@@ -14,23 +14,33 @@ def build_exchange(layout: Layout, config: SlimConfig, transport: Transport,
                    momentum: Optional[Dict[int, dict]] = None,
                    ranks: Optional[Sequence[int]] = None) -> Any:
     """The exchange for ``config`` on ``transport``. ``hierarchical=True`` needs the whole
-    job's MPI transport (the runtime's :func:`~hvd_slim.runtime.basics.world_transport`): its
-    hosts come from ``local_size()`` (``HVD_SLIM_HOST_KEY``, else shared memory). With one rank
-    per host it is the flat exchange."""
+    job's transport: MPI's (hosts as ``local_size()`` sees them: ``HVD_SLIM_HOST_KEY``, else
+    shared memory), or a Gloo/NCCL one (``HVD_SLIM_HOST_KEY``, else the host name). With one
+    rank per host it is the flat exchange."""
     if not config.hierarchical:
         return SlimExchange(layout, config, transport, momentum, ranks=ranks)
-    from ..runtime import basics
     note = config.env_note("hierarchical")
     if ranks is not None:
         raise ConfigError("hierarchical=True runs over the whole job; it cannot be combined "
                           f"with a process_set{note}", "hierarchical")
-    if transport.name != "mpi" or transport is not basics.world_transport():
-        raise ConfigError(f"hierarchical=True needs transport='mpi' (got {transport.name!r}): "
-                          "the host and cross-host groups are MPI communicators. Pass "
-                          f"transport='mpi' or hierarchical=False{note}", "hierarchical")
     from .hierarchy import HierarchicalExchange, host_table
-    hosts, local, cross = basics.host_transports()
+    hosts, local, cross = _host_transports(transport, note)
     # The same host list on every rank, so unequal hosts are refused on every rank alike.
     if len(host_table(hosts)[0]) == 1:
         return SlimExchange(layout, config, transport, momentum)   # a rank per host: flat
     return HierarchicalExchange(layout, config, transport, local, cross, hosts, momentum)
+
+
+def _host_transports(transport: Transport, note: str) -> tuple:
+    """Each rank's host and the host and cross-host transports beside ``transport``."""
+    from ..runtime import basics
+    from ..transport.torch_dist import TorchDistTransport
+    if isinstance(transport, TorchDistTransport):
+        from ..transport.torch_hosts import host_transports
+        return host_transports(transport)
+    if transport.name == "mpi" and basics.is_initialized() and \
+            transport is basics.world_transport():
+        return basics.host_transports()
+    raise ConfigError(f"hierarchical=True needs the job's own transport ('mpi', 'gloo' or "
+                      f"'nccl'), not {transport.name!r}: its host groups are built beside it. "
+                      f"Pass one of those or hierarchical=False{note}", "hierarchical")

@@ -200,6 +200,10 @@ def remember(transport: TorchDistTransport) -> TorchDistTransport:
 
 def close_all() -> None:
     """Close every cached transport; groups made with ``new_group`` go before the default one."""
+    import sys
+    hosts = sys.modules.get("hvd_slim.transport.torch_hosts")
+    if hosts is not None:   # hierarchical=True's groups first: they live on the world's
+        hosts.close_all()
     items = sorted(_cache.values(), key=lambda t: t.group is None)
     _cache.clear()
     for t in items:

@@ -72,7 +72,7 @@ class TensorFrames:
         is_root = self.rank == root
         staged = payload.device.type != "cpu"
         parts = [self._new_frame(bound, staged) for _ in range(self.size)] if is_root else None
-        self._run("gather", dist.gather, frame, gather_list=parts, dst=root)
+        self._run("gather", dist.gather, frame, gather_list=parts, group_dst=root)
         self.stats.record("gather", step + extra, (self.size * step if is_root else 0) + extra)
         if not is_root:
             return None
@@ -91,7 +91,7 @@ class TensorFrames:
         staged = dev.type != "cpu"
         if bound is None:  # the length word first, then exactly the payload
             n = self._to_device(torch.tensor([len(payload) if is_root else 0], dtype=torch.int64))
-            self._run("broadcast", dist.broadcast, n, src=root)
+            self._run("broadcast", dist.broadcast, n, group_src=root)
             length = int(n.item())
             if is_root:
                 buf = payload.to(self.device) if self.device.type != "cpu" else \
@@ -100,12 +100,12 @@ class TensorFrames:
                 buf = host_buffer(length, staged) if self.device.type == "cpu" else \
                     torch.empty(length, dtype=torch.uint8, device=self.device)
             if length:
-                self._run("broadcast", dist.broadcast, buf, src=root)
+                self._run("broadcast", dist.broadcast, buf, group_src=root)
             moved = length + LENGTH_BYTES
             self.stats.record("broadcast", moved if is_root else 0, moved)
             return payload.to(dev) if is_root else _deliver(buf, dev)
         frame = self._frame_of(payload, bound) if is_root else self._new_frame(bound, staged)
-        self._run("broadcast", dist.broadcast, frame, src=root)
+        self._run("broadcast", dist.broadcast, frame, group_src=root)
         moved = bound + LENGTH_BYTES
         self.stats.record("broadcast", moved if is_root else 0, moved)
         if is_root:

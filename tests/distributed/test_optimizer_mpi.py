@@ -39,8 +39,6 @@ def batch(step, rank=None):
 def wrap(model, opt=None, **kw):
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     kw.setdefault("min_compress_numel", 1000)
-    if kw.get("hierarchical"):   # its host groups are MPI communicators (the tier runs Gloo too)
-        kw.setdefault("transport", "mpi")
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kw)
 
 

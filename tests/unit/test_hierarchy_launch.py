@@ -1,5 +1,6 @@
 """``hierarchical=True`` under mpirun, with hosts named by HVD_SLIM_HOST_KEY (2 hosts of 2
-ranks), and the refusal of hosts of different sizes (tests/scripts/hierarchical_train.py)."""
+ranks, in blocks or round robin; one host of 3), over MPI and Gloo, and the refusal of hosts of
+different sizes (tests/scripts/hierarchical_train.py)."""
 import importlib.util
 import re
 import shutil
@@ -21,19 +22,21 @@ pytestmark = [
 ]
 
 
-def _job(np_, host_of_rank, density):
+def _job(np_, host_of_rank, density, transport="mpi"):
     # Each rank names its host from its MPI rank before Python starts.
     command = ["sh", "-c", f"{HOST_KEY_VAR}=host$(({host_of_rank})) && export {HOST_KEY_VAR} && "
                f"exec {sys.executable} {SCRIPT} {density}"]
-    return run_mpi(np_, command, 180, drop=("HVD_SLIM_",))
+    return run_mpi(np_, command, 180, drop=("HVD_SLIM_",),
+                   extra_env={"HVD_SLIM_TRANSPORT": transport})
 
 
-@pytest.mark.parametrize("np_, host_of_rank", [(4, "OMPI_COMM_WORLD_RANK / 2"),
-                                                (4, "OMPI_COMM_WORLD_RANK % 2"),
-                                                (3, "0")])
+@pytest.mark.parametrize("np_, host_of_rank, transport", [
+    (4, "OMPI_COMM_WORLD_RANK / 2", "mpi"), (4, "OMPI_COMM_WORLD_RANK % 2", "mpi"),
+    (3, "0", "mpi"), (4, "OMPI_COMM_WORLD_RANK % 2", "gloo")])
 @pytest.mark.parametrize("density", [1.0, 0.05])
-def test_every_rank_ends_bitwise_equal_and_resumes_bitwise(np_, host_of_rank, density):
-    rc, out, _ = _job(np_, host_of_rank, density)
+def test_every_rank_ends_bitwise_equal_and_resumes_bitwise(np_, host_of_rank, transport,
+                                                           density):
+    rc, out, _ = _job(np_, host_of_rank, density, transport)
     assert rc == 0, tail(out)
     hashes = re.search(r"hier: hashes \[(.*)\]", out).group(1).split(", ")
     assert len(hashes) == np_ and len(set(hashes)) == 1, tail(out)
@@ -47,8 +50,9 @@ def test_every_rank_ends_bitwise_equal_and_resumes_bitwise(np_, host_of_rank, de
     assert local_bytes > 0, tail(out)
 
 
-def test_hosts_of_different_sizes_end_the_job_naming_them():
-    rc, out, _ = _job(3, "OMPI_COMM_WORLD_RANK / 2", 0.05)
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_hosts_of_different_sizes_end_the_job_naming_them(transport):
+    rc, out, _ = _job(3, "OMPI_COMM_WORLD_RANK / 2", 0.05, transport)
     assert rc != 0, tail(out)
     assert "hierarchical=True needs as many ranks on every host, but host 0 has 2 (ranks 0, 1); " \
            "host 1 has 1 (ranks 2)" in out, tail(out)

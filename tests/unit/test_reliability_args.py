@@ -65,7 +65,8 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
     (dict(servers="many"), r"^servers must be an integer >= 1 or 'auto', got 'many'"),
     (dict(servers=1.5), r"^servers must be an integer >= 1, got 1.5"),
     (dict(hierarchical="yes"), r"^hierarchical must be True or False, got 'yes'"),
-    (dict(hierarchical=True), r"^hierarchical=True needs transport='mpi' \(got 'fake'\)"),
+    (dict(hierarchical=True), r"^hierarchical=True needs the job's own transport \('mpi', "
+                              r"'gloo' or 'nccl'\), not 'fake'"),
     (dict(value_bits=True), r"^value_bits must be one of \(8, 16, 32\), got True"),
     (dict(value_bits=8.5), r"^value_bits must be one of \(8, 16, 32\), got 8.5"),
     (dict(warmup_start_density=0.001, density=0.01),

@@ -17,8 +17,9 @@ Measured local work (``--local-from CALIB.json ...``): the derived pass cost bad
 what 4 or 8 ranks sharing 2 cores spend on each peer's O(d) work (fp8 encoding and scatters,
 the reduction arithmetic inside MPI's and Gloo's rings, PowerSGD's matrix products). A
 calibration run measures it: the same peers, model and rank count on the unshaped loopback.
-For a results file, the calibration with the same ``settings.model`` and ``settings.ranks`` is
-taken (none, or more than one: an error), and for each peer that ran in both
+For a results file, the calibration with the same ``settings.model``, ``settings.ranks`` and
+``settings.ranks_per_host`` is taken (none, or more than one: an error), and for each peer
+that ran in both
 
     local (compute + local work) = calibration median - comm_model(peer, calibration network)
     predicted                    = local + comm_model(peer, this file's network)
@@ -183,23 +184,28 @@ def load_calibration(path: str) -> Calibration:
     return Calibration(path, res, inputs_of(res))
 
 
-def _key(res: Dict[str, Any]) -> Tuple[str, int]:
+def _key(res: Dict[str, Any]) -> Tuple[str, int, int]:
     settings = res.get("settings", {})
-    return str(settings.get("model")), int(settings.get("ranks", 0))
+    return (str(settings.get("model")), int(settings.get("ranks", 0)),
+            int(settings.get("ranks_per_host") or 1))
+
+
+def _named(key: Tuple[str, int, int]) -> str:
+    per_host = f", {key[2]} per host" if key[2] != 1 else ""
+    return f"model {key[0]!r}, {key[1]} ranks{per_host}"
 
 
 def calibration_for(res: Dict[str, Any], calibs: Sequence[Calibration],
                     path: str = "results") -> Calibration:
-    """The one calibration with the same ``settings.model`` and ``settings.ranks`` as ``res``;
-    ValueError when there is none or more than one."""
+    """The one calibration with the same ``settings.model``, ``settings.ranks`` and
+    ``settings.ranks_per_host`` (hosts of several ranks: ``hierarchical=True`` does other work)
+    as ``res``; ValueError when there is none or more than one."""
     want = _key(res)
     hits = [c for c in calibs if _key(c.res) == want]
     if len(hits) != 1:
-        have = ", ".join(f"{c.path} ({_key(c.res)[0]}, {_key(c.res)[1]} ranks)"
-                         for c in calibs) or "none"
+        have = ", ".join(f"{c.path} ({_named(_key(c.res))})" for c in calibs) or "none"
         what = "no calibration" if not hits else f"{len(hits)} calibrations"
-        raise ValueError(f"{what} for {path} (model {want[0]!r}, {want[1]} ranks) among "
-                         f"--local-from: {have}")
+        raise ValueError(f"{what} for {path} ({_named(want)}) among --local-from: {have}")
     return hits[0]
 
 

@@ -29,11 +29,7 @@ def _parse_env(name: str, text: str) -> Any:
                  "0": False, "false": False, "no": False, "off": False}
         if name == "momentum_masking" and t.lower() in flags:
             return flags[t.lower()]
-        if name == "hierarchical":
-            if t.lower() not in flags:
-                raise ValueError(f"{t!r} is none of these")
-            return flags[t.lower()]
-        if name == "momentum_correction":
+        if name in ("momentum_correction", "hierarchical"):
             if t.lower() not in flags:
                 raise ValueError(f"{t!r} is none of these")
             return flags[t.lower()]

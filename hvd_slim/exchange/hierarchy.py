@@ -35,7 +35,6 @@ from .stats import ExchangeStats
 from .step import SlimExchange
 
 
-
 def host_table(hosts: Sequence[int]) -> List[List[int]]:
     """The ranks of each host (hosts numbered 0..H-1, each host's ranks in rank order) from each
     rank's host number; a ValueError naming the hosts unless every host has as many ranks."""
@@ -240,11 +239,7 @@ class HierarchicalExchange:
 
     def _count_local(self, out: int, into: int) -> None:
         """Bytes this rank's host phases sent to and received from its host's other ranks."""
-        self.stats.local_bytes_sent += out
-        self.stats.local_bytes_received += into
-        self.stats.last["local_bytes_sent"] = self.stats.last.get("local_bytes_sent", 0) + out
-        self.stats.last["local_bytes_received"] = (self.stats.last.get("local_bytes_received", 0)
-                                                   + into)
+        self.stats._add(local_bytes_sent=out, local_bytes_received=into)
 
     def _watch(self, transport: Transport, fn: Any, what: str) -> Any:
         """Run collectives under the exchange timeout; a timeout on the host's transport says

@@ -37,26 +37,29 @@ def simulate(size, steps, flush=False, dtype=torch.float32, **cfg):
 
     def rank_fn(rank, transport):
         named = make_params(dtype)
-        layout = Layout(named, config, lambda dt: dt)
-        ex = SlimExchange(layout, config, transport)
-        pulled, fed = [], []
-        for t in range(steps):
-            grads = {}
-            for name, p in named:
-                p.grad = grad_for(rank, t, name, p.shape, dtype)
-                grads[name] = p.grad.clone()
-            fed.append(grads)
-            ex.step()
-            pulled.append({name: p.grad.clone() for name, p in named})
-        flushed = None
-        if flush:
-            for _, p in named:
-                p.grad = None
-            ex.flush()
-            flushed = {name: p.grad.clone() for name, p in named if p.grad is not None}
-        return pulled, fed, ex, flushed
+        ex = SlimExchange(Layout(named, config, lambda dt: dt), config, transport)
+        return drive(rank, named, ex, steps, flush, dtype)
 
     return run_ranks(size, rank_fn)
+
+
+def drive(rank, named, ex, steps, flush=False, dtype=torch.float32):
+    """``steps`` exchanges of rank ``rank``'s seeded gradients through ``ex`` (then a flush):
+    the pulled updates per step, the gradients fed in, ``ex``, and the flushed update if any."""
+    pulled, fed = [], []
+    for t in range(steps):
+        for name, p in named:
+            p.grad = grad_for(rank, t, name, p.shape, dtype)
+        fed.append({name: p.grad.clone() for name, p in named})
+        ex.step()
+        pulled.append({name: p.grad.clone() for name, p in named})
+    flushed = None
+    if flush:
+        for _, p in named:
+            p.grad = None
+        ex.flush()
+        flushed = {name: p.grad.clone() for name, p in named if p.grad is not None}
+    return pulled, fed, ex, flushed
 
 
 def total(dicts):

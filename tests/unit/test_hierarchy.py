@@ -11,7 +11,7 @@ from hvd_slim.exchange.errors import NonFiniteGradientError
 from hvd_slim.transport import run_ranks
 from hvd_slim.transport.fake import FakeCluster
 
-from test_exchange import SHAPES, grad_for, make_params, total
+from test_exchange import SHAPES, drive, grad_for, make_params, total
 
 
 def host_numbers(hosts, per_host, interleaved=False):
@@ -47,20 +47,7 @@ def simulate(hosts_of, steps, flush=False, **cfg):
         named = make_params()
         ex = HierarchicalExchange(Layout(named, config, lambda dt: dt), config, world, local,
                                   cross, hosts_of)
-        pulled, fed = [], []
-        for t in range(steps):
-            for name, p in named:
-                p.grad = grad_for(rank, t, name, p.shape)
-            fed.append({name: p.grad.clone() for name, p in named})
-            ex.step()
-            pulled.append({name: p.grad.clone() for name, p in named})
-        flushed = None
-        if flush:
-            for _, p in named:
-                p.grad = None
-            ex.flush()
-            flushed = {name: p.grad.clone() for name, p in named if p.grad is not None}
-        return pulled, fed, ex, flushed
+        return drive(rank, named, ex, steps, flush)
 
     return run_hosts(hosts_of, fn)
 

@@ -29,7 +29,7 @@ ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight"
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
-                "warmup_start_density", "servers", "hierarchical")
+                "warmup_start_density", "servers", "hierarchical", "overlap")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -49,6 +49,9 @@ PULL_RATIO, PULL_MAX_RATIO, PULL_FLOOR = 2.0, 4.0, 0.004
 # falls geometrically to the target over about 1/density steps, the time error feedback takes to
 # fill its residuals (an average coordinate is first sent after ~1/density steps).
 WARMUP_BOOST = 8.0
+# overlap=True: stages per step. Each stage is one more gather and broadcast per step (a round
+# trip of latency), so a few suffice to hide most of an exchange behind backward.
+OVERLAP_STAGES = 4
 
 
 def default_pull_density(density: float) -> float:
@@ -88,6 +91,16 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def _check_overlap(value: Any) -> int:
+    """``overlap``: True (OVERLAP_STAGES), False (1) or an integer number of stages >= 1."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return OVERLAP_STAGES if value else 1
+    if not isinstance(value, numbers.Integral):
+        raise ConfigError(f"overlap must be True, False or an integer number of stages >= 1, "
+                          f"got {value!r}", "overlap")
+    return _check_int("overlap", value, 1)
+
+
 @dataclass(frozen=True)
 class SlimConfig:
     """Validated Slim-DP settings (docs/design.md §2 and §4 say what each one does)."""
@@ -124,6 +137,10 @@ class SlimConfig:
     # Node-local aggregation (exchange/hierarchy.py): the ranks of each host first combine their
     # gradients over the local link, then one exchange per local rank runs between the hosts.
     hierarchical: bool = False
+    # Overlap with backward (exchange/overlap.py): the model is cut into this many stages in
+    # backward order, each exchanged as soon as its gradients are ready; 1: all in step().
+    # True means OVERLAP_STAGES, False 1.
+    overlap: int = 1
     op: str = "average"                # "average" or "sum" of the workers' contributions
     gradient_predivide_factor: float = 1.0  # Horovod's: scale by 1/f before, f/N after (average)
     backward_passes_per_step: int = 1  # local backward passes accumulated per exchange
@@ -201,6 +218,10 @@ class SlimConfig:
             raise ConfigError(f"hierarchical must be True or False, got {self.hierarchical!r}",
                               "hierarchical")
         norm["hierarchical"] = bool(self.hierarchical)
+        norm["overlap"] = _check_overlap(self.overlap)
+        if norm["overlap"] > 1 and norm["hierarchical"]:
+            raise ConfigError("overlap > 1 cannot be combined with hierarchical=True yet: pass "
+                              "one of them", "overlap")
         for name, value in norm.items():
             object.__setattr__(self, name, value)
 

@@ -29,6 +29,8 @@ def _parse_env(name: str, text: str) -> Any:
                  "0": False, "false": False, "no": False, "off": False}
         if name == "momentum_masking" and t.lower() in flags:
             return flags[t.lower()]
+        if name == "overlap" and t.lower() in flags and not t.isdigit():
+            return flags[t.lower()]   # a number is a stage count, as for the keyword
         if name in ("momentum_correction", "hierarchical"):
             if t.lower() not in flags:
                 raise ValueError(f"{t!r} is none of these")
@@ -52,7 +54,7 @@ def _parse_env(name: str, text: str) -> Any:
                           f"{name} ({_ENV_FORMS.get(name, 'a number')}): {exc}", name) from None
 
 
-_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed", "servers",
+_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed", "servers", "overlap",
                "warmup_dense_steps", "warmup_decay_steps", "value_bits")
 # What each variable accepts, for parse errors.
 _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a number in (0, 1] "
@@ -65,7 +67,8 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "warmup_start_density": "a number in (0, 1] or auto",
               "value_bits": "one of 8, 16 or 32", "adam_variance": "auto, rescaled or live",
               "momentum_masking": "true, false or a number in [0, 1]",
-              "servers": "an integer >= 1 or auto", "hierarchical": "true or false"}
+              "servers": "an integer >= 1 or auto", "hierarchical": "true or false",
+              "overlap": "true, false or an integer number of stages >= 1"}
 
 
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None

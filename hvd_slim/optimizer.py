@@ -17,6 +17,7 @@ import torch
 from . import join_sync
 from .exchange import SPARSE, Layout
 from .exchange.build import build_exchange
+from .exchange.protocol import OverlappedExchange
 from .inner import adam
 from .runtime import engine
 from .wrapping import (SlimSettings, adopt_source, comm_dtype_fn, momentum_plan,
@@ -47,7 +48,10 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
         self._rescaled_params = adam.rescaled_parameters(self, self._layout, settings.config)
         self._exchange = build_exchange(self._layout, settings.config, settings.transport, plan,
-                                        ranks=settings.ranks)
+                                        ranks=settings.ranks,
+                                        order=[n for n, p in named if p.requires_grad])
+        # overlap > 1: the hooks start each stage's exchange as its gradients come in.
+        self._overlapped = isinstance(self._exchange, OverlappedExchange)
         self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
         self._pending = set()
         self._synchronized = False
@@ -68,7 +72,18 @@ class _SlimOptimizer(torch.optim.Optimizer):
                     "locally.")
             self._delay[p] -= 1
             self._pending.add(p)
+            if self._overlapped and self._delay[p] == 0:
+                self._exchange.grad_ready(p, self._open_round)
         return hook
+
+    def _open_round(self):
+        """Queue the join round of an overlapped step (from its first hook, so it keeps its
+        place among the script's tensor-API calls); returns what waits for it, or None."""
+        if self._join_id is None:
+            return None
+        handle = engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
+                                       self._join_id, flush=False, wait=False)
+        return lambda: engine.synchronize(handle)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate before each exchange."""
@@ -90,15 +105,19 @@ class _SlimOptimizer(torch.optim.Optimizer):
         ``torch.amp.GradScaler`` on each rank sees ``found_inf``, skips its step and lowers its
         scale alike; under ``"skip"`` they keep this rank's gradients. A rank inside
         ``hvd.join()`` takes part with zero gradients (:mod:`hvd_slim.join_sync`)."""
+        if self._overlapped:   # the round, if any, was queued by the first hook (or is now)
+            self._synchronize_now(self._open_round)
+            return
         if self._join_id is not None:   # before anything changes: a refusal leaves all as it was
             engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
                                   self._join_id, flush=False)
         self._synchronize_now()
 
-    def _synchronize_now(self) -> None:
+    def _synchronize_now(self, opener=None) -> None:
         self._skipped = False
         try:
-            self._skipped = not self._exchange.step()
+            self._skipped = not (self._exchange.step(opener) if self._overlapped
+                                 else self._exchange.step())
         finally:
             # A failed exchange also ends this step's accumulation: the next backward starts a
             # new one (what was computed is kept in the residual, or dropped on NaN/Inf).

@@ -36,7 +36,7 @@ def rebind(optimizer: torch.optim.Optimizer) -> bool:
     """
     if not is_slim_optimizer(optimizer):
         return False
-    from ..exchange import SlimExchange
+    from ..exchange.build import build_exchange
     from ..runtime import basics
     from ..wrapping import momentum_plan
     old = current_transport(optimizer)
@@ -62,7 +62,8 @@ def rebind(optimizer: torch.optim.Optimizer) -> bool:
     settings = dataclasses.replace(opt._settings, transport=new, config=config)
     plan = momentum_plan(opt, opt._layout, settings.config)
     opt._settings = settings
-    opt._exchange = SlimExchange(opt._layout, settings.config, new, plan)
+    opt._exchange = build_exchange(opt._layout, settings.config, new, plan, order=[
+        n for n, p in settings.named_parameters if p.requires_grad])
     return True
 
 

@@ -2,21 +2,30 @@
 host-first :class:`~hvd_slim.exchange.hierarchy.HierarchicalExchange`."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from ..config import ConfigError, SlimConfig
 from ..transport.base import Transport
 from .layout import Layout
+from .protocol import Exchange
 from .step import SlimExchange
 
 
 def build_exchange(layout: Layout, config: SlimConfig, transport: Transport,
                    momentum: Optional[Dict[int, dict]] = None,
-                   ranks: Optional[Sequence[int]] = None) -> Any:
+                   ranks: Optional[Sequence[int]] = None,
+                   order: Optional[Sequence[str]] = None) -> Exchange:
     """The exchange for ``config`` on ``transport``. ``hierarchical=True`` needs the whole
     job's transport: MPI's (hosts as ``local_size()`` sees them: ``HVD_SLIM_HOST_KEY``, else
     shared memory), or a Gloo/NCCL one (``HVD_SLIM_HOST_KEY``, else the host name). With one
-    rank per host it is the flat exchange."""
+    rank per host it is the flat exchange. ``overlap > 1`` cuts the parameters, in ``order``
+    (the names as ``named_parameters`` gave them; None: the layout's), into stages."""
+    if config.overlap > 1:
+        from .overlap import StagedExchange
+        names = list(order) if order is not None else \
+            [s.name for b in layout.buckets for s in b.segments]
+        return StagedExchange(layout, config, transport, momentum, ranks, names,
+                              threaded=_threads_allowed(transport))
     if not config.hierarchical:
         return SlimExchange(layout, config, transport, momentum, ranks=ranks)
     note = config.env_note("hierarchical")
@@ -44,3 +53,13 @@ def _host_transports(transport: Transport, note: str) -> tuple:
     raise ConfigError(f"hierarchical=True needs the job's own transport ('mpi', 'gloo' or "
                       f"'nccl'), not {transport.name!r}: its host groups are built beside it. "
                       f"Pass one of those or hierarchical=False{note}", "hierarchical")
+
+
+def _threads_allowed(transport: Transport) -> bool:
+    """Whether ``overlap`` may run the exchange on a thread of its own: MPI needs
+    MPI_THREAD_MULTIPLE (the engine's thread uses MPI too); without it the stages run in
+    ``step()``, as the same exchanges, so the results are the same."""
+    if transport.name != "mpi":
+        return True
+    from ..transport.mpi_comm import thread_multiple
+    return thread_multiple()

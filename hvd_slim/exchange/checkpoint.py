@@ -23,9 +23,10 @@ if TYPE_CHECKING:   # step.py imports this module
 # What fields added later meant before they existed: a checkpoint without one was made with
 # that behaviour (values at full precision, DGC's masking, decays from dense).
 OLD_FIELDS = {"adam_variance": "auto", "momentum_masking": 1.0, "value_bits": 32,
-              "warmup_start_density": 1.0, "servers": 1, "hierarchical": False}
+              "warmup_start_density": 1.0, "servers": 1, "hierarchical": False,
+              "overlap": 1}
 # Fields added after version 3's "effective" record: a record without one predates it.
-LATER_FIELDS = {"servers": 1, "hierarchical": False}
+LATER_FIELDS = {"servers": 1, "hierarchical": False, "overlap": 1}
 
 VERSION = 3   # 3: adds "effective", the settings in force (automatic fields resolved)
 FIX_RANK = ("Residuals are per rank: save every rank's optimizer.state_dict() (e.g. to "
@@ -49,6 +50,28 @@ def state_of(ex: SlimExchange) -> dict:
             "servers": ex.servers,
             "server": None if ex.server is None else ex.server.state_dict(),
             "stats": ex.stats.state_dict()}
+
+
+def residual_norm(ex: SlimExchange) -> float:
+    """:meth:`SlimExchange.residual_norm`."""
+    total = sum(float(m.residual.double().pow(2).sum()) for m in ex.worker.memory.values())
+    if ex.server is not None:
+        total += sum(float(m.residual.double().pow(2).sum()) for m in ex.server.memory.values())
+    return total
+
+
+def held_residuals(ex: SlimExchange) -> Dict[int, torch.Tensor]:
+    """:meth:`SlimExchange.held_residuals`."""
+    # A copy: .double() of a float64 residual is the residual itself, which the server's
+    # pieces would then be added into.
+    out = {i: m.residual.to(torch.float64, copy=True) for i, m in ex.worker.memory.items()}
+    if ex.server is not None:
+        for piece in ex.shards.by_shard(None)[ex.shard]:
+            mem = ex.server.memory.get(piece.b.index)
+            if mem is not None:
+                i = ex.layout.buckets[piece.bucket].index
+                out[i][piece.lo:piece.hi] += mem.residual.double()
+    return out
 
 
 def validate(ex: SlimExchange, state: Any) -> None:

@@ -19,6 +19,7 @@ it computed in its residual, so nothing is lost).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -31,6 +32,7 @@ from . import checkpoint, handshake
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
 from .expect import message_bound, pull_expect, push_expect
 from .layout import Layout
+from .overlap_runner import exclusive
 from .sections import itemsizes
 from .server import Server
 from .shards import ShardPlan, ShardView
@@ -38,7 +40,18 @@ from .stats import ExchangeStats
 from .wirepath import WirePath, wire_path
 from .worker import Worker
 
-__all__ = ["ExchangeError", "NonFiniteGradientError", "SlimExchange"]
+__all__ = ["ExchangeError", "NonFiniteGradientError", "Pending", "SlimExchange"]
+
+
+@dataclass
+class Pending:
+    """A step :meth:`SlimExchange.begin` has exchanged but not settled: its step, start time,
+    the selectors' state before it, and the pull (None: every rank skips it)."""
+
+    t: int
+    t0: float
+    selectors: Dict[int, dict]
+    pulled: Optional[List[List[wm.Section]]]
 
 
 class SlimExchange:
@@ -88,6 +101,24 @@ class SlimExchange:
         Returns False when every rank skipped the step (a NaN/Inf gradient somewhere under
         ``nonfinite="flag"`` or ``"skip"``): then nothing of the exchange changed, and ``p.grad``
         is NaN on every rank (``"flag"``) or as the caller left it (``"skip"``)."""
+        with exclusive(self.transport):   # after any overlapped step queued on the transport
+            pending = self.begin()
+        if pending.pulled is None:
+            self.settle(pending, commit=False)
+            self.stats.skipped_steps += 1
+            if self.cfg.nonfinite == "flag":
+                self.worker.flag_grads()
+            return False
+        self.settle(pending, commit=True)
+        return True
+
+    def begin(self) -> "Pending":
+        """Every phase of a step but its outcome: compensate, select, push, aggregate and pull.
+        Nothing of the exchange is committed yet (the worker's proposals and the server's plan
+        wait for :meth:`settle`), so a caller running several exchanges as one step
+        (exchange/overlap.py) commits all or none. A skip (``pulled`` None) is settled by the
+        caller too; an error is settled here (a NaN/Inf under ``"raise"``: nothing changes;
+        any other failure: this rank's gradient is kept in its residual) and raised."""
         t, t0 = self.step_count, time.perf_counter()
         worker = self.worker
         selectors = worker.selector_states()
@@ -101,7 +132,7 @@ class SlimExchange:
             self._handshake(t)
             pushed = self._push(sections, report, t)
             reply = self._aggregate(pushed, t)
-            pulled = self._pull(reply, t)
+            pulled = self._pull(reply, t, defer=True)
         except NonFiniteGradientError:
             worker.rollback(selectors)
             raise
@@ -110,20 +141,41 @@ class SlimExchange:
             raise
         finally:
             self._count_traffic(before)
-        if pulled is None:
-            worker.rollback(selectors)
-            self.stats.skipped_steps += 1
-            if self.cfg.nonfinite == "flag":
-                worker.flag_grads()
-            return False
-        worker.apply(pulled, t)
+        return Pending(t, t0, selectors, pulled)
+
+    def settle(self, pending: "Pending", commit: bool) -> None:
+        """The outcome of :meth:`begin`: ``commit`` a pulled step (the server's plan and this
+        rank's proposals, the pulled values into ``p.grad``), else drop it exactly (every rank
+        skips it: nothing of the exchange changes)."""
+        ok = commit and pending.pulled is not None
+        if self.server is not None:
+            self.server.settle(ok)
+        if not ok:
+            self.worker.rollback(pending.selectors)
+            return
+        self.worker.apply(pending.pulled, pending.t)
         self.step_count += 1
-        self.stats.finish_step(time.perf_counter() - t0)
-        return True
+        self.stats.finish_step(time.perf_counter() - pending.t0)
+
+    def absorb(self, pending: Optional["Pending"]) -> None:
+        """A step that another exchange of the same step failed: keep what :meth:`begin`
+        computed in the residual (the server's plan undone), as a failure of this one would.
+        With ``pending`` None (never begun), compute this rank's proposals first."""
+        if pending is None:
+            t = self.step_count
+            compensated = self.worker.compensate(t)
+            self.worker.select(t, compensated)
+        elif self.server is not None:
+            self.server.settle(False)
+        self.worker.absorb()
 
     def flush(self) -> None:
         """Send every residual (workers' and server's) densely; compressed ``p.grad`` then hold
         it and dense-bucket grads are untouched. Call the inner optimizer's step afterwards."""
+        with exclusive(self.transport):
+            self._flush()
+
+    def _flush(self) -> None:
         t = self.step_count
         sections = self.worker.flush_sections()
         self.stats.last = {}
@@ -193,11 +245,12 @@ class SlimExchange:
                 self.rank, t, f"server rank {self.rank} failed at step {t}: "
                 f"{type(exc).__name__}: {exc}", limit=bound))
 
-    def _pull(self, reply: Any, t: int, flush: bool = False
+    def _pull(self, reply: Any, t: int, flush: bool = False, defer: bool = False
               ) -> Optional[List[List[wm.Section]]]:
         """Broadcast every server's reply; every rank's decoded pull (per shard), or None for a
-        step every rank skips (an ERROR raises). The servers settle the step here: what they
-        planned is committed only when every shard's reply is a pull."""
+        step every rank skips (an ERROR raises). The servers settle the step here (what they
+        planned is committed only when every shard's reply is a pull), unless ``defer``: then a
+        pull leaves it to :meth:`settle`."""
         sections = None
         try:
             bounds = self._pull_bounds(t, flush)
@@ -214,7 +267,7 @@ class SlimExchange:
             self.stats.last["bytes_pulled"] = received
             sections = self.worker.read_pulls(bufs, t, flush)
         finally:
-            if self.server is not None:
+            if self.server is not None and not (defer and sections is not None):
                 self.server.settle(sections is not None)
         for s, (buf, secs) in enumerate(zip(bufs, sections or [])):
             self.stats.record_pull(self.shards.shard_buckets(t, s), buf, secs)
@@ -251,26 +304,12 @@ class SlimExchange:
     # --- checkpoint --------------------------------------------------------------------------
     def residual_norm(self) -> float:
         """Sum of squares of every residual this rank holds (worker and server)."""
-        total = sum(float(m.residual.double().pow(2).sum())
-                    for m in self.worker.memory.values())
-        if self.server is not None:
-            total += sum(float(m.residual.double().pow(2).sum())
-                         for m in self.server.memory.values())
-        return total
+        return checkpoint.residual_norm(self)
 
     def held_residuals(self) -> Dict[int, torch.Tensor]:
         """Per compressed bucket (by index), every residual this rank holds as one float64
         vector: its worker's plus, on a server, its shard's pieces of the server residual."""
-        # A copy: .double() of a float64 residual is the residual itself, which the server's
-        # pieces would then be added into.
-        out = {i: m.residual.to(torch.float64, copy=True) for i, m in self.worker.memory.items()}
-        if self.server is not None:
-            for piece in self.shards.by_shard(None)[self.shard]:
-                mem = self.server.memory.get(piece.b.index)
-                if mem is not None:
-                    i = self.layout.buckets[piece.bucket].index
-                    out[i][piece.lo:piece.hi] += mem.residual.double()
-        return out
+        return checkpoint.held_residuals(self)
 
     def state_dict(self) -> dict:
         """This rank's residuals, velocities, cores, step and stats (and the server's state on

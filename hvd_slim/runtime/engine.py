@@ -133,14 +133,17 @@ def registered(oid: int) -> Any:
     return None if ref is None else ref()
 
 
-def exchange_round(what: str, oid: int, flush: bool) -> None:
+def exchange_round(what: str, oid: int, flush: bool, wait: bool = True) -> Any:
     """Collective over the job: the round that starts optimizer ``oid``'s exchange (a flush if
     ``flush``), before its own collectives. A rank that has joined runs that exchange in it;
-    ranks that make another call meanwhile all raise one MismatchError."""
+    ranks that make another call meanwhile all raise one MismatchError. ``wait=False`` queues
+    it and returns its handle (:func:`synchronize` it before the exchange's collectives): an
+    exchange that starts in backward queues its round there, so that it keeps its place in
+    program order among the tensor-API calls the script makes after backward."""
     kind = FLUSH if flush else STEP
     sig = Sig(kind, f"DistributedOptimizer #{oid} {'flush' if flush else 'step'}",
               extra={"optimizer": oid})
-    submit(what, None, None, lambda jobs, rnd: None, sig, wait=True)
+    return submit(what, None, None, lambda jobs, rnd: None, sig, wait=wait)
 
 
 def done_handle(result: Any) -> int:

@@ -112,15 +112,19 @@ def servers_of(spec):
     return COMM.Get_size() if spec == "all" else spec
 
 
-@pytest.mark.parametrize("pull, servers, hierarchical", [
-    ("slim", 1, False), ("union", 1, False), ("slim", "all", False), ("union", "all", False),
-    ("slim", 1, True), ("union", 1, True)])
-def test_fifty_steps_keep_replicas_identical(pull, servers, hierarchical):
-    # hierarchical=True: the ranks of this machine are one host (MPI's shared-memory split), so
-    # the host phases carry everything and each cross exchange has one rank.
+def variant(name):
+    """The exchange's shape: flat, hosts first (``hierarchical=True``: the ranks of this
+    machine are one host, MPI's shared-memory split, so the host phases carry everything and
+    each cross exchange has one rank), or overlapped with backward in 3 stages."""
+    return {"flat": {}, "hier": {"hierarchical": True}, "overlap": {"overlap": 3}}[name]
+
+
+@pytest.mark.parametrize("pull, servers, shape", [
+    ("slim", 1, "flat"), ("union", 1, "flat"), ("slim", "all", "flat"), ("union", "all", "flat"),
+    ("slim", 1, "hier"), ("union", 1, "hier"), ("slim", 1, "overlap"), ("slim", "all", "overlap")])
+def test_fifty_steps_keep_replicas_identical(pull, servers, shape):
     model = Net()
-    opt = wrap(model, density=0.01, pull=pull, servers=servers_of(servers),
-               hierarchical=hierarchical)
+    opt = wrap(model, density=0.01, pull=pull, servers=servers_of(servers), **variant(shape))
     train(model, opt, 50)
     assert_same_on_every_rank(flat(model))
     assert opt.comm_stats()["steps"] == 50
@@ -131,15 +135,16 @@ INNER = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
          "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)}
 
 
-@pytest.mark.parametrize("servers, hierarchical", [(1, False), ("all", False), (1, True)])
+@pytest.mark.parametrize("servers, shape", [(1, "flat"), ("all", "flat"), (1, "hier"),
+                                           (1, "overlap")])
 @pytest.mark.parametrize("inner", sorted(INNER))
-def test_density_one_matches_mpi_allreduce_averaging(inner, servers, hierarchical):
+def test_density_one_matches_mpi_allreduce_averaging(inner, servers, shape):
     """The parity test: density 1.0 sends every bucket dense, so the wrapped optimizer's own
     step runs on the exact average (momentum correction and inner/adam.py stay out of it),
     with one server or a server shard per rank."""
     model, ref = Net(), Net()
     opt = wrap(model, opt=INNER[inner](model.parameters()), density=1.0,
-               servers=servers_of(servers), hierarchical=hierarchical)
+               servers=servers_of(servers), **variant(shape))
     ref_opt = INNER[inner](ref.parameters())
     for t in range(10):
         opt.zero_grad()
@@ -162,13 +167,14 @@ def test_adam_at_one_percent_keeps_replicas_identical():
     assert any("last_delivery" in opt.state[p] for p in model.parameters())
 
 
-@pytest.mark.parametrize("servers, hierarchical", [(1, False), ("all", False), (1, True)])
-def test_conservation_at_one_percent(servers, hierarchical):
+@pytest.mark.parametrize("servers, shape", [(1, "flat"), ("all", "flat"), (1, "hier"),
+                                           ("all", "overlap")])
+def test_conservation_at_one_percent(servers, shape):
     """op=Sum: everything pulled + the servers' residuals + every worker's residual equals the
     sum over ranks and steps of every gradient computed."""
     model = Net()
     opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.01), density=0.01, op=hvd.Sum,
-               servers=servers_of(servers), hierarchical=hierarchical)
+               servers=servers_of(servers), **variant(shape))
     fed = torch.zeros_like(flat(model), dtype=torch.float64)
     pulled = torch.zeros_like(fed)
     for t in range(10):
@@ -223,10 +229,10 @@ def test_wire_size_per_step(q, bits):
         assert last["bytes_pushed"] == parts + 8
 
 
-@pytest.mark.parametrize("hierarchical", [False, True])
-def test_unused_parameters_on_one_rank(hierarchical):
+@pytest.mark.parametrize("shape", ["flat", "hier", "overlap"])
+def test_unused_parameters_on_one_rank(shape):
     model = Net()
-    opt = wrap(model, density=0.05, hierarchical=hierarchical)
+    opt = wrap(model, density=0.05, **variant(shape))
     for t in range(4):
         opt.zero_grad()
         loss_of(model, t, use_side=(hvd.rank() % 2 == 1)).backward()
@@ -283,13 +289,13 @@ def test_backward_passes_per_step_two_matches_dense_reference():
     assert torch.allclose(flat(model), flat(ref), atol=1e-6)
 
 
-@pytest.mark.parametrize("hierarchical", [False, True])
-def test_flush_zeroes_every_residual_and_applies_everything(hierarchical):
+@pytest.mark.parametrize("shape", ["flat", "hier", "overlap"])
+def test_flush_zeroes_every_residual_and_applies_everything(shape):
     """loss = sum(p * c): gradients do not depend on p, so the flushed model has a closed form."""
     model = Net()
     p0 = flat(model).clone()
     opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.5), density=0.01,
-               hierarchical=hierarchical)
+               **variant(shape))
     coeffs = torch.zeros_like(p0)
     for t in range(5):
         g = torch.Generator().manual_seed(31 * hvd.rank() + t)
@@ -309,16 +315,16 @@ def flat_params_dot(model, c):
     return (torch.cat([p.reshape(-1) for p in model.parameters()]) * c).sum()
 
 
-@pytest.mark.parametrize("hierarchical", [False, True])
-def test_state_dict_round_trip_continues_bitwise(hierarchical):
+@pytest.mark.parametrize("shape", ["flat", "hier", "overlap"])
+def test_state_dict_round_trip_continues_bitwise(shape):
     def run(split):
         model = Net()
-        opt = wrap(model, density=0.02, hierarchical=hierarchical)
+        opt = wrap(model, density=0.02, **variant(shape))
         for t in range(8):
             if t == split:
                 sd_m, sd_o = model.state_dict(), opt.state_dict()
                 model = Net()
-                opt = wrap(model, density=0.02, hierarchical=hierarchical)
+                opt = wrap(model, density=0.02, **variant(shape))
                 model.load_state_dict(sd_m)
                 opt.load_state_dict(sd_o)
             opt.zero_grad()

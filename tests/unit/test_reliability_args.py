@@ -67,6 +67,11 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
     (dict(hierarchical="yes"), r"^hierarchical must be True or False, got 'yes'"),
     (dict(hierarchical=True), r"^hierarchical=True needs the job's own transport \('mpi', "
                               r"'gloo' or 'nccl'\), not 'fake'"),
+    (dict(overlap=0), r"^overlap must be >= 1, got 0"),
+    (dict(overlap="on"), r"^overlap must be True, False or an integer number of stages >= 1, "
+                         r"got 'on'"),
+    (dict(overlap=2, hierarchical=True), r"^overlap > 1 cannot be combined with "
+                                         r"hierarchical=True"),
     (dict(value_bits=True), r"^value_bits must be one of \(8, 16, 32\), got True"),
     (dict(value_bits=8.5), r"^value_bits must be one of \(8, 16, 32\), got 8.5"),
     (dict(warmup_start_density=0.001, density=0.01),
@@ -144,6 +149,7 @@ BAD_ENV = [
     ("warmup_start_density", "0"), ("warmup_start_density", "dense"),
     ("servers", "0"), ("servers", "many"), ("servers", "3"),
     ("hierarchical", "maybe"),
+    ("overlap", "0"), ("overlap", "2.5"), ("overlap", "lots"),
 ]
 
 
@@ -172,7 +178,8 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "min_compress_numel": 100, "server_rank": 1, "seed": 4, "nonfinite": "skip",
             "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
             "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
-            "warmup_start_density": 0.5, "servers": 2, "hierarchical": False}[name]
+            "warmup_start_density": 0.5, "servers": 2, "hierarchical": False,
+            "overlap": 2}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 
@@ -188,6 +195,12 @@ def test_servers_from_the_environment(monkeypatch):
     assert build(size=2).slim_config.servers == "auto"
     monkeypatch.setenv("HVD_SLIM_SERVERS", "2")
     assert build(size=2).slim_config.servers == 2
+
+
+def test_overlap_from_the_environment(monkeypatch):
+    for text, stages in (("true", 4), ("off", 1), ("3", 3), ("1", 1)):
+        monkeypatch.setenv("HVD_SLIM_OVERLAP", text)
+        assert build(size=2).slim_config.overlap == stages, text
 
 
 def test_good_environment_values_are_used(monkeypatch):

@@ -1,0 +1,59 @@
+"""What the optimizer asks of an exchange: the contract :class:`SlimExchange` (flat),
+:class:`~hvd_slim.exchange.hierarchy.HierarchicalExchange` (hosts first) and
+:class:`~hvd_slim.exchange.overlap.StagedExchange` (overlap with backward) all meet, so that
+``build_exchange`` can hand out any of them."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Exchange(Protocol):
+    """One rank's Slim-DP exchange for one optimizer."""
+
+    rank: int
+    size: int
+    servers: int
+    transport: Any
+    stats: Any   # ExchangeStats, or a view with the same as_dict()
+
+    @property
+    def step_count(self) -> int:
+        """Exchange steps taken (skipped ones not counted)."""
+
+    def step(self) -> bool:
+        """Exchange every ``p.grad``; False when every rank skipped the step."""
+
+    def flush(self) -> None:
+        """Send every residual densely into the compressed ``p.grad``."""
+
+    def state_dict(self) -> dict:
+        """This rank's exchange state (tensors and plain values)."""
+
+    def validate_state_dict(self, state: dict) -> None:
+        """Raise ValueError, naming what differs, unless ``state`` loads here."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Validate, then load ``state``."""
+
+    def held_residuals(self) -> Dict[int, torch.Tensor]:
+        """Every residual this rank holds, per compressed bucket of the optimizer's layout."""
+
+    def residual_norm(self) -> float:
+        """Sum of squares of every residual this rank holds."""
+
+
+@runtime_checkable
+class OverlappedExchange(Exchange, Protocol):
+    """An exchange that starts in backward: the gradient hook announces each parameter whose
+    last pass of the step is in, and ``step`` takes the join round's opener."""
+
+    def grad_ready(self, p: torch.Tensor,
+                   opener: Optional[Callable[[], Optional[Callable[[], Any]]]]) -> None:
+        """``p``'s gradient of this step is complete."""
+
+    def step(self, opener: Optional[Callable[[], Optional[Callable[[], Any]]]] = None
+             ) -> bool:  # type: ignore[override]
+        """As :meth:`Exchange.step`; ``opener`` queues the step's join round."""

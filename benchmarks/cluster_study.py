@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional
 from . import run
 from .study_report import summarise
 
-SERIES = ("peers", "compute", "scaling", "hosts", "hetero", "shared", "calibrate")
+SERIES = ("peers", "compute", "overlap", "scaling", "hosts", "hetero", "shared", "calibrate")
 # hvd_slim at its default density (0.02, pull "slim") and at the 0.01 the peers are compared at
 SUBSET = "floor,mpi-allreduce,horovod,ddp-powersgd-r1,topk-ef@0.01,hvd_slim-slim@0.02," \
          "hvd_slim-slim@0.01,hvd_slim-union@0.01,hvd_slim-sharded@0.01"
@@ -53,6 +53,12 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
             jobs.append({"series": "compute", "tag": f"compute_{model}_4h_1g",
                          "argv": ["--model", model, "--ranks", "4", "--peers", SUBSET,
                                   "--densities", DENSITIES, *few]})
+    if "overlap" in series:   # real backward: the stages start there (overlap=True)
+        for model in ("resnet18-real", "smallcnn"):
+            jobs.append({"series": "overlap", "tag": f"overlap_{model}_4h_1g",
+                         "argv": ["--model", model, "--ranks", "4", "--pulls", "slim,overlap",
+                                  "--peers", "floor,hvd_slim-slim@0.01,hvd_slim-overlap@0.01",
+                                  "--densities", "0.01", *few]})
     if "scaling" in series:
         for hosts in (2, 4, 8):
             jobs.append({"series": "scaling", "tag": f"scaling_cnn1m_{hosts}h_100m", "hosts": hosts,

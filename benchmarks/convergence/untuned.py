@@ -55,7 +55,13 @@ ADAMW_ABLATION = (("default adam_variance=live", None, {"adam_variance": "live"}
                   ("0.001 adam_variance=live", 0.001, {"adam_variance": "live"}))
 
 
-ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION}
+# overlap=4 (exchange/overlap.py) selects per stage, each with density of its own coordinates,
+# instead of one global selection: the battery's plotted case and the language model, against
+# the defaults run beside them (1 seed for the language model, 3 for MNIST).
+OVERLAP_ABLATION = (("default", {}), ("default overlap=4", {"overlap": 4}))
+
+ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
+    {label for label, slim in OVERLAP_ABLATION if slim}
 
 
 def _config(case: str, variant: Tuple[str, str, Optional[float], Dict[str, Any]],
@@ -79,6 +85,13 @@ def configs(group: str) -> List[Config]:
     if group == "lm-ablation":
         return [(f"lm {label}", "slim", None, slim, dict(LM, case="lm", variant=label))
                 for label, slim in LM_ABLATION]
+    if group == "overlap-ablation":
+        case = "sgd-m0.5"
+        return [(f"{case} {label}", "slim", None, slim,
+                 dict(CNN, **CASES[case], case=case, variant=label))
+                for label, slim in OVERLAP_ABLATION] + \
+            [(f"lm {label}", "slim", None, slim, dict(LM, case="lm", variant=label))
+             for label, slim in OVERLAP_ABLATION]
     if group == "untuned-ablation":
         case = "adamw-warmup"
         return [(f"{case} {label}", "slim", density, slim,
@@ -88,7 +101,7 @@ def configs(group: str) -> List[Config]:
 
 
 GROUPS = ("untuned", "untuned-peers", "lm", "lm-peers")
-EXTRA_GROUPS = ("lm-ablation", "untuned-ablation")   # on request (--groups ...), not by default
+EXTRA_GROUPS = ("lm-ablation", "untuned-ablation", "overlap-ablation")   # on request (--groups ...), not by default
 
 
 # --- the report ------------------------------------------------------------------------------

@@ -54,7 +54,9 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
                          "argv": ["--model", model, "--ranks", "4", "--peers", SUBSET,
                                   "--densities", DENSITIES, *few]})
     if "overlap" in series:   # real backward: the stages start there (overlap=True)
-        for model in ("resnet18-real", "smallcnn"):
+        # resnet18 (synthetic gradients, no backward): the stages all run in step(), so this
+        # is what the stages cost over one exchange, with nothing to hide them behind.
+        for model in ("resnet18-real", "smallcnn", "resnet18"):
             jobs.append({"series": "overlap", "tag": f"overlap_{model}_4h_1g",
                          "argv": ["--model", model, "--ranks", "4", "--pulls", "slim,overlap",
                                   "--peers", "floor,hvd_slim-slim@0.01,hvd_slim-overlap@0.01",

@@ -29,7 +29,7 @@ ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight"
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
-                "warmup_start_density", "servers", "hierarchical", "overlap")
+                "warmup_start_density", "servers", "hierarchical", "overlap", "local_steps")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -101,6 +101,23 @@ def _check_overlap(value: Any) -> int:
     return _check_int("overlap", value, 1)
 
 
+def _check_local_steps(norm: Dict[str, Any], momentum_correction: Any) -> None:
+    """What ``local_steps > 1`` cannot be combined with (the exchange then carries a
+    pseudo-gradient once a round, to the outer optimizer)."""
+    if norm["overlap"] > 1:
+        raise ConfigError("local_steps > 1 cannot be combined with overlap > 1: a round's "
+                          "exchange starts after its last local step, not in backward. Pass one "
+                          "of them", "local_steps")
+    if norm["hierarchical"]:
+        raise ConfigError("local_steps > 1 cannot be combined with hierarchical=True yet: pass "
+                          "one of them", "local_steps")
+    if momentum_correction is True:
+        raise ConfigError("momentum_correction=True cannot be combined with local_steps > 1: "
+                          "the outer optimizer's own momentum runs on the averaged "
+                          "pseudo-gradient. Leave it unset (auto: off) or False",
+                          "momentum_correction")
+
+
 @dataclass(frozen=True)
 class SlimConfig:
     """Validated Slim-DP settings (docs/design.md §2 and §4 say what each one does)."""
@@ -141,6 +158,10 @@ class SlimConfig:
     # backward order, each exchanged as soon as its gradients are ready; 1: all in step().
     # True means OVERLAP_STAGES, False 1.
     overlap: int = 1
+    # Local steps (outer/rounds.py): the wrapped optimizer steps alone this many times, then
+    # the pseudo-gradient (global - local parameters) goes through the exchange to an outer
+    # optimizer; 1: every step exchanges its gradients.
+    local_steps: int = 1
     op: str = "average"                # "average" or "sum" of the workers' contributions
     gradient_predivide_factor: float = 1.0  # Horovod's: scale by 1/f before, f/N after (average)
     backward_passes_per_step: int = 1  # local backward passes accumulated per exchange
@@ -222,6 +243,9 @@ class SlimConfig:
         if norm["overlap"] > 1 and norm["hierarchical"]:
             raise ConfigError("overlap > 1 cannot be combined with hierarchical=True yet: pass "
                               "one of them", "overlap")
+        norm["local_steps"] = _check_int("local_steps", self.local_steps, 1)
+        if norm["local_steps"] > 1:
+            _check_local_steps(norm, self.momentum_correction)
         for name, value in norm.items():
             object.__setattr__(self, name, value)
 

@@ -19,6 +19,7 @@ from .exchange import SPARSE, Layout
 from .exchange.build import build_exchange
 from .exchange.protocol import OverlappedExchange
 from .inner import adam
+from .outer import OuterRounds
 from .runtime import engine
 from .wrapping import (SlimSettings, adopt_source, comm_dtype_fn, momentum_plan,
                        named_parameter_list, resolve_settings)
@@ -36,17 +37,29 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._layout = Layout([(n, p) for n, p in named if p.requires_grad], settings.config,
                               comm_dtype_fn(settings.compression),
                               frozen=[(n, p) for n, p in named if not p.requires_grad])
+        cfg = settings.config
+        # local_steps > 1: the wrapped optimizer steps on local gradients and the exchange
+        # carries pseudo-gradients to the outer optimizer (outer/rounds.py), so neither momentum
+        # correction nor inner/adam.py's rescaled steps apply.
+        self._outer = None
+        if cfg.local_steps > 1:
+            if cfg.adam_variance == "rescaled":
+                raise ValueError("adam_variance='rescaled' cannot be combined with local_steps "
+                                 "> 1: the wrapped optimizer steps on local dense gradients. "
+                                 f"Leave it 'auto'{cfg.env_note('adam_variance')}")
+            self._outer = OuterRounds(self._requires_update, cfg.local_steps, settings.outer)
         try:
-            plan = momentum_plan(self, self._layout, settings.config)
+            plan = momentum_plan(self, self._layout, cfg) if self._outer is None else {}
         except ValueError as exc:
-            note = settings.config.env_note("momentum_correction")
+            note = cfg.env_note("momentum_correction")
             if not note:
                 raise
             raise ValueError(f"{exc}{note}") from None
         self._mc_params = {id(p) for b in self._layout.sparse if b.index in plan
                            for p in b.params()}
         self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
-        self._rescaled_params = adam.rescaled_parameters(self, self._layout, settings.config)
+        self._rescaled_params = adam.rescaled_parameters(self, self._layout, cfg) \
+            if self._outer is None else set()
         self._exchange = build_exchange(self._layout, settings.config, settings.transport, plan,
                                         ranks=settings.ranks,
                                         order=[n for n, p in named if p.requires_grad])
@@ -105,6 +118,9 @@ class _SlimOptimizer(torch.optim.Optimizer):
         ``torch.amp.GradScaler`` on each rank sees ``found_inf``, skips its step and lowers its
         scale alike; under ``"skip"`` they keep this rank's gradients. A rank inside
         ``hvd.join()`` takes part with zero gradients (:mod:`hvd_slim.join_sync`)."""
+        if self._outer is not None:   # local steps: p.grad is this rank's, nothing to exchange
+            self._synchronized = True
+            return
         if self._overlapped:   # the round, if any, was queued by the first hook (or is now)
             self._synchronize_now(self._open_round)
             return
@@ -121,9 +137,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         finally:
             # A failed exchange also ends this step's accumulation: the next backward starts a
             # new one (what was computed is kept in the residual, or dropped on NaN/Inf).
-            self._pending.clear()
-            for p in self._delay:
-                self._delay[p] = self.backward_passes_per_step
+            self._end_accumulation()
         self._synchronized = True
 
     @contextmanager
@@ -151,6 +165,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
             # rank in that call takes this path; it communicates nothing, as in Horovod. (It
             # steps only an optimizer with no state, so other steps skip the stack walk.)
             return super(self.__class__, self).step(closure)
+        if self._outer is not None:
+            return self._local_step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -164,6 +180,41 @@ class _SlimOptimizer(torch.optim.Optimizer):
             self._skipped = False
             return None
         return self._inner_step(closure, only_sparse=False)
+
+    def _local_step(self, closure):
+        """``local_steps > 1``: the wrapped optimizer's step on this rank's gradients; the last
+        local step of a round then exchanges the pseudo-gradient and takes the outer step."""
+        self._exchange.agree()   # at the first step: a rank with other settings is named now
+        self._synchronized = False
+        out = super(self.__class__, self).step(closure)
+        self._end_accumulation()
+        if self._outer.tick():
+            if self._join_id is not None:
+                engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
+                                      self._join_id, flush=False)
+            self._outer_exchange()
+        return out
+
+    def _outer_exchange(self) -> None:
+        """The round's end: ``global - local`` through the exchange, then the outer step (or,
+        for a round every rank dropped, back to the global parameters)."""
+        self._outer.load_pseudo_gradients()
+        try:
+            ok = self._exchange.step()
+        except BaseException:
+            self._outer.reset()   # what this rank computed is kept in its residual
+            raise
+        finally:
+            self._end_accumulation()
+        if ok:
+            self._outer.apply()
+        else:
+            self._outer.reset()
+
+    def _end_accumulation(self) -> None:
+        self._pending.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pending:
@@ -212,13 +263,21 @@ class _SlimOptimizer(torch.optim.Optimizer):
         if self._pending:
             raise AssertionError("optimizer.flush() was called after loss.backward() but before "
                                  "optimizer.step(): step first, then flush")
+        if self._outer is not None and self._outer.taken:   # end the round first
+            if self._join_id is not None:
+                engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
+                                      self._join_id, flush=False)
+            self._outer_exchange()
         if self._join_id is not None:
             engine.exchange_round("flush", self._join_id, flush=True)
         self._flush_now()
 
     def _flush_now(self) -> None:
         self._exchange.flush()
-        self._inner_step(None, only_sparse=True)
+        if self._outer is not None:
+            self._outer.apply(only=self._sparse_params)
+        else:
+            self._inner_step(None, only_sparse=True)
         for b in self._layout.sparse:
             for p in b.params():
                 if p.grad is not None:
@@ -233,6 +292,9 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._pending.clear()
         if flush:
             self._flush_now()
+            return
+        if self._outer is not None:   # its pseudo-gradient: its part of a round, if any
+            self._outer_exchange()
             return
         self._synchronize_now()
         self._synchronized = False
@@ -257,6 +319,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
                    density=self._settings.config.density,
                    compressed_numel=sum(b.numel for b in self._layout.sparse),
                    dense_numel=sum(b.numel for b in self._layout.buckets if b.kind != SPARSE))
+        if self._outer is not None:
+            out["local_steps_taken"] = self._outer.local_total
         return out
 
     @property
@@ -269,6 +333,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
         (residuals, velocities, cached cores, step). Residuals are per rank: save every rank's."""
         sd = super(self.__class__, self).state_dict()
         sd["hvd_slim"] = self._exchange.state_dict()
+        if self._outer is not None:
+            sd["hvd_slim_outer"] = self._outer.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -279,19 +345,26 @@ class _SlimOptimizer(torch.optim.Optimizer):
             raise TypeError(f"load_state_dict expects a dict, got {type(state_dict).__name__}")
         state_dict = dict(state_dict)
         slim = state_dict.pop("hvd_slim", None)
+        outer = state_dict.pop("hvd_slim_outer", None)
         if slim is not None:
             self._exchange.validate_state_dict(slim)
+            if self._outer is not None:
+                self._outer.validate_state_dict(outer)
+            elif outer is not None:
+                raise ValueError(f"hvd_slim checkpoint was saved with local_steps="
+                                 f"{outer.get('local_steps')}; this optimizer has "
+                                 "local_steps=1. Resume with the same local_steps")
         # torch checks the groups before it changes anything; ours is validated already, so
         # from here on nothing can fail half-way.
         super(self.__class__, self).load_state_dict(state_dict)
         if slim is not None:
             self._exchange.load_state_dict(slim)
-        self._pending.clear()
+            if self._outer is not None:
+                self._outer.load_state_dict(outer)
+        self._end_accumulation()
         self._synchronized = False
         self._should_synchronize = True
         self._skipped = False
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
 
 
 # GradScaler.step(optimizer) checks this rank's gradients for Inf/NaN before it calls step(), so

@@ -13,7 +13,7 @@ from .config_env import resolve_config
 from .exchange.layout import Layout
 from .transport.base import Transport
 
-SLIM_KEYWORDS = set(ENV_KEYWORDS) | {"transport"}
+SLIM_KEYWORDS = set(ENV_KEYWORDS) | {"transport", "outer_optimizer"}
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class SlimSettings:
     compression: Any
     transport: Optional[Transport]   # None on a rank outside the process set
     ranks: Optional[List[int]] = None   # the process set's job ranks; None: the whole job
+    outer: Any = None   # local_steps > 1: the outer optimizer given (None: DiLoCo's default)
 
     @property
     def included(self) -> bool:
@@ -132,6 +133,7 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
                              f"hvd.Compression.none, got {compression!r}")
     kwargs = dict(slim_kwargs)
     transport = kwargs.pop("transport", None)
+    outer = kwargs.pop("outer_optimizer", None)
     explicit = dict(kwargs, op=op_name, gradient_predivide_factor=gradient_predivide_factor,
                     backward_passes_per_step=backward_passes_per_step)
     if members is not None and "server_rank" not in explicit \
@@ -140,10 +142,13 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
     config = resolve_config(explicit)
     if adasum:
         raise ValueError(_adasum_refusal(config))
+    from .outer import check_outer_optimizer
+    outer = check_outer_optimizer(outer, [p for _, p in named if p.requires_grad],
+                                  config.local_steps, config.env_note("local_steps"))
     if members is None:
         transport = _resolve_transport(transport, named)
         config.check_world(transport.size)
-        return SlimSettings(config, named, compression, transport)
+        return SlimSettings(config, named, compression, transport, outer=outer)
     config.for_ranks(members)   # server_rank must be in the set: checked on every rank alike
     from .runtime import basics
     if basics.rank() not in members:   # Horovod: outside its set the optimizer steps alone
@@ -153,7 +158,7 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
     if transport.size != len(members):
         raise ValueError(f"transport: {transport!r} spans {transport.size} ranks but "
                          f"process_set has {len(members)} ({members})")
-    return SlimSettings(config, named, compression, transport, members)
+    return SlimSettings(config, named, compression, transport, members, outer=outer)
 
 
 def process_set_ranks(process_set: Any) -> Optional[List[int]]:

@@ -193,6 +193,13 @@ class SlimExchange:
         self.worker.apply(pulled, t)
         self.stats.flushes += 1
 
+    def agree(self) -> None:
+        """Run the handshake now unless it has run (``local_steps``: at the first local step,
+        so a rank with other settings is named before a round's work is done). Collective."""
+        if not self._agreed:
+            with exclusive(self.transport):
+                self._handshake(self.step_count)
+
     # --- phases ------------------------------------------------------------------------------
     def _handshake(self, t: int) -> None:
         """Once per exchange (and again after loading a checkpoint), before the first push:

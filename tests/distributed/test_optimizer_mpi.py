@@ -358,3 +358,26 @@ def test_warmup_is_dense_momentum_sgd_then_decays_with_replicas_identical():
         assert all(a > b for a, b in zip(pushed[dense - 1:dense + decay],
                                          pushed[dense:dense + decay + 1])), pushed
         assert pushed[-1] == pushed[-2] < 0.1 * pushed[0], pushed
+
+
+@pytest.mark.parametrize("density", [1.0, 0.05])
+def test_local_steps_land_every_rank_on_the_same_global_parameters(density):
+    """local_steps=4: mid-round every rank has its own parameters; after each round all hold
+    the same global ones. At density 1.0 with outer SGD lr 1 (no momentum) a round's result is
+    the MPI average of the ranks' local parameters."""
+    model = Net()
+    outer = torch.optim.SGD(model.parameters(), lr=1.0) if density == 1.0 else None
+    opt = wrap(model, opt=torch.optim.AdamW(model.parameters(), lr=1e-3), density=density,
+               local_steps=4, outer_optimizer=outer)
+    locals_ = []
+    load = opt._outer.load_pseudo_gradients
+    opt._outer.load_pseudo_gradients = lambda: (locals_.append(flat(model).double()), load())[1]
+    for t in range(12):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+        if t % 4 == 3:
+            assert_same_on_every_rank(flat(model))
+            if density == 1.0:
+                assert torch.allclose(flat(model).double(), mpi_mean(locals_[-1]), atol=1e-6)
+    assert opt.comm_stats()["steps"] == 3

@@ -72,6 +72,11 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
                          r"got 'on'"),
     (dict(overlap=2, hierarchical=True), r"^overlap > 1 cannot be combined with "
                                          r"hierarchical=True"),
+    (dict(local_steps=0), r"^local_steps must be >= 1, got 0"),
+    (dict(local_steps=2.5), r"^local_steps must be an integer >= 1, got 2.5"),
+    (dict(local_steps=4, overlap=2), r"^local_steps > 1 cannot be combined with overlap > 1"),
+    (dict(outer_optimizer="sgd", local_steps=4),
+     r"^outer_optimizer must be a torch.optim.Optimizer over the model's parameters"),
     (dict(value_bits=True), r"^value_bits must be one of \(8, 16, 32\), got True"),
     (dict(value_bits=8.5), r"^value_bits must be one of \(8, 16, 32\), got 8.5"),
     (dict(warmup_start_density=0.001, density=0.01),
@@ -150,6 +155,7 @@ BAD_ENV = [
     ("servers", "0"), ("servers", "many"), ("servers", "3"),
     ("hierarchical", "maybe"),
     ("overlap", "0"), ("overlap", "2.5"), ("overlap", "lots"),
+    ("local_steps", "0"), ("local_steps", "many"),
 ]
 
 
@@ -179,7 +185,7 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
             "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
             "warmup_start_density": 0.5, "servers": 2, "hierarchical": False,
-            "overlap": 2}[name]
+            "overlap": 2, "local_steps": 8}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

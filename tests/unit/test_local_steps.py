@@ -1,0 +1,233 @@
+"""Local steps (``local_steps=H``, outer/rounds.py) on simulated ranks: H local steps of the
+wrapped optimizer, then the pseudo-gradient through the exchange to the outer optimizer, with
+the global parameters and the outer state bitwise the same on every rank."""
+import pytest
+import torch
+
+import hvd_slim
+from hvd_slim.config import ConfigError, SlimConfig
+from hvd_slim.transport import FakeCluster, run_ranks
+
+torch.manual_seed(3)
+_INIT = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(),
+                            torch.nn.Linear(64, 3)).state_dict()
+
+
+def model():
+    m = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    m.load_state_dict(_INIT)
+    return m
+
+
+def wrap(m, tr, inner=None, **kw):
+    kw.setdefault("min_compress_numel", 100)
+    kw.setdefault("density", 0.1)
+    inner = inner or torch.optim.AdamW(m.parameters(), lr=1e-2)
+    return hvd_slim.DistributedOptimizer(inner, named_parameters=m.named_parameters(),
+                                         transport=tr, **kw)
+
+
+def batch(rank, t):
+    g = torch.Generator().manual_seed(100 * rank + t)
+    x = torch.randn(16, 40, generator=g)
+    return x, (x[:, 0] > 0).long()
+
+
+def one_step(m, opt, rank, t):
+    x, y = batch(rank, t)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    opt.step()
+
+
+def flat(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def outer_state(opt):
+    st = opt._outer.outer.state_dict()["state"]
+    return torch.cat([st[i]["momentum_buffer"].reshape(-1) for i in sorted(st)])
+
+
+def test_global_parameters_and_outer_state_are_identical_after_every_round():
+    def body(rank, tr):
+        m = model()
+        opt = wrap(m, tr, local_steps=4)
+        rounds, mid = [], []
+        for t in range(12):
+            one_step(m, opt, rank, t)
+            if (t + 1) % 4 == 0:
+                rounds.append((flat(m), outer_state(opt),
+                               torch.cat([g.reshape(-1) for g in opt._outer.global_params])))
+            elif t == 5:
+                mid.append(flat(m))
+        return rounds, mid, opt.comm_stats()
+
+    res = run_ranks(3, body)
+    for k in range(3):
+        for r in res[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(res[0][0][k], r[0][k])), k
+        assert torch.equal(res[0][0][k][0], res[0][0][k][2])   # the model is the global state
+    assert not torch.equal(res[0][1][0], res[1][1][0])   # mid-round, every rank is its own
+    st = res[0][2]
+    assert st["steps"] == 3 and st["local_steps_taken"] == 12
+
+
+def test_density_one_and_outer_lr_one_is_parameter_averaging():
+    """Outer SGD with lr 1 and no momentum on the exact mean pseudo-gradient lands on the mean
+    of the ranks' local parameters (DiLoCo's closed form)."""
+    def body(rank, tr):
+        m = model()
+        outer = torch.optim.SGD(m.parameters(), lr=1.0)
+        opt = wrap(m, tr, density=1.0, local_steps=3, outer_optimizer=outer)
+        seen = []
+        load = opt._outer.load_pseudo_gradients
+        opt._outer.load_pseudo_gradients = lambda: (seen.append(flat(m).double()), load())[1]
+        for t in range(6):
+            one_step(m, opt, rank, t)
+            if (t + 1) % 3 == 0:
+                seen.append(flat(m).double())
+        return seen
+
+    res = run_ranks(3, body)
+    for k in (0, 2):   # [local before round 1, after round 1, local before round 2, after]
+        mean = sum(r[k] for r in res) / 3
+        assert torch.allclose(res[0][k + 1], mean, atol=1e-6), k
+
+
+def test_resume_mid_round_is_bitwise():
+    def body(rank, tr, split):
+        m = model()
+        opt = wrap(m, tr, local_steps=4, seed=5)
+        for t in range(10):
+            if t == split:
+                state, weights = opt.state_dict(), {k: v.clone() for k, v in
+                                                    m.state_dict().items()}
+                m = model()
+                m.load_state_dict(weights)
+                opt = wrap(m, tr, local_steps=4, seed=5)
+                opt.load_state_dict(state)
+            one_step(m, opt, rank, t)
+        return flat(m), outer_state(opt)
+
+    plain = run_ranks(2, lambda r, tr: body(r, tr, -1))
+    resumed = run_ranks(2, lambda r, tr: body(r, tr, 6))
+    for a, b in zip(plain, resumed):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_checkpoints_of_other_local_steps_are_refused():
+    tr = FakeCluster(1).transport(0)
+    m = model()
+    four = wrap(m, tr, local_steps=4)
+    one_step(m, four, 0, 0)
+    saved = four.state_dict()
+    with pytest.raises(ValueError, match="'local_steps': 4 in the checkpoint vs. 1 now"):
+        wrap(model(), tr).load_state_dict(saved)
+    with pytest.raises(ValueError, match="'local_steps': 4 in the checkpoint vs. 8 now"):
+        wrap(model(), tr, local_steps=8).load_state_dict(saved)
+    with pytest.raises(ValueError, match="'local_steps': 1 in the checkpoint vs. 4 now"):
+        wrap(model(), tr, local_steps=4).load_state_dict(wrap(model(), tr).state_dict())
+    # The exchange's own state alone (the outer state dropped) is refused too.
+    partial = dict(saved)
+    partial.pop("hvd_slim_outer")
+    with pytest.raises(ValueError, match="without local_steps > 1"):
+        wrap(model(), tr, local_steps=4).load_state_dict(partial)
+
+
+def test_the_first_step_handshake_names_another_local_steps():
+    def body(rank, tr):
+        m = model()
+        opt = wrap(m, tr, local_steps=4 if rank else 8, timeout=20)
+        try:
+            one_step(m, opt, rank, 0)
+        except Exception as exc:  # noqa: BLE001
+            return str(exc)
+        return None
+
+    msgs = run_ranks(3, body)
+    assert all(m is not None and "local_steps" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("mode", ["skip", "flag", "raise"])
+def test_a_nonfinite_pseudo_gradient_drops_the_round_on_every_rank(mode):
+    def body(rank, tr):
+        m = model()
+        opt = wrap(m, tr, local_steps=2, nonfinite=mode, inner=torch.optim.SGD(
+            m.parameters(), lr=0.1))
+        before = flat(m)
+        one_step(m, opt, rank, 0)
+        x, y = batch(rank, 1)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        if rank == 1:
+            m[0].weight.grad[0, 0] = float("inf")
+        try:
+            opt.step()
+        except hvd_slim.NonFiniteGradientError:
+            return "raised", torch.equal(flat(m), before), opt._exchange.residual_norm()
+        return opt.comm_stats()["skipped_steps"], torch.equal(flat(m), before), \
+            opt._exchange.residual_norm()
+
+    res = run_ranks(3, body)
+    assert all(r[1] and r[2] == 0.0 for r in res), res   # back at the global parameters
+    assert all(r[0] == ("raised" if mode == "raise" else 1) for r in res), res
+
+
+def test_flush_mid_round_ends_the_round_and_empties_every_residual():
+    def body(rank, tr):
+        m = model()
+        opt = wrap(m, tr, local_steps=4, density=0.05)
+        for t in range(6):
+            one_step(m, opt, rank, t)
+        opt.flush()
+        return flat(m), opt._exchange.residual_norm(), opt.comm_stats()["steps"], \
+            opt._outer.taken
+
+    res = run_ranks(3, body)
+    assert all(torch.equal(res[0][0], r[0]) for r in res)
+    assert all(r[1] == 0.0 and r[2] == 2 and r[3] == 0 for r in res), res
+
+
+def test_synchronize_mid_round_leaves_the_local_gradient_and_step_still_steps():
+    tr = FakeCluster(1).transport(0)
+    m = model()
+    opt = wrap(m, tr, local_steps=3, inner=torch.optim.SGD(m.parameters(), lr=0.1))
+    x, y = batch(0, 0)
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    before = flat(m)
+    opt.synchronize()
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, m.parameters()))
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+    with opt.skip_synchronize():
+        opt.step()
+    step = torch.cat([(-0.1 * p.grad).reshape(-1) for p in m.parameters()])
+    assert torch.allclose(flat(m), before + step, atol=1e-7)
+    assert opt.comm_stats()["steps"] == 0
+
+
+def test_bad_local_steps_and_outer_optimizers_are_refused_naming_them():
+    for bad in (0, 2.5, "4", True):
+        with pytest.raises(ConfigError, match="local_steps"):
+            SlimConfig(local_steps=bad)
+    with pytest.raises(ConfigError, match="overlap"):
+        SlimConfig(local_steps=4, overlap=2)
+    with pytest.raises(ConfigError, match="momentum_correction"):
+        SlimConfig(local_steps=4, momentum_correction=True)
+    tr = FakeCluster(1).transport(0)
+    m = model()
+    with pytest.raises(ValueError, match="outer_optimizer must be a torch.optim.Optimizer"):
+        wrap(m, tr, local_steps=4, outer_optimizer=lambda ps: None)
+    with pytest.raises(ValueError, match="exactly the trainable parameters"):
+        wrap(m, tr, local_steps=4, outer_optimizer=torch.optim.SGD(model().parameters(), lr=1))
+    with pytest.raises(ValueError, match="needs local_steps > 1"):
+        wrap(m, tr, outer_optimizer=torch.optim.SGD(m.parameters(), lr=1))
+    with pytest.raises(ValueError, match="adam_variance='rescaled'"):
+        wrap(m, tr, local_steps=4, adam_variance="rescaled")
+
+
+def test_local_steps_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HVD_SLIM_LOCAL_STEPS", "16")
+    tr = FakeCluster(1).transport(0)
+    assert wrap(model(), tr).slim_config.local_steps == 16

@@ -60,8 +60,12 @@ ADAMW_ABLATION = (("default adam_variance=live", None, {"adam_variance": "live"}
 # the defaults run beside them (1 seed for the language model, 3 for MNIST).
 OVERLAP_ABLATION = (("default", {}), ("default overlap=4", {"overlap": 4}))
 
+# local_steps=H (outer/rounds.py): H local steps, then the pseudo-gradient through the exchange
+# to DiLoCo's outer optimizer; traffic once per H steps.
+LOCAL_ABLATION = (("default", {}), ("default local_steps=8", {"local_steps": 8}))
+
 ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
-    {label for label, slim in OVERLAP_ABLATION if slim}
+    {label for label, slim in OVERLAP_ABLATION + LOCAL_ABLATION if slim}
 
 
 def _config(case: str, variant: Tuple[str, str, Optional[float], Dict[str, Any]],
@@ -85,13 +89,14 @@ def configs(group: str) -> List[Config]:
     if group == "lm-ablation":
         return [(f"lm {label}", "slim", None, slim, dict(LM, case="lm", variant=label))
                 for label, slim in LM_ABLATION]
-    if group == "overlap-ablation":
+    if group in ("overlap-ablation", "local-steps"):
         case = "sgd-m0.5"
+        pairs = OVERLAP_ABLATION if group == "overlap-ablation" else LOCAL_ABLATION
         return [(f"{case} {label}", "slim", None, slim,
                  dict(CNN, **CASES[case], case=case, variant=label))
-                for label, slim in OVERLAP_ABLATION] + \
+                for label, slim in pairs] + \
             [(f"lm {label}", "slim", None, slim, dict(LM, case="lm", variant=label))
-             for label, slim in OVERLAP_ABLATION]
+             for label, slim in pairs]
     if group == "untuned-ablation":
         case = "adamw-warmup"
         return [(f"{case} {label}", "slim", density, slim,
@@ -101,7 +106,7 @@ def configs(group: str) -> List[Config]:
 
 
 GROUPS = ("untuned", "untuned-peers", "lm", "lm-peers")
-EXTRA_GROUPS = ("lm-ablation", "untuned-ablation", "overlap-ablation")   # on request (--groups ...), not by default
+EXTRA_GROUPS = ("lm-ablation", "untuned-ablation", "overlap-ablation", "local-steps")   # on request (--groups ...), not by default
 
 
 # --- the report ------------------------------------------------------------------------------

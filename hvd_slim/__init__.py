@@ -22,7 +22,7 @@ from .exchange import ExchangeError
 from .exchange.errors import NonFiniteGradientError
 from .functions import (allgather_object, barrier, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters, join)
-from .optimizer import DistributedOptimizer
+from .distributed_optimizer import DistributedOptimizer
 from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                       gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                       mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,

@@ -9,6 +9,7 @@ imported is consulted, so hvd_slim never requires Horovod.
 from __future__ import annotations
 
 import atexit
+import inspect
 import sys
 from typing import Any, Optional
 
@@ -83,3 +84,23 @@ def _barrier_at_exit() -> None:
             hvd.allreduce(torch.zeros(1), name="hvd_slim.exit_barrier")
     except Exception:  # noqa: BLE001 - Horovod already shut down (by the script or a peer)
         pass
+
+
+def called_by_horovod_state_init() -> bool:
+    """Whether ``step()`` was called by Horovod's ``broadcast_optimizer_state`` (any version:
+    the function has kept its name and its ``horovod.*`` module). torch's own wrappers around
+    ``step`` (profiling hooks, an LR scheduler's call counter) are looked through."""
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        for _ in range(8):
+            if caller is None:
+                return False
+            module = str(caller.f_globals.get("__name__", ""))
+            if module != "torch" and not module.startswith("torch."):
+                return (caller.f_code.co_name == "broadcast_optimizer_state"
+                        and module.startswith("horovod."))
+            caller = caller.f_back
+        return False
+    finally:
+        del frame   # a frame reference would keep every local of the stack alive

@@ -306,7 +306,9 @@ class _SlimOptimizer(torch.optim.Optimizer):
     def comm_stats(self) -> Dict[str, Any]:
         """Cumulative traffic of this rank: ``steps``, ``bytes_pushed``, ``bytes_pulled`` (counted
         at the transport), ``dense_bytes`` (gradient bytes a dense allreduce would reduce),
-        ``ring_allreduce_bytes`` (what a ring allreduce would send per rank), the per-part
+        ``ring_allreduce_bytes`` (what a ring allreduce would send per rank; with
+        ``local_steps`` both count every local step, as data parallelism would allreduce at
+        each, and ``local_steps_taken`` counts them), the per-part
         breakdown, selection time and ``last_step``; ``skipped_steps`` and
         ``last_skip_reason`` count the steps every rank skipped (a NaN/Inf under
         ``nonfinite="flag"`` or ``"skip"``). ``bytes_sent`` and ``bytes_received`` count
@@ -320,7 +322,12 @@ class _SlimOptimizer(torch.optim.Optimizer):
                    compressed_numel=sum(b.numel for b in self._layout.sparse),
                    dense_numel=sum(b.numel for b in self._layout.buckets if b.kind != SPARSE))
         if self._outer is not None:
-            out["local_steps_taken"] = self._outer.local_total
+            # What data parallelism would have moved for the same training: an allreduce at
+            # every local step, not only at the rounds' ends.
+            st, n = self._exchange.stats, self._outer.local_total
+            out.update(local_steps_taken=n, dense_bytes=n * st.grad_bytes,
+                       ring_allreduce_bytes=n * st.ring_bytes,
+                       compressed_dense_bytes=n * st.compressed_grad_bytes)
         return out
 
     @property

@@ -71,6 +71,8 @@ def test_global_parameters_and_outer_state_are_identical_after_every_round():
     assert not torch.equal(res[0][1][0], res[1][1][0])   # mid-round, every rank is its own
     st = res[0][2]
     assert st["steps"] == 3 and st["local_steps_taken"] == 12
+    numel = sum(p.numel() for p in model().parameters())
+    assert st["dense_bytes"] == 12 * 4 * numel   # data parallelism: an allreduce a step
 
 
 def test_density_one_and_outer_lr_one_is_parameter_averaging():

@@ -138,9 +138,11 @@ def main() -> None:
         launch(plan, results, args.np_, args.out, args.net)
         print(f"convergence: runs finished in {time.perf_counter() - start:.0f}s", flush=True)
     keys = {s["key"] for s in plan}
-    runs = [r for r in load(results) if args.report_only or r["key"] in keys]
-    # The untuned battery and the language model have a report of their own (untuned.md).
-    print(untuned.report([r for r in runs if r.get("case")], args.out))
+    every = load(results)
+    runs = [r for r in every if args.report_only or r["key"] in keys]
+    # The untuned battery and the language model have a report of their own (untuned.md), of
+    # every battery run in the results file: a run of one group adds its rows to it.
+    print(untuned.report([r for r in every if r.get("case")], args.out))
     grid = [r for r in runs if not r.get("case")]
     if grid:   # a battery-only run leaves the grid's table.md alone
         print(write_report(grid, args.out, TARGET_GAP, TTA_TARGET))

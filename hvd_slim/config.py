@@ -333,6 +333,7 @@ class SlimConfig:
         self._check_servers(len(ranks))
         out = dataclasses.replace(self, server_rank=ranks.index(self.server_rank))
         object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
+        object.__setattr__(out, "_agreed", getattr(self, "_agreed", {}))
         return out
 
     def env_note(self, name: str) -> str:
@@ -355,8 +356,20 @@ class SlimConfig:
 
     def shared_dict(self) -> Dict[str, Any]:
         """The settings every rank must agree on (all but the per-rank ``LOCAL_FIELDS``), with
-        automatic fields resolved: ranks that differ only in spelling a default agree."""
-        return {k: v for k, v in self.effective_dict().items() if k not in LOCAL_FIELDS}
+        automatic fields resolved: ranks that differ only in spelling a default agree; and any
+        settings held outside the config that the handshake compares too (:meth:`agreeing`)."""
+        out = {k: v for k, v in self.effective_dict().items() if k not in LOCAL_FIELDS}
+        out.update(getattr(self, "_agreed", {}))
+        return out
+
+    def agreeing(self, **extra: str) -> "SlimConfig":
+        """A copy whose handshake also compares ``extra``: descriptions of settings that are
+        objects, not config values (the outer optimizer of ``local_steps``). Checkpoints do not
+        compare them, so they may change on resume."""
+        out = dataclasses.replace(self)
+        object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
+        object.__setattr__(out, "_agreed", dict(getattr(self, "_agreed", {}), **extra))
+        return out
 
     def digest(self) -> str:
         """A short hash of the shared fields, equal on ranks that agree on the config."""

@@ -142,9 +142,11 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
     config = resolve_config(explicit)
     if adasum:
         raise ValueError(_adasum_refusal(config))
-    from .outer import check_outer_optimizer
+    from .outer import check_outer_optimizer, describe_outer_optimizer
     outer = check_outer_optimizer(outer, [p for _, p in named if p.requires_grad],
                                   config.local_steps, config.env_note("local_steps"))
+    if config.local_steps > 1:   # ranks stepping other outer optimizers would drift apart
+        config = config.agreeing(outer_optimizer=describe_outer_optimizer(outer))
     if members is None:
         transport = _resolve_transport(transport, named)
         config.check_world(transport.size)

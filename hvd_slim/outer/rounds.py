@@ -52,6 +52,17 @@ def check_outer_optimizer(outer: Any, params: Sequence[torch.Tensor], local_step
     return outer
 
 
+def describe_outer_optimizer(outer: Optional[torch.optim.Optimizer]) -> str:
+    """The outer optimizer's class and settings, as the first-step handshake compares them."""
+    if outer is None:
+        return "SGD(" + ", ".join(f"{k}={v!r}" for k, v in DEFAULT_OUTER.items()) + ") (default)"
+    # How torch runs the step (not what it computes) may differ between ranks' builds.
+    how = ("params", "foreach", "differentiable", "capturable")
+    groups = ["(" + ", ".join(f"{k}={v!r}" for k, v in sorted(g.items()) if k not in how)
+              + ")" for g in outer.param_groups]
+    return type(outer).__name__ + "".join(groups)
+
+
 class OuterRounds:
     """This rank's round: the global parameters, the outer optimizer and the local steps
     taken since the round began."""

@@ -151,6 +151,22 @@ def test_the_first_step_handshake_names_another_local_steps():
     assert all(m is not None and "local_steps" in m for m in msgs), msgs
 
 
+def test_the_handshake_names_an_outer_optimizer_with_other_settings():
+    def body(rank, tr):
+        m = model()
+        outer = torch.optim.SGD(m.parameters(), lr=0.7 if rank else 0.5, momentum=0.9,
+                                nesterov=True)
+        opt = wrap(m, tr, local_steps=4, outer_optimizer=outer, timeout=20)
+        try:
+            one_step(m, opt, rank, 0)
+        except Exception as exc:  # noqa: BLE001
+            return str(exc)
+        return None
+
+    msgs = run_ranks(2, body)
+    assert all(m is not None and "outer_optimizer" in m and "lr=0.5" in m for m in msgs), msgs
+
+
 @pytest.mark.parametrize("mode", ["skip", "flag", "raise"])
 def test_a_nonfinite_pseudo_gradient_drops_the_round_on_every_rank(mode):
     def body(rank, tr):

@@ -130,7 +130,8 @@ class SlimConfig:
     exploration: float = 0.1           # epsilon: share of each slice given to random exploration
     magnitude_weight: float = 0.0      # lambda in |a| + lambda*|w|; 0 = gradient magnitude only
     refresh_interval: int = 1          # q: re-select the core every q steps (q > 1 is expert-only)
-    value_bits: int = 8                # bits of each sliced value: 8 (scaled fp8), 16 (bf16), 32
+    value_bits: int = 8                # bits of each sliced value: 2, 4 (packed), 8 (scaled fp8),
+    #                                    16 (bf16), 32
     # --- warm-up (see densities_at) -----------------------------------------------------------
     warmup_dense_steps: int = 0        # the first exchange steps are an exact dense average
     # Then the densities decay geometrically from warmup_start_density to their targets over

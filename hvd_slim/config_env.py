@@ -65,7 +65,7 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "warmup_dense_steps": "an integer >= 0",
               "warmup_decay_steps": "an integer >= 0 or auto",
               "warmup_start_density": "a number in (0, 1] or auto",
-              "value_bits": "one of 8, 16 or 32", "adam_variance": "auto, rescaled or live",
+              "value_bits": "one of 2, 4, 8, 16 or 32", "adam_variance": "auto, rescaled or live",
               "momentum_masking": "true, false or a number in [0, 1]",
               "servers": "an integer >= 1 or auto", "hierarchical": "true or false",
               "overlap": "true, false or an integer number of stages >= 1",

@@ -52,7 +52,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         **slim_kwargs: The Slim-DP keywords, one line each here:
 
             * ``density``: fraction of the compressed coordinates each worker pushes.
-            * ``value_bits``: 8, 16 or 32, the precision of sliced values; what rounding
+            * ``value_bits``: 2, 4, 8, 16 or 32, the precision of sliced values; what rounding
               loses stays in the residual.
             * ``exploration``: share of the slice spent on random coordinates.
             * ``refresh_interval``: re-select the core every that many steps.

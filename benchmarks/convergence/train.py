@@ -72,7 +72,7 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
                    help="then the densities fall geometrically to --density over this many steps")
     s.add_argument("--warmup-start-density", type=float, default=None,
                    help="the density that fall starts from (1 = dense)")
-    s.add_argument("--value-bits", type=int, choices=(8, 16, 32), default=None,
+    s.add_argument("--value-bits", type=int, choices=(2, 4, 8, 16, 32), default=None,
                    help="precision of sliced values (what rounding loses stays in the residual)")
     s.add_argument("--adam-variance", choices=("auto", "rescaled", "live"), default=None,
                    help="with --optimizer adam: how Adam's second moment sees sparse deliveries")

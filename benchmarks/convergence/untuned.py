@@ -62,10 +62,13 @@ OVERLAP_ABLATION = (("default", {}), ("default overlap=4", {"overlap": 4}))
 
 # local_steps=H (outer/rounds.py): H local steps, then the pseudo-gradient through the exchange
 # to DiLoCo's outer optimizer; traffic once per H steps.
-LOCAL_ABLATION = (("default", {}), ("default local_steps=8", {"local_steps": 8}))
+LOCAL_ABLATION = (("default", None, {}), ("default local_steps=8", None, {"local_steps": 8}),
+                  # the target point: H = 32, density 0.01, 4-bit values
+                  ("local_steps=32 0.01 4-bit", 0.01, {"local_steps": 32, "value_bits": 4}))
 
 ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
-    {label for label, slim in OVERLAP_ABLATION + LOCAL_ABLATION if slim}
+    {label for label, slim in OVERLAP_ABLATION if slim} | \
+    {label for label, _, slim in LOCAL_ABLATION if slim}
 
 
 def _config(case: str, variant: Tuple[str, str, Optional[float], Dict[str, Any]],
@@ -91,12 +94,13 @@ def configs(group: str) -> List[Config]:
                 for label, slim in LM_ABLATION]
     if group in ("overlap-ablation", "local-steps"):
         case = "sgd-m0.5"
-        pairs = OVERLAP_ABLATION if group == "overlap-ablation" else LOCAL_ABLATION
-        return [(f"{case} {label}", "slim", None, slim,
+        runs = [(label, None, slim) for label, slim in OVERLAP_ABLATION] \
+            if group == "overlap-ablation" else list(LOCAL_ABLATION)
+        return [(f"{case} {label}", "slim", density, slim,
                  dict(CNN, **CASES[case], case=case, variant=label))
-                for label, slim in pairs] + \
-            [(f"lm {label}", "slim", None, slim, dict(LM, case="lm", variant=label))
-             for label, slim in pairs]
+                for label, density, slim in runs] + \
+            [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
+             for label, density, slim in runs]
     if group == "untuned-ablation":
         case = "adamw-warmup"
         return [(f"{case} {label}", "slim", density, slim,

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
-from ..wire.values import FP8
+from ..wire.values import FP8, packed_nbytes
 from .layout import DENSE, Bucket, slice_is_smaller, sent_whole
 
 
@@ -22,7 +22,8 @@ def is_refresh(step: int, refresh_interval: int) -> bool:
 
 def pull_is_dense(b: Bucket) -> bool:
     """Whether a ``pull="slim"`` slice of ``b`` would not be smaller than ``b`` sent dense."""
-    return not slice_is_smaller(b.numel, b.k_pull, b.k_pull_core, b.slice_bytes, b.value_bytes)
+    return not slice_is_smaller(b.numel, b.k_pull, b.k_pull_core, b.slice_bytes, b.value_bytes,
+                                b.slice_bits)
 
 
 Modes = Dict[int, Optional[Tuple[int, int]]]
@@ -71,9 +72,11 @@ def message_bound(expect: List[wm.Expect]) -> int:
     return total
 
 
-def _slice_modes(step: int, q: int, k: int, k_core: int) -> Modes:
-    """A slice of ``k`` values: core indices travel on refresh steps only."""
-    return {wm.M_SLICE: (k, k_core)} if is_refresh(step, q) else {wm.M_SLICE_CACHED: (k, 0)}
+def _slice_modes(step: int, q: int, k: int, k_core: int, bits: int = 0) -> Modes:
+    """A slice of ``k`` values (packed at ``bits``: its bytes): core indices travel on refresh
+    steps only."""
+    n = packed_nbytes(k, bits) if bits else k
+    return {wm.M_SLICE: (n, k_core)} if is_refresh(step, q) else {wm.M_SLICE_CACHED: (n, 0)}
 
 
 def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes],
@@ -100,7 +103,7 @@ def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes
 def push_expect(buckets: List[Bucket], step: int, q: int, flush: bool = False) -> List[wm.Expect]:
     """What the server accepts from a worker at ``step``."""
     return _expect(buckets, flush, lambda b: {wm.M_DENSE: (b.numel, 0)} if sent_whole(b)
-                   else _slice_modes(step, q, b.k, b.k_core))
+                   else _slice_modes(step, q, b.k, b.k_core, b.slice_bits))
 
 
 def pull_expect(buckets: List[Bucket], step: int, q: int, pull: str, flush: bool = False,
@@ -113,7 +116,7 @@ def pull_expect(buckets: List[Bucket], step: int, q: int, pull: str, flush: bool
             return {wm.M_EXPLICIT: None, wm.M_DENSE: (b.numel, 0)}
         if pull_is_dense(b):
             return {wm.M_DENSE: (b.numel, 0)}
-        return _slice_modes(step, q, b.k_pull, b.k_pull_core)
+        return _slice_modes(step, q, b.k_pull, b.k_pull_core, b.slice_bits)
 
     def most(b: Bucket) -> Optional[int]:
         return None if size is None else min(b.numel, size * b.k)

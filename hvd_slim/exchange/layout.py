@@ -18,7 +18,7 @@ import torch
 
 from ..config import SlimConfig
 from ..wire.indices import index_bytes_bound
-from ..wire.values import slice_dtype
+from ..wire.values import PACKED_BITS, packed_nbytes, slice_dtype
 
 DENSE = "dense"
 SPARSE = "sparse"
@@ -52,6 +52,7 @@ class Bucket:
     k_pull_core: int = 0
     k_pull_explore: int = 0
     slice_dtype: Optional[torch.dtype] = None  # sliced values (value_bits); None: comm_dtype
+    slice_bits: int = 0       # 4 or 2: slices packed below a byte (wire/values.py, pack); else 0
     # A shard's piece of a compressed bucket (shards.py): whether the bucket is sent whole at
     # this step, which all its pieces follow; None: decided by the sizes (sent_whole).
     whole: Optional[bool] = None
@@ -67,6 +68,7 @@ class Bucket:
 
     @property
     def slice_bytes(self) -> int:
+        # A packed slice's wire items are its bytes (its table count is its byte count).
         """Bytes of one sliced value (pushes, and the server's ``pull="slim"`` slice)."""
         return self.slice_dtype.itemsize
 
@@ -85,11 +87,13 @@ def slice_sizes(d: int, density: float, exploration: float) -> Tuple[int, int, i
     return k, k - k_e, k_e
 
 
-def slice_is_smaller(d: int, k: int, k_core: int, slice_bytes: int, value_bytes: int) -> bool:
+def slice_is_smaller(d: int, k: int, k_core: int, slice_bytes: int, value_bytes: int,
+                     bits: int = 0) -> bool:
     """True when a slice of k < d values of ``slice_bytes`` plus the worst-case core index
     encoding beats sending all d values of ``value_bytes``. A slice of every coordinate is never
     smaller: all d go dense, exactly (``density=1.0`` is a dense average at any value_bits)."""
-    return k < d and k * slice_bytes + index_bytes_bound(d, k_core) < d * value_bytes
+    values = packed_nbytes(k, bits) if bits else k * slice_bytes   # bits: packed (4 or 2)
+    return k < d and values + index_bytes_bound(d, k_core) < d * value_bytes
 
 
 def sent_whole(b: Bucket) -> bool:
@@ -98,7 +102,7 @@ def sent_whole(b: Bucket) -> bool:
     if b.kind == SPARSE and b.whole is not None:
         return b.whole
     return b.kind == SPARSE and not slice_is_smaller(b.numel, b.k, b.k_core, b.slice_bytes,
-                                                     b.value_bytes)
+                                                     b.value_bytes, b.slice_bits)
 
 
 class Layout:
@@ -132,16 +136,19 @@ class Layout:
                 segs.append(Segment(name, p, off, p.numel()))
                 off += p.numel()
             comm = comm_dtype_of(dtype)
+            packed = kind == SPARSE and config.value_bits in PACKED_BITS and \
+                comm.is_floating_point
             b = Bucket(len(self.buckets), kind, dtype, comm, segs, off, device=device,
                        slice_dtype=slice_dtype(config.value_bits, comm) if kind == SPARSE
-                       else comm)
+                       else comm, slice_bits=config.value_bits if packed else 0)
             if kind == SPARSE:
                 b.k, b.k_core, b.k_explore = slice_sizes(off, config.density, config.exploration)
                 b.k_pull, b.k_pull_core, b.k_pull_explore = slice_sizes(
                     off, config.effective_pull_density, config.exploration)
-                if not slice_is_smaller(off, b.k, b.k_core, b.slice_bytes, b.value_bytes):
+                if not slice_is_smaller(off, b.k, b.k_core, b.slice_bytes, b.value_bytes,
+                                        b.slice_bits):
                     b.kind = DENSE  # dense fallback: no residual, exactly a dense average
-                    b.slice_dtype = comm
+                    b.slice_dtype, b.slice_bits = comm, 0
             self.buckets.append(b)
         self.names = [n for n, _ in ordered]
         self._config = config
@@ -176,7 +183,7 @@ class Layout:
         h = hashlib.sha256()
         for b in self.buckets:
             # The device type is deliberately left out: a CPU and a CUDA replica may interoperate.
-            h.update(f"{b.kind}|{b.dtype}|{b.comm_dtype}|{b.slice_dtype}|{b.numel}|{b.k}|"
+            h.update(f"{b.kind}|{b.dtype}|{b.comm_dtype}|{b.slice_dtype}/{b.slice_bits}|{b.numel}|{b.k}|"
                      f"{b.k_pull}\n".encode())
             for s in b.segments:
                 h.update(f"{s.name}|{tuple(s.param.shape)}\n".encode())

@@ -98,12 +98,15 @@ class Puller:
             else:
                 flat.zero_()
             for p, sec in got:
-                vals = section_values(sec, p.b)
                 part = flat[p.lo:p.hi]
                 if sec.mode == wm.M_DENSE:
-                    part.copy_(vals)
+                    part.copy_(section_values(sec, p.b))
                 else:
-                    part[self._indices(p, sec, t)] = vals
+                    idx = self._indices(p, sec, t)
+                    try:
+                        part[idx] = section_values(sec, p.b, idx.numel())
+                    except wm.WireError as exc:
+                        raise ExchangeError(f"rank {self.rank}: {exc}") from None
             self.layout.point_grads(b, flat)
 
     def _indices(self, p: Piece, sec: wm.Section, t: int) -> torch.Tensor:

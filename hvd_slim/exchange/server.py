@@ -179,7 +179,6 @@ class Server:
     def _push_slice(self, b: Bucket, j: int, sec: wm.Section, step: int, plan: "_Plan"
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """The coordinates (core, then exploration) and values of rank ``j``'s sliced push."""
-        vals = section_values(sec, b)
         if sec.mode == wm.M_SLICE:
             core = indices_on(sec.indices, b)
             plan.worker_cores[(j, b.index)] = core
@@ -191,7 +190,7 @@ class Server:
             core = core.to(b.device)
         idx = slice_indices(b.numel, core, b.k_explore, seed=self.cfg.seed, role=ROLE_PUSH,
                             rank=j, step=step, bucket=b.index, device=b.device)
-        return idx, vals
+        return idx, section_values(sec, b, idx.numel())
 
     def _accumulate(self, b: Bucket, j: int, sec: wm.Section, step: int, total: torch.Tensor,
                     touched: Optional[torch.Tensor], plan: "_Plan") -> None:
@@ -244,7 +243,7 @@ class Server:
                             role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
                             device=b.device)
         # value_bits: what rounding loses stays in the server's residual (forgotten: delivered).
-        coded, exp, delivered = quantize(v[sel], b.slice_dtype)
+        coded, exp, delivered = quantize(v[sel], b.slice_dtype, b.slice_bits)
         plan.forget.append((mem, sel, delivered))
         mode = wm.M_SLICE if refresh else wm.M_SLICE_CACHED
         return self._checked(b, coded, delivered, sel, plan, mode, core if refresh else None, exp)

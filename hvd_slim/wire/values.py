@@ -1,4 +1,5 @@
-"""How a slice's values travel: at full precision, as bfloat16, or as 8-bit floats with a scale.
+"""How a slice's values travel: at full precision, as bfloat16, as 8-bit floats with a scale, or
+packed 4 or 2 bits a value on a uniform grid with a float32 scale.
 
 ``value_bits`` (a Slim-DP keyword) sets the precision of sliced sections: the worker's push and
 the server's ``pull="slim"`` slice. Dense sections (small tensors, dense fallback, flush) and
@@ -11,6 +12,13 @@ density 0.01, against about 5 at 32 bits.
 8-bit values are ``float8_e4m3fn`` (3 mantissa bits: within 6.25% of the value, over 17
 binades) scaled by a power of two chosen per section so that its largest magnitude fits under
 448; the exponent travels in the section's table entry, so scaling is exact and adds no bytes.
+
+4- and 2-bit values (SparseLoCo's range) are *packed*: a section's value bytes are a float32
+scale ``s`` and then the codes, two or four to a byte, low bits first. 4 bits: the levels
+``-7s .. 7s`` (``s = max|x| / 7``, round to nearest); 2 bits: ``±0.5s`` and ``±1.5s``
+(``s = max|x| / 1.5``: the top-k coordinates are rarely near zero, so no level is spent on it).
+Such a section's table count is its byte count; the receiver knows how many values it holds
+(the slice's coordinates), and every rank decodes the same bytes with the same operations.
 """
 from __future__ import annotations
 
@@ -19,7 +27,9 @@ from typing import Optional, Tuple
 
 import torch
 
-VALUE_BITS = (8, 16, 32)
+VALUE_BITS = (2, 4, 8, 16, 32)
+PACKED_BITS = (2, 4)   # value_bits packed below a byte (pack, unpack)
+_LEVELS = {4: 7.0, 2: 1.5}   # the largest level, in units of the scale
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _FP8_NAN = 0x7F  # its NaN bit pattern
@@ -31,6 +41,8 @@ def slice_dtype(value_bits: int, comm_dtype: torch.dtype) -> torch.dtype:
     cannot overflow), 32 is the comm dtype itself (no change: the values as computed)."""
     if value_bits not in VALUE_BITS:
         raise ValueError(f"value_bits must be one of {VALUE_BITS}, got {value_bits!r}")
+    if value_bits in PACKED_BITS and comm_dtype.is_floating_point:
+        return torch.uint8   # the packed bytes (Bucket.slice_bits says how many bits a value)
     if value_bits == 8 and comm_dtype.is_floating_point:
         return FP8
     if value_bits == 16 and comm_dtype.is_floating_point and comm_dtype.itemsize > 2:
@@ -60,10 +72,14 @@ def _exponent_for(m: float, dtype: torch.dtype) -> int:
     return max(low, min(e, high - 1, -low))
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, int,
-                                                               Optional[torch.Tensor]]:
-    """``(coded, exp, delivered)``: ``x`` in ``dtype`` for the wire, its scale exponent, and what
-    the receiver will decode, in ``x``'s dtype (None when that is ``x`` exactly)."""
+def quantize(x: torch.Tensor, dtype: torch.dtype, bits: int = 0
+             ) -> Tuple[torch.Tensor, int, Optional[torch.Tensor]]:
+    """``(coded, exp, delivered)``: ``x`` in ``dtype`` (or packed at ``bits``, 4 or 2) for the
+    wire, its scale exponent, and what the receiver will decode, in ``x``'s dtype (None when
+    that is ``x`` exactly)."""
+    if bits:
+        coded, delivered = pack(x, bits)
+        return coded, 0, delivered
     if dtype == x.dtype:
         return x, 0, None
     m = _abs_max(x) if dtype == FP8 else 0.0
@@ -81,3 +97,48 @@ def dequantize(coded: torch.Tensor, exp: int, dtype: torch.dtype) -> torch.Tenso
     same two operations, so every rank gets bitwise the same values."""
     out = coded.to(dtype)
     return out.mul_(2.0 ** exp) if exp else out
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes of a packed section of ``n`` values: the float32 scale, then the codes."""
+    return 4 + (n * bits + 7) // 8
+
+
+def pack(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(coded, delivered)``: ``x`` packed at ``bits`` (a uint8 tensor of
+    :func:`packed_nbytes` bytes on ``x``'s device) and what the receiver will decode from it."""
+    top = _LEVELS[bits]
+    m = x.abs().max().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
+    scale = (m / top).reshape(1)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    y = x.to(torch.float32) * inv
+    if bits == 4:
+        codes = torch.round(y).clamp_(-7, 7).add_(8)
+    else:
+        codes = torch.floor(y + 2.0).clamp_(0, 3)
+    codes = torch.nan_to_num(codes, nan=0.0).to(torch.uint8)
+    per = 8 // bits
+    pad = (-codes.numel()) % per
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    groups = codes.view(-1, per)
+    packed = groups[:, 0].clone()
+    for i in range(1, per):
+        packed |= groups[:, i] << (bits * i)
+    coded = torch.cat([scale.view(torch.uint8), packed])
+    return coded, unpack(coded, x.numel(), bits, x.dtype)
+
+
+def unpack(coded: torch.Tensor, n: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``n`` values a packed section stands for, in ``dtype`` (a ValueError for a section
+    of another length)."""
+    if coded.numel() != packed_nbytes(n, bits):
+        raise ValueError(f"a packed {bits}-bit section of {n} values has "
+                         f"{packed_nbytes(n, bits)} bytes, got {coded.numel()}")
+    scale = coded[:4].clone().view(torch.float32)
+    body = coded[4:]
+    per, mask = 8 // bits, (1 << bits) - 1
+    codes = torch.stack([(body >> (bits * i)) & mask for i in range(per)], dim=1).reshape(-1)[:n]
+    levels = codes.to(torch.float32)
+    levels = levels - 8.0 if bits == 4 else levels - 1.5
+    return (levels * scale).to(dtype)

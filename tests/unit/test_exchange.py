@@ -151,7 +151,7 @@ def test_determinism_same_seed_same_result_other_seed_differs(servers):
     assert same and differs
 
 
-@pytest.mark.parametrize("q, bits", [(1, 8), (4, 8), (1, 16), (1, 32)])
+@pytest.mark.parametrize("q, bits", [(1, 8), (4, 8), (1, 16), (1, 32), (1, 4), (4, 2)])
 def test_wire_size_values_plus_core_indices_only(q, bits):
     steps = 6
     res = simulate(2, steps, density=0.01, refresh_interval=q, value_bits=bits,
@@ -160,8 +160,12 @@ def test_wire_size_values_plus_core_indices_only(q, bits):
     (b,) = ex.layout.sparse
     k = b.k
     stats = ex.stats
-    assert b.slice_bytes == bits // 8
-    assert stats.push_sparse_value_bytes == steps * k * bits // 8
+    if bits < 8:   # packed: a float32 scale, then the codes, several to a byte
+        assert b.slice_bits == bits
+        assert stats.push_sparse_value_bytes == steps * (4 + (k * bits + 7) // 8)
+    else:
+        assert b.slice_bytes == bits // 8
+        assert stats.push_sparse_value_bytes == steps * k * bits // 8
     refreshes = sum(1 for t in range(steps) if t % q == 0)
     assert stats.push_index_bytes <= refreshes * index_bytes_bound(b.numel, b.k_core)
     assert stats.push_index_bytes > 0
@@ -182,10 +186,10 @@ def test_index_bytes_stay_under_two_per_core_index_at_one_percent():
     assert ex.stats.push_index_bytes <= 3 * 2 * b.k_core
 
 
-@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("bits", [32, 8, 4, 2])
 def test_lossy_values_keep_their_rounding_error_in_the_residual(bits):
-    """Compression.fp16 (value_bits=32: slices in the comm dtype, fp16) and value_bits=8
-    (scaled fp8): what the wire rounds away stays in the senders' residuals."""
+    """Compression.fp16 (value_bits=32: slices in the comm dtype, fp16), value_bits=8 (scaled
+    fp8) and 4 or 2 (packed): what the wire rounds away stays in the senders' residuals."""
     config = SlimConfig(density=0.02, op="sum", min_compress_numel=1000, value_bits=bits)
 
     def rank_fn(rank, transport):
@@ -204,7 +208,11 @@ def test_lossy_values_keep_their_rounding_error_in_the_residual(bits):
     res = run_ranks(2, rank_fn)
     (b,) = res[0][2].layout.sparse
     ks = [res[0][2].layout.at_step(t)[b.index].k for t in range(4)]
-    assert res[0][2].stats.push_sparse_value_bytes == sum(ks) * (2 if bits == 32 else 1)
+    if bits < 8:
+        assert res[0][2].stats.push_sparse_value_bytes == sum(4 + (k * bits + 7) // 8
+                                                                for k in ks)
+    else:
+        assert res[0][2].stats.push_sparse_value_bytes == sum(ks) * (2 if bits == 32 else 1)
     fed = total(d for r in res for d in r[0])
     got = total(res[0][1])
     srv = residual_by_name(res[0][2], "server")
@@ -289,7 +297,7 @@ def test_checkpoint_of_another_rank_is_refused():
         exs[1].load_state_dict(exs[0].state_dict())
 
 
-@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("bits", [8, 16, 4, 2])
 def test_resume_mid_warmup_at_low_value_bits_continues_identically(bits):
     """The shipped defaults: 8-bit values and the automatic warm-up (here 50 steps at density
     0.02); a checkpoint taken in the middle of the decay resumes bit for bit."""

@@ -116,12 +116,14 @@ def variant(name):
     """The exchange's shape: flat, hosts first (``hierarchical=True``: the ranks of this
     machine are one host, MPI's shared-memory split, so the host phases carry everything and
     each cross exchange has one rank), or overlapped with backward in 3 stages."""
-    return {"flat": {}, "hier": {"hierarchical": True}, "overlap": {"overlap": 3}}[name]
+    return {"flat": {}, "hier": {"hierarchical": True}, "overlap": {"overlap": 3},
+            "4-bit": {"value_bits": 4}, "2-bit": {"value_bits": 2}}[name]
 
 
 @pytest.mark.parametrize("pull, servers, shape", [
     ("slim", 1, "flat"), ("union", 1, "flat"), ("slim", "all", "flat"), ("union", "all", "flat"),
-    ("slim", 1, "hier"), ("union", 1, "hier"), ("slim", 1, "overlap"), ("slim", "all", "overlap")])
+    ("slim", 1, "hier"), ("union", 1, "hier"), ("slim", 1, "overlap"), ("slim", "all", "overlap"),
+    ("slim", "all", "4-bit"), ("union", 1, "2-bit")])
 def test_fifty_steps_keep_replicas_identical(pull, servers, shape):
     model = Net()
     opt = wrap(model, density=0.01, pull=pull, servers=servers_of(servers), **variant(shape))
@@ -168,7 +170,7 @@ def test_adam_at_one_percent_keeps_replicas_identical():
 
 
 @pytest.mark.parametrize("servers, shape", [(1, "flat"), ("all", "flat"), (1, "hier"),
-                                           ("all", "overlap")])
+                                           ("all", "overlap"), (1, "2-bit")])
 def test_conservation_at_one_percent(servers, shape):
     """op=Sum: everything pulled + the servers' residuals + every worker's residual equals the
     sum over ranks and steps of every gradient computed."""

@@ -141,6 +141,10 @@ def summarise(results: Dict[str, Dict[str, Any]], out: str) -> str:
         if res["study"]["series"] == "compute":
             lines += [f"## End to end with compute: {res['settings']['model']}, 4 hosts at "
                       f"1 Gbit/s", "", _provenance(res), "", *_peer_table(res), ""]
+    for tag, res in results.items():
+        if res["study"]["series"] == "overlap":
+            lines += [f"## Overlap with backward: {res['settings']['model']}, 4 hosts at "
+                      f"1 Gbit/s", "", _provenance(res), "", *_peer_table(res), ""]
     lines += _scaling(results, out)
     lines += _hetero(results)
     shared = results.get("shared_resnet18_4r_1g")

@@ -89,14 +89,19 @@ class _SlimOptimizer(torch.optim.Optimizer):
                 self._exchange.grad_ready(p, self._open_round)
         return hook
 
+    def _step_round(self, wait: bool = True) -> Any:
+        """The join round that starts this step's exchange (join_sync), if this optimizer has
+        one: run now, or (``wait=False``) queued, returning its handle."""
+        if self._join_id is not None:
+            return engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
+                                         self._join_id, flush=False, wait=wait)
+        return None
+
     def _open_round(self):
         """Queue the join round of an overlapped step (from its first hook, so it keeps its
         place among the script's tensor-API calls); returns what waits for it, or None."""
-        if self._join_id is None:
-            return None
-        handle = engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
-                                       self._join_id, flush=False, wait=False)
-        return lambda: engine.synchronize(handle)
+        handle = self._step_round(wait=False)
+        return None if handle is None else (lambda: engine.synchronize(handle))
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate before each exchange."""
@@ -124,9 +129,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         if self._overlapped:   # the round, if any, was queued by the first hook (or is now)
             self._synchronize_now(self._open_round)
             return
-        if self._join_id is not None:   # before anything changes: a refusal leaves all as it was
-            engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
-                                  self._join_id, flush=False)
+        self._step_round()   # before anything changes: a refusal leaves all as it was
         self._synchronize_now()
 
     def _synchronize_now(self, opener=None) -> None:
@@ -189,9 +192,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         out = super(self.__class__, self).step(closure)
         self._end_accumulation()
         if self._outer.tick():
-            if self._join_id is not None:
-                engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
-                                      self._join_id, flush=False)
+            self._step_round()
             self._outer_exchange()
         return out
 
@@ -264,9 +265,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
             raise AssertionError("optimizer.flush() was called after loss.backward() but before "
                                  "optimizer.step(): step first, then flush")
         if self._outer is not None and self._outer.taken:   # end the round first
-            if self._join_id is not None:
-                engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
-                                      self._join_id, flush=False)
+            self._step_round()
             self._outer_exchange()
         if self._join_id is not None:
             engine.exchange_round("flush", self._join_id, flush=True)

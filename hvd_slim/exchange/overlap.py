@@ -73,11 +73,13 @@ class StagedExchange:
         self.layout, self.transport = layout, transport
         self.cuts = stage_cuts(named, config.overlap)
         self.stages: List[SlimExchange] = []
+        momentum = momentum or {}
         for cut in self.cuts:
             sl = Layout(cut, config, lambda dt: comm_dtype[dt])
-            plan = {sb.index: momentum[bucket_of[id(sb.segments[0].param)]]
-                    for sb in sl.sparse if (momentum or {}).get(
-                        bucket_of[id(sb.segments[0].param)]) is not None}
+            # A stage's compressed bucket takes the momentum plan of the whole model's bucket
+            # its parameters come from (one per dtype).
+            whole = {sb.index: bucket_of[id(sb.segments[0].param)] for sb in sl.sparse}
+            plan = {i: momentum[w] for i, w in whole.items() if w in momentum}
             self.stages.append(SlimExchange(sl, config, transport, plan, ranks=ranks))
         first = self.stages[0]
         self.cfg = first.cfg   # a process set's: server_rank in its numbering
@@ -86,15 +88,12 @@ class StagedExchange:
         self.servers = max(st.servers for st in self.stages)
         self.digest = layout.digest() ^ int(self.cfg.digest(), 16)
         self.stats = StagedStats(layout, self.size, self.stages)
-        self.stage_of = {id(s.param): k for k, st in enumerate(self.stages)
-                         for b in st.layout.buckets for s in b.segments}
-        self._waiting = self._counts()
+        self.stage_of = {id(p): k for k, cut in enumerate(self.cuts) for _, p in cut}
+        self._sizes = [len(cut) for cut in self.cuts]   # parameters per stage
+        self._waiting = list(self._sizes)
         self._runner = runner_for(transport, threaded)
         self._job: Optional[Job] = None
         self._agreed = False
-
-    def _counts(self) -> List[int]:
-        return [sum(len(b.segments) for b in st.layout.buckets) for st in self.stages]
 
     @property
     def step_count(self) -> int:
@@ -119,7 +118,7 @@ class StagedExchange:
         if self._job is None:
             self._start(opener)
         job, self._job = self._job, None
-        self._waiting = self._counts()
+        self._waiting = list(self._sizes)
         self._runner.wait(job)
         return self._settle(job)
 

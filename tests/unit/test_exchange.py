@@ -43,14 +43,17 @@ def simulate(size, steps, flush=False, dtype=torch.float32, **cfg):
     return run_ranks(size, rank_fn)
 
 
-def drive(rank, named, ex, steps, flush=False, dtype=torch.float32):
+def drive(rank, named, ex, steps, flush=False, dtype=torch.float32, before_step=None):
     """``steps`` exchanges of rank ``rank``'s seeded gradients through ``ex`` (then a flush):
-    the pulled updates per step, the gradients fed in, ``ex``, and the flushed update if any."""
+    the pulled updates per step, the gradients fed in, ``ex``, and the flushed update if any.
+    ``before_step(named)`` runs between the gradients and each step (overlap's hooks)."""
     pulled, fed = [], []
     for t in range(steps):
         for name, p in named:
             p.grad = grad_for(rank, t, name, p.shape, dtype)
         fed.append({name: p.grad.clone() for name, p in named})
+        if before_step is not None:
+            before_step(named)
         ex.step()
         pulled.append({name: p.grad.clone() for name, p in named})
     flushed = None

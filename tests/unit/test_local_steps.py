@@ -137,33 +137,30 @@ def test_checkpoints_of_other_local_steps_are_refused():
         wrap(model(), tr, local_steps=4).load_state_dict(partial)
 
 
-def test_the_first_step_handshake_names_another_local_steps():
+def first_step_errors(size, keywords):
+    """Every rank's error text from its first step (None where it succeeded), the optimizer
+    built with ``keywords(rank, model)``."""
     def body(rank, tr):
         m = model()
-        opt = wrap(m, tr, local_steps=4 if rank else 8, timeout=20)
+        opt = wrap(m, tr, timeout=20, **keywords(rank, m))
         try:
             one_step(m, opt, rank, 0)
         except Exception as exc:  # noqa: BLE001
             return str(exc)
         return None
 
-    msgs = run_ranks(3, body)
+    return run_ranks(size, body)
+
+
+def test_the_first_step_handshake_names_another_local_steps():
+    msgs = first_step_errors(3, lambda rank, m: {"local_steps": 4 if rank else 8})
     assert all(m is not None and "local_steps" in m for m in msgs), msgs
 
 
 def test_the_handshake_names_an_outer_optimizer_with_other_settings():
-    def body(rank, tr):
-        m = model()
-        outer = torch.optim.SGD(m.parameters(), lr=0.7 if rank else 0.5, momentum=0.9,
-                                nesterov=True)
-        opt = wrap(m, tr, local_steps=4, outer_optimizer=outer, timeout=20)
-        try:
-            one_step(m, opt, rank, 0)
-        except Exception as exc:  # noqa: BLE001
-            return str(exc)
-        return None
-
-    msgs = run_ranks(2, body)
+    msgs = first_step_errors(2, lambda rank, m: {
+        "local_steps": 4, "outer_optimizer": torch.optim.SGD(
+            m.parameters(), lr=0.7 if rank else 0.5, momentum=0.9, nesterov=True)})
     assert all(m is not None and "outer_optimizer" in m and "lr=0.5" in m for m in msgs), msgs
 
 

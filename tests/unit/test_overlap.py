@@ -13,8 +13,9 @@ from hvd_slim.exchange.overlap import StagedExchange, stage_cuts
 from hvd_slim.transport import FakeCluster, run_ranks
 from hvd_slim.transport.base import TransportTimeout
 
-from test_exchange import SHAPES, grad_for, make_params, total
+from test_exchange import SHAPES, drive, make_params, total
 from test_optimizer import Net, batch, flat, wrap
+from test_shards import held_by_name
 
 
 def staged(named, config, transport):
@@ -22,32 +23,18 @@ def staged(named, config, transport):
                           [n for n, _ in named], threaded=True)
 
 
-def drive_staged(rank, named, ex, steps, flush=False):
-    """Like test_exchange.drive, each step's gradients announced in backward order."""
-    pulled, fed = [], []
-    for t in range(steps):
-        for name, p in named:
-            p.grad = grad_for(rank, t, name, p.shape)
-        fed.append({name: p.grad.clone() for name, p in named})
-        for _, p in reversed(named):
-            ex.grad_ready(p, None)
-        ex.step()
-        pulled.append({name: p.grad.clone() for name, p in named})
-    flushed = None
-    if flush:
-        for _, p in named:
-            p.grad = None
-        ex.flush()
-        flushed = {name: p.grad.clone() for name, p in named if p.grad is not None}
-    return pulled, fed, ex, flushed
-
-
 def simulate(size, steps, flush=False, **cfg):
     config = SlimConfig(min_compress_numel=cfg.pop("min_compress_numel", 1000), **cfg)
 
     def body(rank, tr):
         named = make_params()
-        return drive_staged(rank, named, staged(named, config, tr), steps, flush)
+        ex = staged(named, config, tr)
+
+        def hooks(ps):   # what the gradient hooks report: every parameter, in backward order
+            for _, p in reversed(ps):
+                ex.grad_ready(p, None)
+
+        return drive(rank, named, ex, steps, flush, before_step=hooks)
 
     return run_ranks(size, body)
 
@@ -70,15 +57,8 @@ def test_conservation_and_identity(size, servers):
     for t in range(5):
         for name in SHAPES:
             assert all(torch.equal(res[0][0][t][name], res[r][0][t][name]) for r in range(size))
-    fed, pulled = total(d for rank in res for d in rank[1]), total(res[0][0])
-    held = {}
-    for rank in res:
-        ex = rank[2]
-        h = ex.held_residuals()
-        for b in ex.layout.sparse:
-            for s in b.segments:
-                v = h[b.index][s.offset:s.offset + s.numel].view(s.param.shape)
-                held[s.name] = held.get(s.name, 0) + v
+    fed, pulled, held = total(d for rank in res for d in rank[1]), total(res[0][0]), \
+        held_by_name(res)
     for name in SHAPES:
         got = pulled[name] + held.get(name, 0)
         assert torch.allclose(got, fed[name], rtol=1e-4, atol=1e-3), name
@@ -134,6 +114,17 @@ def test_replicas_stay_identical_and_traffic_is_counted_per_stage():
     assert res[0][1].slim_config.overlap == 4
 
 
+def stages_begun(opt, expected, linger=0.0):
+    """How many stages of the step in flight the communication thread has begun, once it has
+    begun ``expected`` (or 30 s passed) and ``linger`` more seconds (time for any further one)."""
+    job = opt._exchange._job
+    deadline = time.monotonic() + 30
+    while len(job.results) < expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(linger)
+    return len(job.results)
+
+
 def chain():
     """Three layers, every parameter used: the same start on every simulated rank."""
     model = torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.ReLU(),
@@ -153,11 +144,7 @@ def test_stages_are_exchanged_during_backward_before_step():
         opt = wrap(model, tr, density=0.05, overlap=3)
         x, y = batch(rank, 0)
         torch.nn.functional.cross_entropy(model(x), y).backward()   # every stage ready
-        job = opt._exchange._job
-        deadline = time.monotonic() + 30
-        while len(job.results) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        begun = len(job.results)
+        begun = stages_begun(opt, 3)
         opt.step()
         return begun, flat(model)
 
@@ -171,12 +158,7 @@ def test_an_unused_parameter_holds_back_the_stages_after_it_until_step():
         opt = wrap(model, tr, density=0.05, overlap=3)
         x, y = batch(rank, 0)
         torch.nn.functional.cross_entropy(model(x, 1), y).backward()   # b gets no gradient
-        job = opt._exchange._job
-        deadline = time.monotonic() + 30
-        while len(job.results) < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)
-        begun = len(job.results)
+        begun = stages_begun(opt, 1, linger=0.2)
         opt.step()
         return begun, flat(model)
 

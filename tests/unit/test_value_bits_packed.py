@@ -9,6 +9,7 @@ from hvd_slim.transport import run_ranks
 from hvd_slim.wire.values import pack, packed_nbytes, unpack
 
 from test_exchange import SHAPES, drive, make_params, total
+from test_shards import held_by_name
 
 
 @pytest.mark.parametrize("bits, err", [(4, 1 / 14), (2, 1 / 3)])
@@ -46,14 +47,7 @@ def test_conservation_and_identity_at_packed_bits(bits, servers, pull, device):
     for t in range(5):
         for name in SHAPES:
             assert all(torch.equal(res[0][0][t][name], r[0][t][name]) for r in res)
-    fed, pulled = total(d for r in res for d in r[1]), total(res[0][0])
-    held = {}
-    for r in res:
-        h = r[2].held_residuals()
-        for b in r[2].layout.sparse:
-            for s in b.segments:
-                held[s.name] = held.get(s.name, 0) + \
-                    h[b.index][s.offset:s.offset + s.numel].view(s.param.shape)
+    fed, pulled, held = total(d for r in res for d in r[1]), total(res[0][0]), held_by_name(res)
     for name in SHAPES:
         assert torch.allclose(pulled[name] + held.get(name, 0), fed[name], rtol=1e-4,
                               atol=1e-3), name

@@ -66,9 +66,20 @@ LOCAL_ABLATION = (("default", None, {}), ("default local_steps=8", None, {"local
                   # the issue's target point: H = 32, density 0.01, 4-bit values
                   ("local_steps=32 0.01 4-bit", 0.01, {"local_steps": 32, "value_bits": 4}))
 
+# The local-steps grid on the language model (1 seed a point; ``--groups local-grid``): H at
+# 4-bit values for both densities, the value bits at the target point, and DiLoCo's own
+# exchange (density 1.0, 32-bit) at H = 32 to tell what local steps cost from what the
+# compression costs.
+LOCAL_GRID = tuple(
+    [(f"local_steps={h} {d} 4-bit", d, {"local_steps": h, "value_bits": 4})
+     for d in (0.01, 0.001) for h in (1, 8, 32, 128) if (h, d) != (32, 0.01)]
+    + [(f"local_steps=32 0.01 {b}-bit", 0.01, {"local_steps": 32, "value_bits": b})
+       for b in (32, 8, 2)]
+    + [("local_steps=32 dense", 1.0, {"local_steps": 32, "value_bits": 32})])
+
 ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
     {label for label, slim in OVERLAP_ABLATION if slim} | \
-    {label for label, _, slim in LOCAL_ABLATION if slim}
+    {label for label, _, slim in LOCAL_ABLATION + LOCAL_GRID if slim}
 
 
 def _config(case: str, variant: Tuple[str, str, Optional[float], Dict[str, Any]],
@@ -101,6 +112,9 @@ def configs(group: str) -> List[Config]:
                 for label, density, slim in runs] + \
             [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
              for label, density, slim in runs]
+    if group == "local-grid":
+        return [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
+                for label, density, slim in LOCAL_GRID]
     if group == "untuned-ablation":
         case = "adamw-warmup"
         return [(f"{case} {label}", "slim", density, slim,
@@ -110,7 +124,9 @@ def configs(group: str) -> List[Config]:
 
 
 GROUPS = ("untuned", "untuned-peers", "lm", "lm-peers")
-EXTRA_GROUPS = ("lm-ablation", "untuned-ablation", "overlap-ablation", "local-steps")   # on request (--groups ...), not by default
+# on request (--groups ...), not by default
+EXTRA_GROUPS = ("lm-ablation", "untuned-ablation", "overlap-ablation", "local-steps",
+                "local-grid")
 
 
 # --- the report ------------------------------------------------------------------------------

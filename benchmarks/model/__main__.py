@@ -9,7 +9,8 @@ from typing import List, Optional
 from . import extrapolate, validate
 from . import net as nw
 from .slim import SlimSettings
-from .strategies import LocalCosts, Scenario, predict
+from .scenario import ALLREDUCE, MPI_KINDS, LocalCosts, Scenario
+from .strategies import predict
 from .workloads import WORKLOADS, shapes_of
 
 
@@ -36,7 +37,11 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
                    help="ns per element of hvd_slim's selection (worker and server)")
     p.add_argument("--latency-us", type=float, default=extrapolate.LATENCY_S * 1e6)
     p.add_argument("--overhead-us", type=float, default=0.0, help="software cost per message")
-    p.add_argument("--allreduce", choices=sorted(nw.ALLREDUCE), default="ring")
+    p.add_argument("--allreduce", choices=sorted(ALLREDUCE), default="ring",
+                   help="an ideal MPI's allreduce (the dense baseline; default ring)")
+    p.add_argument("--mpi", choices=MPI_KINDS, default="ideal",
+                   help="ideal: full duplex, --allreduce; openmpi-tcp: Open MPI 4.1's own "
+                        "algorithms over its TCP BTL, as the benchmark runs them")
     p.add_argument("--value-bits", type=int, choices=(8, 16, 32), default=8,
                    help="hvd_slim's value_bits")
 
@@ -92,13 +97,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             a.out, [m for m in a.models.split(",") if m], _floats(a.rates_gbit),
             [int(x) for x in a.ranks.split(",") if x], [p for p in a.peers.split(",") if p],
             latency_s=a.latency_us * 1e-6, overhead_s=a.overhead_us * 1e-6,
-            compute_s=a.compute_s, local=local, slim=slim, allreduce=a.allreduce,
+            compute_s=a.compute_s, local=local, slim=slim, allreduce=a.allreduce, mpi=a.mpi,
             slow_host=a.slow_host)
     net = nw.Network(a.topology, tuple(r * 1e9 for r in _floats(a.rate_gbit)),
                      latency_s=a.latency_us * 1e-6, overhead_s=a.overhead_us * 1e-6,
                      ranks_per_host=a.ranks_per_host)
     sc = Scenario(a.ranks, net, tuple(shapes_of(a.model)), compute_s=a.compute_s,
-                  local=_local(a), slim=slim, allreduce=a.allreduce)
+                  local=_local(a), slim=slim, allreduce=a.allreduce, mpi=a.mpi)
     pr = predict(a.peer, sc)
     print(f"{pr.peer}: {pr.seconds:.6g} s/step = compute {pr.compute_s:.4g} + local "
           f"{pr.local_s:.4g} + communication {pr.comm_s:.4g}; busiest NIC tx "

@@ -1,10 +1,12 @@
 """The model far beyond the benchmark: N = 16 .. 1024 hosts on a switched network of 10 and
 100 Gbit/s NICs, for ResNet-50 (25.6M parameters) and a 1.28B-parameter transformer.
 
-Defaults: one rank per host, 5 us one-way latency, no per-message overhead, no compute and no
-local work, so the figures are each strategy's communication time per step (``--compute-s``
-and the ``--*-ns`` costs add the rest). Writes ``extrapolation.md`` and one PNG per model
-(when matplotlib is there) into ``--out``.
+Defaults: one rank per host, 5 us one-way latency, no per-message overhead, no token buckets, an
+ideal full-duplex MPI (``--mpi openmpi-tcp`` for Open MPI over TCP as the benchmark runs it),
+no compute and no local work, so the figures are each strategy's communication time per step
+(``--compute-s`` and the ``--*-ns`` costs add the rest). Sharded servers pull in one
+``Iallgatherv``: n - 1 messages a rank, so ``--overhead-us`` adds (n - 1) times its cost.
+Writes ``extrapolation.md`` and one PNG per model (when matplotlib is there) into ``--out``.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ Grid = Dict[Tuple[str, float], Dict[int, Dict[str, Prediction]]]
 def grid(models: Sequence[str], rates: Sequence[float], ranks: Sequence[int],
          peers: Sequence[str], latency_s: float = LATENCY_S, overhead_s: float = 0.0,
          compute_s: float = 0.0, local: LocalCosts = LocalCosts(),
-         slim: SlimSettings = SlimSettings(), allreduce: str = "ring",
+         slim: SlimSettings = SlimSettings(), allreduce: str = "ring", mpi: str = "ideal",
          slow_host: Optional[float] = None) -> Grid:
     """Every peer's prediction for every (model, rate in Gbit/s) and rank count. ``slow_host``:
     the last host's NIC at that fraction of the rate (the server, rank 0, keeps the full one)."""
@@ -46,7 +48,7 @@ def grid(models: Sequence[str], rates: Sequence[float], ranks: Sequence[int],
                 net = nw.Network("switched", tuple(rates_bps), latency_s=latency_s,
                                  overhead_s=overhead_s)
                 sc = Scenario(n, net, shapes, compute_s=compute_s, local=local, slim=slim,
-                              allreduce=allreduce)
+                              allreduce=allreduce, mpi=mpi)
                 per_n[n] = {p: predict(p, sc) for p in peers}
             out[(model, rate)] = per_n
     return out
@@ -146,8 +148,9 @@ def main(out_dir: str, models: Sequence[str], rates: Sequence[float], ranks: Seq
     slim = kw.get("slim", SlimSettings())
     title = (f"Extrapolation: {what}, switched network, one rank per host, "
              f"{lat * 1e6:g} us latency, {kw.get('overhead_s', 0.0) * 1e6:g} us per message, "
-             f"dense allreduce by {kw.get('allreduce', 'ring')}, hvd_slim at value_bits "
-             f"{slim.value_bits} with its pull by libnbc's Ibcast (a pipelined chain)")
+             f"dense allreduce by {kw.get('allreduce', 'ring')} ({kw.get('mpi', 'ideal')} "
+             f"MPI), hvd_slim at value_bits {slim.value_bits} with its pull by libnbc's Ibcast "
+             f"(a pipelined chain), sharded pulls by one Iallgatherv")
     if not comm_only:
         title += (f"; compute {kw.get('compute_s', 0.0):g} s, per element: pass "
                   f"{loc.pass_s * 1e9:.3g} ns, top-k selection {loc.topk_select_s * 1e9:.3g} ns, "

@@ -12,6 +12,21 @@ handles:
 * ``shared`` (and ``loopback``, a shared link at a high rate): every byte any rank sends crosses
   the one link, ``sum(bytes) / r``. On a loopback each byte is one packet on ``lo``, counted once.
 
+Two refinements, each a property of what carries the bytes, not of a strategy:
+
+* **Token buckets** (``Network.burst_bytes``). The benchmark shapes every NIC direction (and the
+  shared loopback) with ``tc tbf``, whose bucket holds ``burst`` bytes (benchmarks/cluster.py's
+  rule: 1 ms at the rate, at least 32 KiB). A bucket refills while its direction is idle, so a
+  collective that starts after local work (longer than ``burst / rate``: 1 ms at 1 Gbit/s, 2.6 ms
+  at 100 Mbit/s, 26 ms at 10 Mbit/s) sends its first ``burst`` bytes on each NIC direction at
+  line speed. A collective passes one :class:`Tokens` through its phases: each NIC direction's
+  bucket is spent once, by the first phase that uses it (back-to-back phases leave none). At
+  1 Gbit/s it is 125 kB of tens of MB; at 10 and 100 Mbit/s it is most of a small message.
+* **Serialized exchanges** (``phase(..., serial=True)``): where each rank sends to and receives
+  from the same peer over a transport whose two directions do not overlap (Open MPI's TCP BTL
+  for large messages, :mod:`.openmpi`), a NIC carries its transmit and its receive bytes one
+  after the other: ``(tx_h + rx_h) / r_h`` instead of the maximum.
+
 Rates are bits/s; ``efficiency`` (the achieved share of line rate, e.g. the benchmark's
 pingpong over the nominal rate) scales every rate. NIC counters (``tx``/``rx`` per endpoint: a
 host when switched, a rank when shared) are payload bytes times ``frame_overhead``
@@ -22,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 TOPOLOGIES = ("switched", "shared", "loopback")
 Flow = Tuple[int, int, float]   # (source rank, destination rank, bytes)
@@ -45,6 +60,7 @@ class Network:
     ranks_per_host: int = 1              # switched only: ranks r*k .. r*k+k-1 share host r
     frame_overhead: float = 1.0          # NIC-counter bytes per payload byte
     ack_overhead: float = 0.0            # NIC-counter bytes sent back per payload byte received
+    burst_bytes: Tuple[float, ...] = ()  # token bucket per host (or one for all); () none
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -54,6 +70,11 @@ class Network:
         if not rates or min(rates) <= 0:
             raise ValueError(f"rates must be positive bits/s, got {self.rate_bps!r}")
         object.__setattr__(self, "rate_bps", rates)
+        bursts = tuple(float(b) for b in (self.burst_bytes if isinstance(self.burst_bytes, Iterable)
+                                          else (self.burst_bytes,)))
+        if bursts and min(bursts) < 0:
+            raise ValueError(f"burst_bytes must be >= 0, got {self.burst_bytes!r}")
+        object.__setattr__(self, "burst_bytes", bursts)
         if not 0 < self.efficiency <= 1.5 or self.ranks_per_host < 1:
             raise ValueError("efficiency must be in (0, 1.5] and ranks_per_host >= 1")
 
@@ -73,11 +94,42 @@ class Network:
         r = self.rate_bps[0] if self.shared or len(self.rate_bps) == 1 else self.rate_bps[endpoint]
         return r * self.efficiency
 
+    def burst(self, endpoint: int = 0) -> float:
+        """Payload bytes a full token bucket lets through at line speed (the bucket counts
+        frames, so its bytes over ``frame_overhead``)."""
+        if not self.burst_bytes:
+            return 0.0
+        b = self.burst_bytes[0] if self.shared or len(self.burst_bytes) == 1 else \
+            self.burst_bytes[endpoint]
+        return b / self.frame_overhead
+
     def check(self, n: int) -> None:
         hosts = self.endpoints(n)
         if not self.shared and len(self.rate_bps) not in (1, hosts):
             raise ValueError(f"{hosts} hosts but {len(self.rate_bps)} rates: give one or one "
                              "per host")
+
+
+class Tokens:
+    """The token buckets one collective may still spend: full at its start, each NIC direction's
+    (or the shared link's) spent by the first phase that uses it."""
+
+    def __init__(self, net: Network, n: int) -> None:
+        self.net = net
+        self.left: Dict[Tuple[int, str], float] = {}
+        if net.burst_bytes:
+            if net.shared:
+                self.left[(0, "link")] = net.burst(0)
+            else:
+                for h in range(net.endpoints(n)):
+                    self.left[(h, "tx")] = self.left[(h, "rx")] = net.burst(h)
+
+    def spend(self, key: Tuple[int, str], load: float) -> float:
+        """``load`` bytes less what the bucket ``key`` lets through free (and empty it)."""
+        free = min(load, self.left.get(key, 0.0))
+        if load > 0 and key in self.left:
+            self.left[key] = 0.0
+        return load - free
 
 
 @dataclass
@@ -104,10 +156,17 @@ class Cost:
         return self
 
 
-def phase(net: Network, n: int, flows: Iterable[Flow]) -> Cost:
+def empty(net: Network, n: int) -> Cost:
+    return Cost(0.0, [0.0] * net.endpoints(n), [0.0] * net.endpoints(n), 0)
+
+
+def phase(net: Network, n: int, flows: Iterable[Flow], tokens: Optional[Tokens] = None,
+          serial: bool = False) -> Cost:
     """One phase: ``flows`` concurrently, then one latency, and the per-message overhead once
     for every message the busiest rank handles (a rank's sends overlap its receives; the root
-    of a gather or a linear broadcast handles n-1 in turn)."""
+    of a gather or a linear broadcast handles n-1 in turn). ``tokens``: the collective's token
+    buckets (see the module docstring); ``serial``: a NIC's transmit and receive bytes one after
+    the other (a pairwise exchange whose directions do not overlap)."""
     ends = net.endpoints(n)
     tx, rx = [0.0] * ends, [0.0] * ends
     sends: Dict[int, int] = {}
@@ -126,11 +185,14 @@ def phase(net: Network, n: int, flows: Iterable[Flow]) -> Cost:
         rx[b] += nbytes
     if not any_flow:
         return Cost(0.0, tx, rx, 0)
+    spend = tokens.spend if tokens is not None else (lambda key, load: load)
     if net.shared:
-        bw = 8 * sum(tx) / net.rate()
+        bw = 8 * spend((0, "link"), sum(tx)) / net.rate()
     else:
-        bw = max((8 * max(t, r) / net.rate(h) for h, (t, r) in enumerate(zip(tx, rx))),
-                 default=0.0)
+        bw = 0.0
+        for h, (t, r) in enumerate(zip(tx, rx)):
+            t, r = spend((h, "tx"), t), spend((h, "rx"), r)
+            bw = max(bw, 8 * ((t + r) if serial else max(t, r)) / net.rate(h))
     msgs = max(max(sends.values()), max(recvs.values()))
     return Cost(bw + net.latency_s + msgs * net.overhead_s, *counters(net, tx, rx), 1)
 
@@ -142,141 +204,68 @@ def counters(net: Network, tx: List[float], rx: List[float]) -> Tuple[List[float
     return ([f * t + a * r for t, r in zip(tx, rx)], [f * r + a * t for t, r in zip(tx, rx)])
 
 
+def repeated(net: Network, n: int, flows: List[Flow], times: int, serial: bool = False) -> Cost:
+    """``times`` identical phases back to back: the first spends the token buckets."""
+    if times < 1:
+        return empty(net, n)
+    out = phase(net, n, flows, Tokens(net, n), serial)
+    return out.add(phase(net, n, flows, None, serial), times - 1)
+
+
 # --- allreduce -------------------------------------------------------------------------------
 def ring_allreduce(net: Network, n: int, nbytes: float) -> Cost:
     """Reduce-scatter then allgather around a ring: ``2(n-1)`` phases, each rank sending
-    ``nbytes/n`` to its successor (``2(n-1)/n * nbytes`` per rank each way)."""
+    ``nbytes/n`` to its successor (``2(n-1)/n * nbytes`` per rank each way). Gloo's allreduce
+    (DDP, PowerSGD) and the extrapolation's dense baseline."""
     if n < 2 or nbytes <= 0:
-        return Cost(0.0, [0.0] * net.endpoints(n), [0.0] * net.endpoints(n))
-    one = phase(net, n, ((i, (i + 1) % n, nbytes / n) for i in range(n)))
-    return Cost().add(one, 2 * (n - 1))
+        return empty(net, n)
+    return repeated(net, n, [(i, (i + 1) % n, nbytes / n) for i in range(n)], 2 * (n - 1))
 
 
 def recursive_doubling_allreduce(net: Network, n: int, nbytes: float) -> Cost:
-    """``ceil(log2 n)`` phases, rank i exchanging the whole vector with ``i xor 2^j`` (Open MPI's
-    choice for small messages; a partner beyond ``n`` is skipped, an approximation for n not a
-    power of two)."""
-    out = Cost(0.0, [0.0] * net.endpoints(n), [0.0] * net.endpoints(n))
+    """``ceil(log2 n)`` phases, rank i exchanging the whole vector with ``i xor 2^j`` (a
+    partner beyond ``n`` is skipped, an approximation for n not a power of two)."""
+    out, tokens = empty(net, n), Tokens(net, n)
     for j in range(math.ceil(math.log2(n)) if n > 1 else 0):
         out.add(phase(net, n, ((i, i ^ (1 << j), nbytes) for i in range(n)
-                               if (i ^ (1 << j)) < n)))
+                               if (i ^ (1 << j)) < n), tokens))
     return out
 
 
 def rabenseifner_allreduce(net: Network, n: int, nbytes: float) -> Cost:
     """Reduce-scatter by recursive halving, allgather by recursive doubling: ``2 log2 n``
-    phases, the ring's ``2(n-1)/n`` volume (for n a power of two)."""
-    out = Cost(0.0, [0.0] * net.endpoints(n), [0.0] * net.endpoints(n))
+    phases, the ring's ``2(n-1)/n`` volume (for n a power of two; :mod:`.openmpi` has Open
+    MPI's own, with its schedule for the others)."""
+    out, tokens = empty(net, n), Tokens(net, n)
     steps = math.ceil(math.log2(n)) if n > 1 else 0
     sizes = [nbytes / 2 ** (j + 1) for j in range(steps)]
     for j, size in list(enumerate(sizes)) + list(reversed(list(enumerate(sizes)))):
         out.add(phase(net, n, ((i, i ^ (1 << j), size) for i in range(n)
-                               if (i ^ (1 << j)) < n)))
+                               if (i ^ (1 << j)) < n), tokens))
     return out
 
 
-ALLREDUCE: Dict[str, Callable[[Network, int, float], Cost]] = {
-    "ring": ring_allreduce, "recursive_doubling": recursive_doubling_allreduce,
-    "rabenseifner": rabenseifner_allreduce}
-
-
-# --- allgather, gather, broadcast ----------------------------------------------------------
+# --- allgather, gather ---------------------------------------------------------------------
 def ring_allgather(net: Network, n: int, each: float) -> Cost:
     """``n-1`` phases passing ``each`` bytes around the ring: every NIC receives
     ``(n-1) * each``."""
     if n < 2 or each <= 0:
-        return Cost(0.0, [0.0] * net.endpoints(n), [0.0] * net.endpoints(n))
-    return Cost().add(phase(net, n, ((i, (i + 1) % n, each) for i in range(n))), n - 1)
+        return empty(net, n)
+    return repeated(net, n, [(i, (i + 1) % n, each) for i in range(n)], n - 1)
 
 
 def bruck_allgather(net: Network, n: int, each: float) -> Cost:
     """Open MPI's small-message allgather (Bruck): ``ceil(log2 n)`` phases, in phase j rank i
     sends the ``min(2^j, n - 2^j)`` blocks it holds to rank ``i - 2^j``."""
-    out = Cost(0.0, [0.0] * net.endpoints(n), [0.0] * net.endpoints(n))
+    out, tokens = empty(net, n), Tokens(net, n)
     for j in range(math.ceil(math.log2(n)) if n > 1 else 0):
         step = 1 << j
         out.add(phase(net, n, ((i, (i - step) % n, min(step, n - step) * each)
-                               for i in range(n))))
+                               for i in range(n)), tokens))
     return out
 
 
 def gather(net: Network, n: int, root: int, each: float) -> Cost:
     """Every other rank sends ``each`` bytes to ``root`` at once (point-to-point, as hvd_slim's
     push): the root's ingress carries ``(n-1) * each``."""
-    return phase(net, n, ((j, root, each) for j in range(n) if j != root))
-
-
-def bcast_linear(net: Network, n: int, root: int, nbytes: float) -> Cost:
-    """The root sends the whole message to every rank at once."""
-    return phase(net, n, ((root, j, nbytes) for j in range(n) if j != root))
-
-
-def _rank(vrank: int, root: int) -> int:
-    # libnbc's virtual ranks: the root is vrank 0 and rank 0 takes the root's place.
-    return root if vrank == 0 else (0 if vrank == root else vrank)
-
-
-def bcast_binomial(net: Network, n: int, root: int, nbytes: float) -> Cost:
-    """``ceil(log2 n)`` rounds; in round r every vrank below ``2^r`` that has the message sends
-    it to vrank ``+ 2^r``."""
-    out = Cost(0.0, [0.0] * net.endpoints(n), [0.0] * net.endpoints(n))
-    for r in range(math.ceil(math.log2(n)) if n > 1 else 0):
-        out.add(phase(net, n, ((_rank(v, root), _rank(v + (1 << r), root), nbytes)
-                               for v in range(1 << r) if v + (1 << r) < n)))
-    return out
-
-
-def bcast_chain(net: Network, n: int, root: int, nbytes: float, seg: float = 32768) -> Cost:
-    """A pipelined chain vrank 0 -> 1 -> ... -> n-1 in segments of ``seg`` bytes: every rank
-    but the last forwards the message once. Time: the pipeline (``nseg + n - 2`` segment slots
-    on the slowest link) or the load bound (a shared link carries ``(n-1) * nbytes``), whichever
-    is longer, plus one overhead per segment (libnbc waits for each segment's send before the
-    next) and one latency per hop."""
-    ends = net.endpoints(n)
-    out = Cost(0.0, [0.0] * ends, [0.0] * ends, 0)
-    if n < 2 or nbytes <= 0:
-        return out
-    nseg = math.ceil(nbytes / seg)
-    slot = 0.0
-    for v in range(n - 1):
-        a, b = net.endpoint(_rank(v, root)), net.endpoint(_rank(v + 1, root))
-        if a != b:
-            out.tx[a] += nbytes
-            out.rx[b] += nbytes
-            slot = max(slot, 8 * min(seg, nbytes) / min(net.rate(a), net.rate(b)))
-    if net.shared:
-        load = 8 * sum(out.tx) / net.rate()
-    else:
-        load = max((8 * max(t, r) / net.rate(h) for h, (t, r) in enumerate(zip(out.tx, out.rx))),
-                   default=0.0)
-    out.seconds = max((nseg + n - 2) * slot, load) + nseg * net.overhead_s + \
-        (n - 1) * net.latency_s
-    out.phases = nseg + n - 2
-    out.tx, out.rx = counters(net, out.tx, out.rx)
-    return out
-
-
-def libnbc_ibcast(n: int, nbytes: float) -> Tuple[str, int]:
-    """The algorithm Open MPI's libnbc (which serves ``MPI_Ibcast`` by default, and so
-    hvd_slim's pull) picks: linear up to 4 ranks, binomial under 64 KiB, else a chain of 8 KiB
-    segments under 512 KiB and of 32 KiB ones above (ompi/mca/coll/libnbc/nbc_ibcast.c)."""
-    if n <= 4:
-        return "linear", 0
-    if nbytes < 65536:
-        return "binomial", 0
-    return ("chain", 8192) if nbytes < 524288 else ("chain", 32768)
-
-
-def bcast(net: Network, n: int, root: int, nbytes: float, algo: str = "libnbc") -> Cost:
-    """A broadcast by ``algo``: ``libnbc`` (its own choice, see :func:`libnbc_ibcast`),
-    ``linear``, ``binomial`` or ``chain`` (32 KiB segments)."""
-    seg = 32768
-    if algo == "libnbc":
-        algo, seg = libnbc_ibcast(n, nbytes)
-    if algo == "linear":
-        return bcast_linear(net, n, root, nbytes)
-    if algo == "binomial":
-        return bcast_binomial(net, n, root, nbytes)
-    if algo == "chain":
-        return bcast_chain(net, n, root, nbytes, seg)
-    raise ValueError(f"unknown broadcast algorithm {algo!r}")
+    return phase(net, n, ((j, root, each) for j in range(n) if j != root), Tokens(net, n))

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from benchmarks.model import bcast as bc
 from benchmarks.model import net as nw
 from benchmarks.model import validate
 from benchmarks.model.__main__ import main as cli
@@ -87,26 +88,26 @@ def test_tree_allreduces_take_log_n_steps():
 
 def test_broadcasts():
     b, lat = 1e6, 4e-6
-    lin = nw.bcast_linear(switched(4, latency=lat), 4, 0, b)
+    lin = bc.bcast_linear(switched(4, latency=lat), 4, 0, b)
     assert lin.seconds == pytest.approx(3 * b * 8 / GBIT + lat) and lin.tx[0] == 3 * b
-    binom = nw.bcast_binomial(switched(8, latency=lat), 8, 0, b)
+    binom = bc.bcast_binomial(switched(8, latency=lat), 8, 0, b)
     assert binom.phases == 3 and binom.seconds == pytest.approx(3 * (b * 8 / GBIT + lat))
     assert sum(binom.rx) == 7 * b and binom.rx[0] == 0
     seg = 32768
-    chain = nw.bcast_chain(switched(8, latency=lat), 8, 0, b, seg)
+    chain = bc.bcast_chain(switched(8, latency=lat), 8, 0, b, seg)
     nseg = math.ceil(b / seg)
     assert chain.seconds == pytest.approx((nseg + 6) * seg * 8 / GBIT + 7 * lat)
     assert chain.tx == pytest.approx([b] * 7 + [0]) and chain.rx == pytest.approx([0] + [b] * 7)
     # On a shared link the chain carries the message n-1 times.
-    sh = nw.bcast_chain(nw.Network("shared", (GBIT,), latency_s=0), 8, 0, b, seg)
+    sh = bc.bcast_chain(nw.Network("shared", (GBIT,), latency_s=0), 8, 0, b, seg)
     assert sh.seconds == pytest.approx(7 * b * 8 / GBIT)
 
 
 def test_libnbc_picks_linear_binomial_then_a_chain():
-    assert nw.libnbc_ibcast(4, 1e8) == ("linear", 0)
-    assert nw.libnbc_ibcast(5, 1000) == ("binomial", 0)
-    assert nw.libnbc_ibcast(64, 100_000) == ("chain", 8192)
-    assert nw.libnbc_ibcast(64, 10_000_000) == ("chain", 32768)
+    assert bc.libnbc_ibcast(4, 1e8) == ("linear", 0)
+    assert bc.libnbc_ibcast(5, 1000) == ("binomial", 0)
+    assert bc.libnbc_ibcast(64, 100_000) == ("chain", 8192)
+    assert bc.libnbc_ibcast(64, 10_000_000) == ("chain", 32768)
 
 
 def test_ranks_of_one_host_do_not_touch_its_nic():
@@ -270,7 +271,7 @@ def test_hvd_slim_step_is_its_phases_in_series():
     b = step_bytes(4_000_000, 100, n, SlimSettings(density=0.01))
     net = sc.net
     want = (nw.bruck_allgather(net, n, 352).seconds + nw.gather(net, n, 0, b.push).seconds
-            + nw.bcast(net, n, 0, 8).seconds + nw.bcast(net, n, 0, b.pull).seconds)
+            + bc.bcast(net, n, 0, 8).seconds + bc.bcast(net, n, 0, b.pull).seconds)
     assert got.comm_s == pytest.approx(want, rel=1e-12) and got.local_s == 0
     assert got.detail["bcast"] == "chain"
     assert got.busiest_rx == pytest.approx((n - 1) * b.push + (n - 1) * 352, rel=1e-9)

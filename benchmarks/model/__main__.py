@@ -59,7 +59,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="calibration runs (the same peers on the loopback): each results file "
                         "takes the one with its model and rank count, and every peer's "
                         "compute + local work is that run's median minus the model's "
-                        "communication there (exit 2 when a file has none)")
+                        "communication there, times the file's load index (exit 2 when a "
+                        "file has none)")
+    v.add_argument("--no-load-correction", action="store_true",
+                   help="with --local-from: do not scale the calibrated local work by the "
+                        "load index (the median ratio of the two runs' selection times)")
     e = sub.add_parser("extrapolate", help="tables and plots for N = 16 .. 1024 hosts")
     e.add_argument("--out", required=True, help="directory for extrapolation.md and PNGs")
     e.add_argument("--models", default=",".join(extrapolate.DEFAULT_MODELS))
@@ -86,7 +90,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     a = parse_args(argv)
     if a.cmd == "validate":
-        return validate.main(a.results, a.tolerance, a.local_from)
+        return validate.main(a.results, a.tolerance, a.local_from,
+                             corrected=not a.no_load_correction)
     slim = SlimSettings(value_bits=a.value_bits)
     if a.cmd == "extrapolate":
         local = _local(a)

@@ -27,6 +27,8 @@ from hvd_slim.transport import run_ranks
 
 pytestmark = pytest.mark.unit
 
+# The benchmark's tbf bucket at 1 Gbit/s (benchmarks/cluster.burst: 122 KiB), in payload bytes.
+FREE_1G = 122 * 1024 / nw.ETH_FRAME_OVERHEAD
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OLD = os.path.join(ROOT, "benchmarks", "results", "resnet18_4r_tbf1g.json")
 GBIT = 1e9
@@ -280,10 +282,11 @@ def test_hvd_slim_step_is_its_phases_in_series():
 # --- validate and extrapolate ----------------------------------------------------------------
 def _synthetic(tmp_path, factor):
     """A switched-cluster results file for the "tiny" shapes: the floor, and mpi-allreduce at
-    ``factor`` times its closed form (floor + its 3 passes at floor/(4 d) + the ring)."""
+    ``factor`` times its closed form (floor + its 3 passes at floor/(4 d) + the ring, whose
+    first phase sends its first FREE_1G bytes a NIC from the full token bucket)."""
     d = numel(shapes_of("tiny"))
     floor, lat = 0.01, 1e-4
-    ring = 2 * 3 / 4 * 4 * d * 8 / GBIT + 6 * lat
+    ring = 2 * 3 / 4 * 4 * d * 8 / GBIT + 6 * lat - FREE_1G * 8 / GBIT
     want = floor + PASSES["mpi-allreduce"] * floor / FLOOR_PASSES + ring
     wire = 2 * 3 / 4 * 4 * d
     res = {"settings": {"ranks": 4, "model": "tiny", "net": "switched"},
@@ -347,10 +350,12 @@ def test_validate_reads_the_switched_fields():
     assert (net.topology, net.ranks_per_host, net.rate_bps) == ("switched", 2, (1e10, 2.5e9))
     assert net.latency_s == pytest.approx(2e-5) and net.efficiency == 1.0
     assert any("ignored" in n for n in inp.notes)   # ranks 0 and 1 share a host
-    # The ring crosses the slow host's NIC: its bandwidth term is the quarter-rate one.
+    # The ring crosses the slow host's NIC: its bandwidth term is the quarter-rate one; its
+    # first phase (d bytes each way a NIC) fits in both NICs' token buckets (1220 and 305 KiB).
+    assert net.burst_bytes == (1220 * 1024, 305 * 1024)
     d = numel(shapes_of("tiny"))
     ring = predict("mpi-allreduce", inp.scenario)
-    assert ring.comm_s == pytest.approx(6 * (4 * d / 4 * 8 / 2.5e9 + 2e-5))
+    assert ring.comm_s == pytest.approx(5 * (4 * d / 4 * 8 / 2.5e9 + 2e-5) + 2e-5)
     assert ring.busiest_tx == pytest.approx(2 * 3 / 4 * 4 * d * (1514 / 1448 + 66 / 2896))
 
 
@@ -389,7 +394,7 @@ def _target(tmp_path):
     there, and horovod (not in the calibration) at its derived closed form."""
     d = numel(shapes_of("tiny"))
     lat = 1e-4
-    ring = 2 * 3 * (4 * d / 4 * 8 / GBIT + lat)
+    ring = 2 * 3 * (4 * d / 4 * 8 / GBIT + lat) - FREE_1G * 8 / GBIT   # the bucket, once
     res = {"settings": {"ranks": 4, "model": "tiny", "net": "switched"},
            "network": {"mode": "switched", "hosts": 4, "ranks_per_host": 1,
                        "rate_gbit": [1, 1, 1, 1], "latency_ms": lat * 1e3},
@@ -419,7 +424,7 @@ def test_local_from_takes_each_peers_calibrated_local_work(tmp_path, capsys):
     assert cli(["validate", target, "--local-from", cal]) == 0
     out = capsys.readouterr().out
     assert "| compute + local | from |" in out
-    assert f"| {CAL_LOCAL:.4f} (m) | calibration " in out and " (d) | compute 0.0100 (m)" in out
+    assert f"| {CAL_LOCAL:.4f} (m) | (calibration " in out and " (d) | compute 0.0100 (m)" in out
     assert "compute + local of 2 of 3 peers from" in out
     assert "max |error| 10.0% (floor); 3 of 3 peers within, 0 beyond 25%" in out
     # Without the flag: the derived local work, the floor unscored.

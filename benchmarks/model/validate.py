@@ -29,7 +29,9 @@ of that work on its own, outside the step's wire time: the selection (``select_m
 hvd_slim's and top-k's, every rank, every step), which the model already takes as measured.
 ``load`` is the median, over the peers with a selection in both runs, of (this file's
 selection / the calibration's): how much faster or slower the same CPU work ran in this file's
-sitting. It scales every calibrated local work, the floor's too (so the floor is predicted,
+sitting. A ratio counts only when both runs ran the same selection code (hvd_slim's by
+``machine.hvd_slim_sha256``, top-k's torch.topk by ``machine.torch``): the timings of two
+versions of a selector measure the change of code, not the machine's load. It scales every calibrated local work, the floor's too (so the floor is predicted,
 and scored). The median keeps one job's drift from setting the file's. Why not the floors'
 ratio: it is one job of 8 steps and moved by 77% within the sitting; scaled by it, 59 of the
 81 steps of ``cluster_rerun`` are within 25% against 75 with the selection's median.
@@ -136,16 +138,24 @@ def _sel(p: Dict[str, Any]) -> Optional[float]:
     return None if sel is None else sel / 1e3
 
 
+def _same_selector(peer: str, res: Dict[str, Any], calib: Calibration) -> bool:
+    """Whether both runs timed the same selection code for ``peer``: hvd_slim's own selector
+    (``machine.hvd_slim_sha256``) or torch.topk (``machine.torch``)."""
+    key = "hvd_slim_sha256" if peer.startswith("hvd_slim") else "torch"
+    mine, theirs = (res.get("machine") or {}).get(key), (calib.res.get("machine") or {}).get(key)
+    return mine == theirs
+
+
 def load_index(res: Dict[str, Any], calib: Calibration) -> Tuple[float, List[str]]:
     """(The file's load index, the peers it is the median over): the median over the peers that
-    ran in both files with a selection timed in both of (its selection here / there); 1.0 when
-    no peer has one."""
+    ran in both files with a selection timed in both, by the same code, of (its selection here
+    / there); 1.0 when no peer has one."""
     cal_peers = calib.res.get("peers", {})
     ratios: Dict[str, float] = {}
     for name, p in res.get("peers", {}).items():
         c = cal_peers.get(name) or {}
         here, there = _sel(p) if _ok(p) else None, _sel(c) if _ok(c) else None
-        if here and there:
+        if here and there and _same_selector(name, res, calib):
             ratios[name] = here / there
     if not ratios:
         return 1.0, []
@@ -191,7 +201,8 @@ def _calibration_notes(res: Dict[str, Any], inp: Inputs, calib: Calibration, row
         text.append(f"- measured: load index {load:.3f}, the median of this file's selection "
                     f"time over the calibration's for {len(over)} peers ({', '.join(over)})")
     else:
-        text.append("- load index: 1 (no peer has a selection timed in both runs)")
+        text.append("- load index: 1 (no peer has a selection timed in both runs by the same "
+                    "code)")
     text += [f"- calibration: {n}" for n in calib.inputs.notes
              if not n.startswith("measured: compute")]
     if csc.slim != sc.slim:

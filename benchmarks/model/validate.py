@@ -198,8 +198,9 @@ def _calibration_notes(res: Dict[str, Any], inp: Inputs, calib: Calibration, row
     if not corrected:
         text.append("- load index: not applied (--no-load-correction)")
     elif over:
+        peers = f"{len(over)} peer{'s' if len(over) > 1 else ''}"
         text.append(f"- measured: load index {load:.3f}, the median of this file's selection "
-                    f"time over the calibration's for {len(over)} peers ({', '.join(over)})")
+                    f"time over the calibration's for {peers} ({', '.join(over)})")
     else:
         text.append("- load index: 1 (no peer has a selection timed in both runs by the same "
                     "code)")

@@ -23,13 +23,15 @@ OPS = ("average", "sum")
 # torch.amp.GradScaler's found_inf is set identically on every rank (Horovod's AMP pattern).
 NONFINITE_MODES = ("flag", "skip", "raise", "propagate")
 ADAM_VARIANCE_MODES = ("auto", "rescaled", "live")
+OUTER_DELAYS = (0, 1)
 ENV_PREFIX = "HVD_SLIM_"
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
 ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
-                "warmup_start_density", "servers", "hierarchical", "overlap", "local_steps")
+                "warmup_start_density", "servers", "hierarchical", "overlap", "local_steps",
+                "outer_delay")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -101,6 +103,19 @@ def _check_overlap(value: Any) -> int:
     return _check_int("overlap", value, 1)
 
 
+def _check_outer_delay(value: Any, local_steps: int) -> int:
+    """``outer_delay``: 0 or 1 round, and 1 only with local steps to overlap."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or \
+            value not in OUTER_DELAYS:
+        raise ConfigError(f"outer_delay must be one of {OUTER_DELAYS} (rounds the outer step "
+                          f"lands late), got {value!r}", "outer_delay")
+    if value and local_steps <= 1:
+        raise ConfigError(f"outer_delay=1 needs local_steps > 1 (local_steps={local_steps}): "
+                          "it overlaps a round's exchange with the next round's local steps",
+                          "outer_delay")
+    return int(value)
+
+
 def _check_local_steps(norm: Dict[str, Any], momentum_correction: Any) -> None:
     """What ``local_steps > 1`` cannot be combined with (the exchange then carries a
     pseudo-gradient once a round, to the outer optimizer)."""
@@ -163,6 +178,9 @@ class SlimConfig:
     # the pseudo-gradient (global - local parameters) goes through the exchange to an outer
     # optimizer; 1: every step exchanges its gradients.
     local_steps: int = 1
+    # With local steps: 1 overlaps a round's exchange with the next round, and its outer step
+    # lands one round late (Streaming DiLoCo's delayed application); 0: it waits.
+    outer_delay: int = 0
     op: str = "average"                # "average" or "sum" of the workers' contributions
     gradient_predivide_factor: float = 1.0  # Horovod's: scale by 1/f before, f/N after (average)
     backward_passes_per_step: int = 1  # local backward passes accumulated per exchange
@@ -247,6 +265,7 @@ class SlimConfig:
         norm["local_steps"] = _check_int("local_steps", self.local_steps, 1)
         if norm["local_steps"] > 1:
             _check_local_steps(norm, self.momentum_correction)
+        norm["outer_delay"] = _check_outer_delay(self.outer_delay, norm["local_steps"])
         for name, value in norm.items():
             object.__setattr__(self, name, value)
 

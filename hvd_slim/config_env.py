@@ -54,8 +54,9 @@ def _parse_env(name: str, text: str) -> Any:
                           f"{name} ({_ENV_FORMS.get(name, 'a number')}): {exc}", name) from None
 
 
-_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed", "servers", "overlap", "local_steps",
-               "warmup_dense_steps", "warmup_decay_steps", "value_bits")
+_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed", "servers",
+               "overlap", "local_steps", "outer_delay", "warmup_dense_steps",
+               "warmup_decay_steps", "value_bits")
 # What each variable accepts, for parse errors.
 _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a number in (0, 1] "
               "or none", "refresh_interval": "an integer >= 1", "min_compress_numel":
@@ -69,7 +70,7 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "momentum_masking": "true, false or a number in [0, 1]",
               "servers": "an integer >= 1 or auto", "hierarchical": "true or false",
               "overlap": "true, false or an integer number of stages >= 1",
-              "local_steps": "an integer >= 1"}
+              "local_steps": "an integer >= 1", "outer_delay": "an integer, 0 or 1"}
 
 
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None

@@ -76,6 +76,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
               then exchanges the pseudo-gradient ``global - local`` for an outer step.
             * ``outer_optimizer``: with ``local_steps``, a ``torch.optim.Optimizer`` over the
               same parameters (default SGD, lr 0.7, Nesterov momentum 0.9).
+            * ``outer_delay``: with ``local_steps``, ``1`` overlaps a round's exchange with
+              the next round and applies its outer step one round late; ``0`` (default)
+              waits for it at the round's end.
             * ``seed``: keys the exploration generator.
             * ``warmup_dense_steps``, ``warmup_decay_steps`` and ``warmup_start_density``:
               dense first steps, then a geometric decay from the start density to the

@@ -20,6 +20,7 @@ from .exchange.build import build_exchange
 from .exchange.protocol import OverlappedExchange
 from .inner import adam
 from .outer import OuterRounds
+from .outer.ends import RoundEnds
 from .runtime import engine
 from .runtime.horovod import called_by_horovod_state_init
 from .wrapping import SlimSettings, adopt_source, comm_dtype_fn, momentum_plan
@@ -63,6 +64,10 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._exchange = build_exchange(self._layout, settings.config, settings.transport, plan,
                                         ranks=settings.ranks,
                                         order=[n for n, p in named if p.requires_grad])
+        # How a round ends (outer/ends.py); outer_delay=1: its exchange runs during the next.
+        self._ends = None if self._outer is None else RoundEnds(
+            self._outer, self._exchange, self._requires_update, bool(cfg.outer_delay),
+            self._end_accumulation)
         # overlap > 1: the hooks start each stage's exchange as its gradients come in.
         self._overlapped = isinstance(self._exchange, OverlappedExchange)
         self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
@@ -192,25 +197,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
         out = super(self.__class__, self).step(closure)
         self._end_accumulation()
         if self._outer.tick():
-            self._step_round()
-            self._outer_exchange()
+            self._ends.end(self._step_round, self._open_round)
         return out
-
-    def _outer_exchange(self) -> None:
-        """The round's end: ``global - local`` through the exchange, then the outer step (or,
-        for a round every rank dropped, back to the global parameters)."""
-        self._outer.load_pseudo_gradients()
-        try:
-            ok = self._exchange.step()
-        except BaseException:
-            self._outer.reset()   # what this rank computed is kept in its residual
-            raise
-        finally:
-            self._end_accumulation()
-        if ok:
-            self._outer.apply()
-        else:
-            self._outer.reset()
 
     def _end_accumulation(self) -> None:
         self._pending.clear()
@@ -264,9 +252,10 @@ class _SlimOptimizer(torch.optim.Optimizer):
         if self._pending:
             raise AssertionError("optimizer.flush() was called after loss.backward() but before "
                                  "optimizer.step(): step first, then flush")
-        if self._outer is not None and self._outer.taken:   # end the round first
-            self._step_round()
-            self._outer_exchange()
+        if self._outer is not None:
+            if self._outer.taken:   # end the round first
+                self._ends.end(self._step_round, self._open_round)
+            self._ends.land()
         if self._join_id is not None:
             engine.exchange_round("flush", self._join_id, flush=True)
         self._flush_now()
@@ -274,7 +263,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
     def _flush_now(self) -> None:
         self._exchange.flush()
         if self._outer is not None:
-            self._outer.apply(only=self._sparse_params)
+            self._outer.apply_flushed(self._sparse_params)
         else:
             self._inner_step(None, only_sparse=True)
         for b in self._layout.sparse:
@@ -290,10 +279,12 @@ class _SlimOptimizer(torch.optim.Optimizer):
             p.grad = None
         self._pending.clear()
         if flush:
+            if self._outer is not None:
+                self._ends.land()
             self._flush_now()
             return
         if self._outer is not None:   # its pseudo-gradient: its part of a round, if any
-            self._outer_exchange()
+            self._ends.serve()
             return
         self._synchronize_now()
         self._synchronized = False
@@ -336,11 +327,14 @@ class _SlimOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state plus this rank's Slim-DP state under ``"hvd_slim"``
-        (residuals, velocities, cached cores, step). Residuals are per rank: save every rank's."""
+        (residuals, velocities, cached cores, step). Residuals are per rank: save every rank's.
+        With ``outer_delay=1`` the round in flight lands first (its average is saved, to be
+        applied at the round's end)."""
+        outer = None if self._ends is None else self._ends.state_dict()   # lands first
         sd = super(self.__class__, self).state_dict()
         sd["hvd_slim"] = self._exchange.state_dict()
-        if self._outer is not None:
-            sd["hvd_slim_outer"] = self._outer.state_dict()
+        if outer is not None:
+            sd["hvd_slim_outer"] = outer
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -352,10 +346,12 @@ class _SlimOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         slim = state_dict.pop("hvd_slim", None)
         outer = state_dict.pop("hvd_slim_outer", None)
+        if self._ends is not None:
+            self._ends.prepare_load()   # the exchange's state is whole before it is replaced
         if slim is not None:
             self._exchange.validate_state_dict(slim)
-            if self._outer is not None:
-                self._outer.validate_state_dict(outer)
+            if self._ends is not None:
+                self._ends.validate_state_dict(outer)
             elif outer is not None:
                 raise ValueError(f"hvd_slim checkpoint was saved with local_steps="
                                  f"{outer.get('local_steps')}; this optimizer has "
@@ -365,8 +361,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if slim is not None:
             self._exchange.load_state_dict(slim)
-            if self._outer is not None:
-                self._outer.load_state_dict(outer)
+            if self._ends is not None:
+                self._ends.load_state_dict(outer)
         self._end_accumulation()
         self._synchronized = False
         self._should_synchronize = True

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 from benchmarks import netem
 from benchmarks.launch import ROOT, MpiTimeout, run
 
-from . import train, untuned
+from . import local_grid, train, untuned
 from .plan import (DEFAULT_GROUPS, EPOCH_BUDGET_S, NET_SLOWDOWN, TARGET_GAP, TTA_TARGET,
                    build_plan, segments)
 from .report import write_report
@@ -143,6 +143,7 @@ def main() -> None:
     # The untuned battery and the language model have a report of their own (untuned.md), of
     # every battery run in the results file: a run of one group adds its rows to it.
     print(untuned.report([r for r in every if r.get("case")], args.out))
+    print(local_grid.report([r for r in every if r.get("case")], args.out))
     grid = [r for r in runs if not r.get("case")]
     if grid:   # a battery-only run leaves the grid's table.md alone
         print(write_report(grid, args.out, TARGET_GAP, TTA_TARGET))

@@ -64,17 +64,19 @@ OVERLAP_ABLATION = (("default", {}), ("default overlap=4", {"overlap": 4}))
 # to DiLoCo's outer optimizer; traffic once per H steps.
 LOCAL_ABLATION = (("default", None, {}), ("default local_steps=8", None, {"local_steps": 8}),
                   # the target point: H = 32, density 0.01, 4-bit values
-                  ("local_steps=32 0.01 4-bit", 0.01, {"local_steps": 32, "value_bits": 4}))
+                  ("local_steps=32 0.01 4-bit", 0.01, {"local_steps": 32, "value_bits": 4}),
+                  # and with its exchange overlapped with the next round (outer/delayed.py)
+                  ("local_steps=32 0.01 4-bit outer_delay=1", 0.01,
+                   {"local_steps": 32, "value_bits": 4, "outer_delay": 1}))
 
-# The local-steps grid on the language model (1 seed a point; ``--groups local-grid``): H at
-# 4-bit values for both densities, the value bits at the target point, and DiLoCo's own
-# exchange (density 1.0, 32-bit) at H = 32 to tell what local steps cost from what the
-# compression costs.
+# The local-steps grid (``--groups local-grid``, 1 seed a point): H x density x value bits,
+# the target point left to LOCAL_ABLATION, and DiLoCo's own exchange (density 1.0, 32-bit) at
+# H = 32, to tell what local steps cost from what the compression costs. The language model
+# ran the points listed in docs/accuracy.md (``--only``), MNIST all of them.
+GRID_H, GRID_DENSITY, GRID_BITS = (1, 8, 32, 128), (0.01, 0.001), (4, 32, 8, 2)
 LOCAL_GRID = tuple(
-    [(f"local_steps={h} {d} 4-bit", d, {"local_steps": h, "value_bits": 4})
-     for d in (0.01, 0.001) for h in (1, 8, 32, 128) if (h, d) != (32, 0.01)]
-    + [(f"local_steps=32 0.01 {b}-bit", 0.01, {"local_steps": 32, "value_bits": b})
-       for b in (32, 8, 2)]
+    [(f"local_steps={h} {d} {b}-bit", d, {"local_steps": h, "value_bits": b})
+     for b in GRID_BITS for d in GRID_DENSITY for h in GRID_H if (h, d, b) != (32, 0.01, 4)]
     + [("local_steps=32 dense", 1.0, {"local_steps": 32, "value_bits": 32})])
 
 ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
@@ -113,8 +115,12 @@ def configs(group: str) -> List[Config]:
             [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
              for label, density, slim in runs]
     if group == "local-grid":
-        return [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
-                for label, density, slim in LOCAL_GRID]
+        case = "sgd-m0.5"
+        return [(f"{case} {label}", "slim", density, slim,
+                 dict(CNN, **CASES[case], case=case, variant=label))
+                for label, density, slim in LOCAL_GRID] + \
+            [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
+             for label, density, slim in LOCAL_GRID]
     if group == "untuned-ablation":
         case = "adamw-warmup"
         return [(f"{case} {label}", "slim", density, slim,

@@ -25,7 +25,7 @@ def build_exchange(layout: Layout, config: SlimConfig, transport: Transport,
         names = list(order) if order is not None else \
             [s.name for b in layout.buckets for s in b.segments]
         return StagedExchange(layout, config, transport, momentum, ranks, names,
-                              threaded=_threads_allowed(transport))
+                              threaded=threads_allowed(transport))
     if not config.hierarchical:
         return SlimExchange(layout, config, transport, momentum, ranks=ranks)
     note = config.env_note("hierarchical")
@@ -55,7 +55,7 @@ def _host_transports(transport: Transport, note: str) -> tuple:
                       f"Pass one of those or hierarchical=False{note}", "hierarchical")
 
 
-def _threads_allowed(transport: Transport) -> bool:
+def threads_allowed(transport: Transport) -> bool:
     """Whether ``overlap`` may run the exchange on a thread of its own: MPI needs
     MPI_THREAD_MULTIPLE (the engine's thread uses MPI too); without it the stages run in
     ``step()``, as the same exchanges, so the results are the same."""

@@ -40,7 +40,7 @@ from .stats import ExchangeStats
 from .wirepath import WirePath, wire_path
 from .worker import Worker
 
-__all__ = ["ExchangeError", "NonFiniteGradientError", "Pending", "SlimExchange"]
+__all__ = ["ExchangeError", "NonFiniteGradientError", "Pending", "Prepared", "SlimExchange"]
 
 
 @dataclass
@@ -52,6 +52,18 @@ class Pending:
     t0: float
     selectors: Dict[int, dict]
     pulled: Optional[List[List[wm.Section]]]
+
+
+@dataclass
+class Prepared:
+    """What :meth:`SlimExchange.prepare` computed for step ``t``: the selected sections per
+    shard (or the NaN/Inf ``report`` to push instead), and the selectors' state before it."""
+
+    t: int
+    t0: float
+    selectors: Dict[int, dict]
+    sections: List[List[wm.Section]]
+    report: Optional[str]
 
 
 class SlimExchange:
@@ -119,29 +131,45 @@ class SlimExchange:
         (exchange/overlap.py) commits all or none. A skip (``pulled`` None) is settled by the
         caller too; an error is settled here (a NaN/Inf under ``"raise"``: nothing changes;
         any other failure: this rank's gradient is kept in its residual) and raised."""
+        return self.communicate(self.prepare())
+
+    def prepare(self) -> "Prepared":
+        """The local phases of :meth:`begin` (compensate and select): what it reads of the
+        gradients is read here, so :meth:`communicate` may run on another thread while the
+        caller goes on with ``p.grad`` (``outer_delay``)."""
         t, t0 = self.step_count, time.perf_counter()
         worker = self.worker
         selectors = worker.selector_states()
-        self.stats.last = {}
-        before = self._traffic()
         try:
             compensated = worker.compensate(t)
             sections, report = worker.select(t, compensated)
-            # The first collective comes after the local phases, so a failed handshake keeps
-            # this step's gradient in the residual (absorb) like any other failure.
-            self._handshake(t)
-            pushed = self._push(sections, report, t)
-            reply = self._aggregate(pushed, t)
-            pulled = self._pull(reply, t, defer=True)
-        except NonFiniteGradientError:
-            worker.rollback(selectors)
-            raise
         except BaseException:
             worker.absorb()
             raise
+        return Prepared(t, t0, selectors, sections, report)
+
+    def communicate(self, prep: "Prepared") -> "Pending":
+        """The collective phases of :meth:`begin` on what :meth:`prepare` selected: handshake,
+        push, aggregate and pull."""
+        t = prep.t
+        self.stats.last = {}
+        before = self._traffic()
+        try:
+            # The first collective comes after the local phases, so a failed handshake keeps
+            # this step's gradient in the residual (absorb) like any other failure.
+            self._handshake(t)
+            pushed = self._push(prep.sections, prep.report, t)
+            reply = self._aggregate(pushed, t)
+            pulled = self._pull(reply, t, defer=True)
+        except NonFiniteGradientError:
+            self.worker.rollback(prep.selectors)
+            raise
+        except BaseException:
+            self.worker.absorb()
+            raise
         finally:
             self._count_traffic(before)
-        return Pending(t, t0, selectors, pulled)
+        return Pending(t, prep.t0, prep.selectors, pulled)
 
     def settle(self, pending: "Pending", commit: bool) -> None:
         """The outcome of :meth:`begin`: ``commit`` a pulled step (the server's plan and this

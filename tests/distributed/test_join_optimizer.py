@@ -72,6 +72,33 @@ def test_joined_ranks_feed_zeros_to_the_exchange_and_step_alike(broadcasts, over
     assert opt.comm_stats()["steps"] == steps_of(n - 1)   # the joined ranks exchanged too
 
 
+@pytest.mark.parametrize("outer_delay", [0, 1])
+def test_joined_ranks_serve_local_step_rounds(monkeypatch, outer_delay):
+    """local_steps=2: rank r trains 2 + r whole rounds, then joins; the joined ranks serve
+    every later round with what they hold (with outer_delay=1 they land each round in flight
+    too), so all are on the same global parameters when join ends. (Join then makes the
+    wrapped optimizers' own state equal: under local steps it is each rank's.)"""
+    n, r = hvd.size(), hvd.rank()
+    model = Net()
+    opt = wrap(model, opt=torch.optim.AdamW(model.parameters(), lr=1e-3), density=0.05,
+               local_steps=2, outer_delay=outer_delay)
+    at_join = []
+    original = join_sync.after_join
+    monkeypatch.setattr(join_sync, "after_join", lambda served, root: (
+        at_join.append(flat(model).clone()), original(served, root))[1])
+    for t in range(2 * steps_of(r)):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+    assert hvd.join() == n - 1
+    assert_same_on_every_rank(at_join[0])   # before join's repair of the inner states
+    assert torch.equal(flat(model), at_join[0])
+    assert opt.comm_stats()["steps"] == steps_of(n - 1) - outer_delay   # one may be in flight
+    opt.flush()
+    assert_same_on_every_rank(flat(model))
+    assert opt.comm_stats()["steps"] == steps_of(n - 1)
+
+
 @pytest.mark.parametrize("servers", [1, "all"])
 def test_a_joined_server_keeps_aggregating_and_nothing_is_lost(servers):
     """density 0.01, op=Sum, server rank 0 joins first: what was pulled, plus every residual

@@ -246,3 +246,27 @@ def test_local_steps_from_the_environment(monkeypatch):
     monkeypatch.setenv("HVD_SLIM_LOCAL_STEPS", "16")
     tr = FakeCluster(1).transport(0)
     assert wrap(model(), tr).slim_config.local_steps == 16
+
+
+def test_flush_subtracts_the_residuals_from_the_global_parameters_as_they_are():
+    """One rank: the flush's pull is its own worker and server residuals, and they land on the
+    global parameters with lr 1, the outer optimizer's state untouched."""
+    tr = FakeCluster(1).transport(0)
+    m = model()
+    opt = wrap(m, tr, local_steps=4, density=0.05)
+    for t in range(8):   # two whole rounds: nothing of a round is pending
+        one_step(m, opt, 0, t)
+    before = {id(p): g.clone() for p, g in zip(opt._outer.params, opt._outer.global_params)}
+    momentum = outer_state(opt).clone()
+    held = opt._exchange.held_residuals()
+    want = dict(before)
+    for b in opt._layout.sparse:
+        for s in b.segments:
+            r = held[b.index][s.offset:s.offset + s.numel].view(s.param.shape)
+            want[id(s.param)] = before[id(s.param)] - r.to(s.param.dtype)
+    assert any(float(r.abs().max()) > 0 for r in held.values())
+    opt.flush()
+    for p in m.parameters():
+        assert torch.allclose(p.detach(), want[id(p)], atol=1e-7)
+    assert torch.equal(outer_state(opt), momentum)
+    assert opt._exchange.residual_norm() == 0.0

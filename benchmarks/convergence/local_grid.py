@@ -1,0 +1,207 @@
+"""The local-steps grid's report (``--groups local-grid`` and ``local-steps``): final metric and
+bytes for every (H, density, value bits) point that ran, the targets of local steps, and the
+metric against bytes and against modelled wall time.
+
+Wall time is *modelled* for a switched 1 Gbit/s cluster with 50 ms one-way latency (this
+kernel has no netem, so no run could add the latency): each evaluation point's measured
+training seconds (rank 0, the loopback run, 4 ranks on 2 cores) plus, for every exchange before
+it, the wire time of one exchange on that network:
+
+* hvd_slim (one server, rank 0): the gather brings N-1 pushes into the server's NIC, the
+  pull's broadcast is a binomial tree of ceil(log2 N) rounds; a latency per message round:
+  ``(2 + ceil(log2 N)) L + ((N-1) push + ceil(log2 N) pull) / rate``;
+* dense data parallelism: a ring allreduce, ``2 (N-1) L + 2 (N-1)/N D / rate``.
+
+The pushes and pulls are the run's own counted bytes per exchange (rank 0's pull, another
+rank's push is about the same size); D is the dense gradient's bytes.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+from .untuned import GRID_BITS, GRID_DENSITY, GRID_H, _mean, _metric
+
+RATE_BPS = 1e9 / 8       # bytes per second on each host's NIC
+LATENCY_S = 0.050        # one-way, added to every message round
+TARGET = "local_steps=32 0.01 4-bit"
+REFERENCES = ("dense", "default", "local_steps=32 dense", TARGET, TARGET + " outer_delay=1")
+PLOTTED = ("dense", "local_steps=1 0.01 4-bit", "local_steps=8 0.01 4-bit", TARGET,
+           TARGET + " outer_delay=1", "local_steps=128 0.01 4-bit", "local_steps=32 0.001 4-bit",
+           "local_steps=32 0.01 2-bit", "local_steps=32 dense")
+
+
+def label(h: int, d: float, b: int) -> str:
+    return f"local_steps={h} {d} {b}-bit"
+
+
+def wire_seconds(run: Dict[str, Any], steps: float, pushed: float, pulled: float) -> float:
+    """Modelled wire time of ``steps`` local steps' exchanges (see the module docstring)."""
+    n = run.get("world_size", 4)
+    tree = math.ceil(math.log2(n)) if n > 1 else 0
+    if run["method"] == "dense":
+        dense = run["records"][-1]["dense_bytes"] / max(run["records"][-1]["steps"], 1)
+        return steps * (2 * (n - 1) * LATENCY_S + 2 * (n - 1) / n * dense / RATE_BPS)
+    h = (run.get("slim") or {}).get("local_steps", 1)
+    exchanges = steps / h
+    per_push = pushed / max(exchanges, 1e-12)
+    per_pull = pulled / max(exchanges, 1e-12)
+    return exchanges * ((2 + tree) * LATENCY_S
+                        + ((n - 1) * per_push + tree * per_pull) / RATE_BPS)
+
+
+def curve(run: Dict[str, Any]) -> List[Tuple[float, float, float]]:
+    """(MB pushed + pulled, modelled seconds, metric) at each evaluation point."""
+    from .time_to_accuracy import points
+    m = _metric(run)
+    return [((p["bytes_pushed"] + p["bytes_pulled"]) / 1e6,
+             p["wall_seconds"] + wire_seconds(run, p["steps"], p["bytes_pushed"],
+                                              p["bytes_pulled"]), p[m])
+            for p in points(run) if "wall_seconds" in p]
+
+
+def summarise(runs: List[Dict[str, Any]], case: str) -> "OrderedDict[str, Dict[str, Any]]":
+    """Per variant of ``case``: seeds, final metric (mean), bytes per local step and the
+    modelled seconds of the whole run."""
+    by: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
+    for r in runs:
+        if r.get("case") == case and r.get("records") and not r.get("diverged"):
+            by.setdefault(r["variant"], []).append(r)
+    out: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
+    for variant, rs in by.items():
+        last = [r["records"][-1] for r in rs]
+        m = _metric(rs[0])
+        out[variant] = {
+            "seeds": len(rs), "metric": m, "end": _mean([x[m] for x in last]),
+            "by_seed": {r["seed"]: r["records"][-1][m] for r in rs},
+            "pushed": _mean([x["bytes_pushed"] / x["steps"] for x in last]),
+            "pulled": _mean([x["bytes_pulled"] / x["steps"] for x in last]),
+            "dense": _mean([x["dense_bytes"] / x["steps"] for x in last]),
+            "modelled": _mean([curve(r)[-1][1] for r in rs]),
+            "load": _mean([r.get("loadavg", [float("nan")])[0] for r in rs]), "runs": rs}
+    return out
+
+
+def _cell(row: Optional[Dict[str, Any]]) -> str:
+    if row is None:
+        return "–"
+    fmt = "{:.3f}" if row["metric"] == "val_bpb" else "{:.2f}"
+    return f"{fmt.format(row['end'])} ({row['dense'] / row['pushed']:,.0f}x)"
+
+
+def grid_table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
+    """The metric at the end (and dense bytes over pushed bytes, per local step) per
+    (density, H) and value bits; – where the point did not run."""
+    out = ["| density | H | " + " | ".join(f"{b}-bit" for b in GRID_BITS) + " |",
+           "|---|---:|" + "---:|" * len(GRID_BITS)]
+    for d in GRID_DENSITY:
+        for h in GRID_H:
+            cells = [_cell(rows.get(label(h, d, b))) for b in GRID_BITS]
+            out.append(f"| {d} | {h} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def references_table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
+    """Dense, the defaults, DiLoCo's own exchange at H = 32 and the target point (waited for
+    and delayed): metric against dense on the same seeds, bytes and modelled wall time."""
+    dense = rows.get("dense")
+    if dense is None:
+        return ""
+    lower = dense["metric"] == "val_bpb"
+    out = ["| run | seeds | metric | vs dense | pushed B/local step | x fewer than dense "
+           "| modelled s (1 Gbit/s, 50 ms) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for v in REFERENCES:
+        r = rows.get(v)
+        if r is None:
+            continue
+        ref = _mean([dense["by_seed"][s] for s in r["by_seed"] if s in dense["by_seed"]])
+        gap = f"{100 * (r['end'] / ref - 1):+.2f}%" if lower else f"{r['end'] - ref:+.2f}"
+        out.append(f"| {v} | {r['seeds']} | {r['end']:.4g} | {gap} | {r['pushed']:,.0f} "
+                   f"| {r['dense'] / r['pushed']:,.0f}x | {r['modelled']:,.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def time_to_dense(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
+    """Modelled seconds until each reference first reaches dense's final metric."""
+    dense = rows.get("dense")
+    if dense is None:
+        return ""
+    goal, lower = dense["end"], dense["metric"] == "val_bpb"
+    t_dense = dense["modelled"]
+    out = []
+    for v in REFERENCES[1:]:
+        r = rows.get(v)
+        if r is None:
+            continue
+        times = []
+        for run in r["runs"]:
+            hit = [t for _, t, y in curve(run) if (y <= goal if lower else y >= goal)]
+            times.append(hit[0] if hit else None)
+        if None in times:
+            out.append(f"- {v}: does not reach dense's final {goal:.4g} (it ends at "
+                       f"{r['end']:.4g}); dense takes {t_dense:,.0f} s modelled.")
+        else:
+            t = _mean(times)
+            out.append(f"- {v}: {t:,.0f} s modelled against dense's {t_dense:,.0f} s "
+                       f"({t_dense / t:.2f}x).")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: "OrderedDict[str, Dict[str, Any]]", case: str, out: str) -> List[str]:
+    """The metric against MB pushed + pulled, and against modelled seconds, for the
+    PLOTTED variants (seed 0 where there are several)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    from .time_to_accuracy import save_figure
+    written = []
+    for axis, name, xlabel in ((0, "bytes", "MB pushed + pulled by rank 0 (cumulative, log)"),
+                               (1, "seconds", "modelled seconds: 1 Gbit/s switched, 50 ms "
+                                              "latency (measured compute)")):
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        for v in PLOTTED:
+            r = rows.get(v)
+            if r is None:
+                continue
+            pts = curve(r["runs"][0])
+            style = {"color": "black", "linewidth": 2} if v == "dense" else {}
+            ax.plot([p[axis] for p in pts], [p[2] for p in pts], marker="o", markersize=3,
+                    label=v, **style)
+        if axis == 0:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        lm = case == "lm"
+        ax.set_ylabel("validation bits per byte" if lm else "test accuracy (%)")
+        ax.set_title(f"{case}: local steps, 4 ranks (seed 0)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        written.append(save_figure(fig, os.path.join(out, f"local_grid_{case}_vs_{name}.png")))
+    return written
+
+
+def report(runs: List[Dict[str, Any]], out: str) -> str:
+    """Write ``local_grid.md`` and its plots into ``out``; return the text."""
+    parts, written = [], []
+    for case, title in (("sgd-m0.5", "MNIST, Horovod's example script (test accuracy %)"),
+                        ("lm", "language model (validation bits per byte)")):
+        rows = summarise(runs, case)
+        if not any(k.startswith("local_steps=") for k in rows):
+            continue
+        parts += [f"## Local steps: {title}\n\n", grid_table(rows), "\n", references_table(rows),
+                  "\nTime to dense's final metric (modelled):\n\n", time_to_dense(rows)]
+        loads = [r["load"] for r in rows.values() if r["load"] == r["load"]]
+        if loads:
+            parts.append(f"\nMachine load (1-minute average at the runs' start): "
+                         f"{min(loads):.1f} to {max(loads):.1f}.\n\n")
+        written += plot(rows, case, out)
+    if not parts:
+        return ""
+    text = "".join(parts)
+    with open(os.path.join(out, "local_grid.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    return text + "".join(f"\nwrote {p}" for p in written)

@@ -3,9 +3,14 @@ bytes for every (H, density, value bits) point that ran, the targets of local st
 metric against bytes and against modelled wall time.
 
 Wall time is *modelled* for a switched 1 Gbit/s cluster with 50 ms one-way latency (this
-kernel has no netem, so no run could add the latency): each evaluation point's measured
-training seconds (rank 0, the loopback run, 4 ranks on 2 cores) plus, for every exchange before
-it, the wire time of one exchange on that network:
+kernel has no netem, so no run could add the latency): the local steps up to an evaluation
+point at one compute time per step, the same for every variant of a case (dense's measured
+training seconds per step, mean over its seeds: rank 0, 4 ranks on 2 cores, its loopback
+allreduce included), plus, for every exchange before the point, the wire time of one exchange
+on that network. One compute time for all keeps the machine's load (which moved the runs' own
+times by up to 2x) out of the comparison; hvd_slim's own CPU work per exchange (selection,
+coding: milliseconds on these models) is left out, which flatters H = 1 most, where it comes
+every step. The wire time of one exchange:
 
 * hvd_slim (one server, rank 0): the gather brings N-1 pushes into the server's NIC, the
   pull's broadcast is a binomial tree of ceil(log2 N) rounds; a latency per message round:
@@ -52,14 +57,22 @@ def wire_seconds(run: Dict[str, Any], steps: float, pushed: float, pulled: float
                         + ((n - 1) * per_push + tree * per_pull) / RATE_BPS)
 
 
-def curve(run: Dict[str, Any]) -> List[Tuple[float, float, float]]:
-    """(MB pushed + pulled, modelled seconds, metric) at each evaluation point."""
+def compute_per_step(runs: List[Dict[str, Any]], case: str) -> float:
+    """Dense's measured training seconds per step on ``case`` (mean over its seeds)."""
+    dense = [r["records"][-1] for r in runs if r.get("case") == case
+             and r.get("variant") == "dense" and r.get("records")]
+    return _mean([x["wall_seconds"] / x["steps"] for x in dense])
+
+
+def curve(run: Dict[str, Any], compute: float) -> List[Tuple[float, float, float]]:
+    """(MB pushed + pulled, modelled seconds, metric) at each evaluation point, at
+    ``compute`` seconds a step."""
     from .time_to_accuracy import points
     m = _metric(run)
     return [((p["bytes_pushed"] + p["bytes_pulled"]) / 1e6,
-             p["wall_seconds"] + wire_seconds(run, p["steps"], p["bytes_pushed"],
-                                              p["bytes_pulled"]), p[m])
-            for p in points(run) if "wall_seconds" in p]
+             p["steps"] * compute + wire_seconds(run, p["steps"], p["bytes_pushed"],
+                                                 p["bytes_pulled"]), p[m])
+            for p in points(run)]
 
 
 def summarise(runs: List[Dict[str, Any]], case: str) -> "OrderedDict[str, Dict[str, Any]]":
@@ -70,6 +83,7 @@ def summarise(runs: List[Dict[str, Any]], case: str) -> "OrderedDict[str, Dict[s
         if r.get("case") == case and r.get("records") and not r.get("diverged"):
             by.setdefault(r["variant"], []).append(r)
     out: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
+    compute = compute_per_step(runs, case)
     for variant, rs in by.items():
         last = [r["records"][-1] for r in rs]
         m = _metric(rs[0])
@@ -79,7 +93,7 @@ def summarise(runs: List[Dict[str, Any]], case: str) -> "OrderedDict[str, Dict[s
             "pushed": _mean([x["bytes_pushed"] / x["steps"] for x in last]),
             "pulled": _mean([x["bytes_pulled"] / x["steps"] for x in last]),
             "dense": _mean([x["dense_bytes"] / x["steps"] for x in last]),
-            "modelled": _mean([curve(r)[-1][1] for r in rs]),
+            "modelled": _mean([curve(r, compute)[-1][1] for r in rs]), "compute": compute,
             "load": _mean([r.get("loadavg", [float("nan")])[0] for r in rs]), "runs": rs}
     return out
 
@@ -137,7 +151,8 @@ def time_to_dense(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
             continue
         times = []
         for run in r["runs"]:
-            hit = [t for _, t, y in curve(run) if (y <= goal if lower else y >= goal)]
+            hit = [t for _, t, y in curve(run, r["compute"])
+                   if (y <= goal if lower else y >= goal)]
             times.append(hit[0] if hit else None)
         if None in times:
             out.append(f"- {v}: does not reach dense's final {goal:.4g} (it ends at "
@@ -168,7 +183,7 @@ def plot(rows: "OrderedDict[str, Dict[str, Any]]", case: str, out: str) -> List[
             r = rows.get(v)
             if r is None:
                 continue
-            pts = curve(r["runs"][0])
+            pts = curve(r["runs"][0], r["compute"])
             style = {"color": "black", "linewidth": 2} if v == "dense" else {}
             ax.plot([p[axis] for p in pts], [p[2] for p in pts], marker="o", markersize=3,
                     label=v, **style)
@@ -196,8 +211,9 @@ def report(runs: List[Dict[str, Any]], out: str) -> str:
                   "\nTime to dense's final metric (modelled):\n\n", time_to_dense(rows)]
         loads = [r["load"] for r in rows.values() if r["load"] == r["load"]]
         if loads:
-            parts.append(f"\nMachine load (1-minute average at the runs' start): "
-                         f"{min(loads):.1f} to {max(loads):.1f}.\n\n")
+            parts.append(f"\nModelled compute: {rows['dense']['compute']:.3f} s a step "
+                         f"(dense's measured). Machine load (1-minute average at the runs' "
+                         f"start): {min(loads):.1f} to {max(loads):.1f}.\n\n")
         written += plot(rows, case, out)
     if not parts:
         return ""

@@ -277,13 +277,16 @@ class SlimConfig:
 
     @property
     def effective_warmup_decay_steps(self) -> int:
-        """The decay's steps: as given, or (None) ``ceil(1 / density)`` when the core is
-        re-selected every step and the warm-up starts above the target; 0 otherwise."""
+        """The decay's exchange steps: as given, or (None) ``ceil(1 / density)`` local steps'
+        worth, ``ceil(1 / (density * local_steps))`` exchanges, when the core is re-selected
+        every step and the warm-up starts above the target; 0 otherwise. (Counted in exchanges,
+        a run of 600 local steps at H = 32 would never have left it: 19 rounds of ~6% density
+        where 1% was asked for.)"""
         if self.warmup_decay_steps is not None:
             return self.warmup_decay_steps
         if self.refresh_interval > 1 or self.effective_warmup_start_density <= self.density:
             return 0
-        return math.ceil(1.0 / self.density)
+        return math.ceil(1.0 / (self.density * self.local_steps))
 
     @property
     def effective_warmup_start_density(self) -> float:

@@ -64,13 +64,18 @@ def params_of(desc: Any) -> Dict[str, list]:
     return out
 
 
+RESOLVED = ("pull_density", "warmup_decay_steps", "warmup_start_density")
+
+
 def config_difference(configs: Dict[Hashable, Any], where: Callable[[List[Any]], str],
                       ignore: Sequence[str] = ()) -> Optional[str]:
     """``config field 'density': 0.01 on ... vs. 0.05 on ...`` for the first field (in the order of
-    :class:`SlimConfig`'s fields) whose values differ, or None."""
+    :class:`SlimConfig`'s fields, the automatic ones last) whose values differ, or None."""
     names = list(SlimConfig.__dataclass_fields__)
     for cfg in configs.values():
         names += [k for k in (cfg if isinstance(cfg, dict) else {}) if k not in names]
+    # An automatic field resolves from the others: name the setting that differs, not its echo.
+    names = [n for n in names if n not in RESOLVED] + [n for n in names if n in RESOLVED]
     for name in names:
         if name in ignore:
             continue

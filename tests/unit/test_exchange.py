@@ -344,8 +344,13 @@ def test_a_checkpoint_from_before_the_new_defaults_resumes_only_with_its_setting
               if k not in ("value_bits", "warmup_start_density")}
     state = dict(state, version=2, config=dict(config, pull_density=None))
     del state["effective"]
-    # The first field in force that differs: the pull a default meant then (0.01) and now.
+    # The first setting in force that differs (automatic ones are named last): the precision.
+    with pytest.raises(ValueError, match="config field 'value_bits': 32 in the "
+                                         "checkpoint vs. 8 now"):
+        _loader(SlimConfig(min_compress_numel=1000, density=0.01)).load_state_dict(state)
+    # With the rest as then, the pull a default meant then (0.01) and now.
     with pytest.raises(ValueError, match="config field 'pull_density': 0.01 in the "
                                          "checkpoint vs. 0.02 now"):
-        _loader(SlimConfig(min_compress_numel=1000, density=0.01)).load_state_dict(state)
+        _loader(SlimConfig(min_compress_numel=1000, density=0.01, value_bits=32,
+                           warmup_decay_steps=0, momentum_masking=1.0)).load_state_dict(state)
     _loader(old).load_state_dict(state)

@@ -270,3 +270,11 @@ def test_flush_subtracts_the_residuals_from_the_global_parameters_as_they_are():
         assert torch.allclose(p.detach(), want[id(p)], atol=1e-7)
     assert torch.equal(outer_state(opt), momentum)
     assert opt._exchange.residual_norm() == 0.0
+
+
+def test_the_automatic_warm_up_lasts_as_many_local_steps_as_without_rounds():
+    assert SlimConfig(density=0.01).effective_warmup_decay_steps == 100
+    assert SlimConfig(density=0.01, local_steps=32).effective_warmup_decay_steps == 4
+    assert SlimConfig(density=0.01, local_steps=128).effective_warmup_decay_steps == 1
+    assert SlimConfig(density=0.01, local_steps=32,
+                      warmup_decay_steps=50).effective_warmup_decay_steps == 50

@@ -332,7 +332,10 @@ def plot(runs: List[Dict[str, Any]], out: str) -> List[str]:
 
 
 def report(runs: List[Dict[str, Any]], out: str) -> str:
-    """Write ``untuned.md`` (every table above) and the plots into ``out``; return the text."""
+    """Write ``untuned.md`` (every table above) and the plots into ``out``; return the text.
+    The local-steps grid's runs are local_grid.md's."""
+    grid = {label for label, _, _ in LOCAL_GRID}
+    runs = [r for r in runs if r.get("variant") not in grid]
     rows = summarise(runs)
     if not rows:
         return ""

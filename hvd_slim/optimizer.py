@@ -193,6 +193,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         """``local_steps > 1``: the wrapped optimizer's step on this rank's gradients; the last
         local step of a round then exchanges the pseudo-gradient and takes the outer step."""
         self._exchange.agree()   # at the first step: a rank with other settings is named now
+        self._ends.first_step()
         self._synchronized = False
         out = super(self.__class__, self).step(closure)
         self._end_accumulation()
@@ -263,7 +264,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
     def _flush_now(self) -> None:
         self._exchange.flush()
         if self._outer is not None:
-            self._outer.apply_flushed(self._sparse_params)
+            self._ends.flushed(self._sparse_params)
         else:
             self._inner_step(None, only_sparse=True)
         for b in self._layout.sparse:

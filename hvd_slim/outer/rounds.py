@@ -73,8 +73,22 @@ class OuterRounds:
         self.local_steps = local_steps
         self.outer = outer if outer is not None else default_outer_optimizer(self.params)
         self.global_params = [p.detach().clone() for p in self.params]
+        # Taken again at the first step (capture): a script broadcasts rank 0's parameters
+        # after building the optimizer, as Horovod's examples do.
+        self.captured = False
         self.taken = 0          # local steps of the current round
         self.local_total = 0    # every local step, for comm_stats()
+
+    def capture(self) -> bool:
+        """At the first local step (unless a checkpoint was loaded): the global parameters are
+        the model's as training starts. Returns whether it captured them now."""
+        if self.captured:
+            return False
+        with torch.no_grad():
+            for p, g in zip(self.params, self.global_params):
+                g.copy_(p)
+        self.captured = True
+        return True
 
     def tick(self) -> bool:
         """One local step was taken; True when it ends the round."""
@@ -141,7 +155,7 @@ class OuterRounds:
     # --- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"local_steps": self.local_steps, "taken": self.taken,
-                "local_total": self.local_total,
+                "local_total": self.local_total, "captured": self.captured,
                 "global": [g.clone() for g in self.global_params],
                 "outer": self.outer.state_dict()}
 
@@ -175,3 +189,4 @@ class OuterRounds:
             g.copy_(t)
         self.taken = int(state["taken"])
         self.local_total = int(state.get("local_total", 0))
+        self.captured = bool(state.get("captured", True))

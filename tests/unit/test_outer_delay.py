@@ -12,6 +12,10 @@ from hvd_slim.transport.base import TransportTimeout
 from test_local_steps import batch, flat, model, one_step, outer_state, wrap
 
 
+def globals_of(opt):
+    return torch.cat([g.reshape(-1) for g in opt._outer.global_params])
+
+
 def test_global_parameters_and_outer_state_are_identical_after_every_round():
     def body(rank, tr):
         m = model()
@@ -21,27 +25,51 @@ def test_global_parameters_and_outer_state_are_identical_after_every_round():
             one_step(m, opt, rank, t)
             if (t + 1) % 3 == 0:
                 busy.append(opt._ends.flight.busy)
-                rounds.append((flat(m), torch.cat([g.reshape(-1) for g in
-                                                   opt._outer.global_params])))
+                rounds.append((flat(m), globals_of(opt)))
         assert opt._ends.flight.runner.threaded   # collectives on the communication thread
-        return rounds, busy, outer_state(opt), opt.comm_stats()
+        st = opt.comm_stats()
+        opt.flush()
+        return rounds, busy, outer_state(opt), st, flat(m), globals_of(opt)
 
     res = run_ranks(3, body)
     for k in range(4):
-        for r in res[1:]:
-            assert torch.equal(res[0][0][k][0], r[0][k][0]), k
-        assert torch.equal(res[0][0][k][0], res[0][0][k][1])   # the model is the global state
-    assert torch.equal(res[0][0][0][0], flat(model()))   # round 0's step has not landed yet
-    assert not torch.equal(res[0][0][1][0], res[0][0][0][0])
+        assert all(torch.equal(res[0][0][k][1], r[0][k][1]) for r in res), k
+        # Each rank keeps its own progress of the round on top of the global parameters.
+        assert not torch.equal(res[0][0][k][0], res[1][0][k][0]), k
+    assert torch.equal(res[0][0][0][1], flat(model()))   # round 0's step has not landed yet
+    assert not torch.equal(res[0][0][1][1], res[0][0][0][1])
     assert all(torch.equal(res[0][2], r[2]) for r in res)
     assert all(r[1] == [True] * 4 for r in res)   # every round's exchange was in flight
-    st = res[0][3]
-    assert st["steps"] == 3 and st["local_steps_taken"] == 12   # the fourth is still in flight
+    assert res[0][3]["steps"] == 3 and res[0][3]["local_steps_taken"] == 12   # one in flight
+    # After flush every model is the global parameters, the same everywhere.
+    assert all(torch.equal(r[4], res[0][4]) and torch.equal(r[4], r[5]) for r in res)
+
+
+def test_with_parameters_changed_after_the_optimizer_was_built_the_ranks_still_agree():
+    """A script broadcasts rank 0's parameters after building the optimizer: the global
+    parameters are taken at the first step, so every rank starts from the broadcast ones."""
+    def body(rank, tr, delay):
+        torch.manual_seed(rank)   # every rank its own initial parameters
+        m = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 3))
+        opt = wrap(m, tr, local_steps=2, outer_delay=delay)
+        m.load_state_dict(model().state_dict())   # the broadcast
+        for t in range(6):
+            one_step(m, opt, rank, t)
+        opt.flush()
+        return flat(m), globals_of(opt)
+
+    for delay in (0, 1):
+        res = run_ranks(3, lambda r, tr: body(r, tr, delay))
+        assert all(torch.equal(r[0], res[0][0]) and torch.equal(r[1], res[0][1])
+                   for r in res), delay
 
 
 def test_delayed_rounds_match_a_single_process_reference():
     """Three ranks at density 1.0 against the same training written out in one process: local
-    AdamW steps, then DiLoCo's outer step on the previous round's mean pseudo-gradient."""
+    AdamW steps from where each rank is; at a round's end DiLoCo's outer step on the previous
+    round's mean pseudo-gradient, then each rank at the global parameters plus its own
+    progress of the round."""
     steps, h, size = 8, 2, 3
 
     def body(rank, tr):
@@ -49,20 +77,15 @@ def test_delayed_rounds_match_a_single_process_reference():
         opt = wrap(m, tr, density=1.0, local_steps=h, outer_delay=1)
         for t in range(steps):
             one_step(m, opt, rank, t)
-        return flat(m)   # the global parameters: the last round is still in flight
+        return flat(m), globals_of(opt)
 
     res = run_ranks(size, body)
     ms = [model() for _ in range(size)]
     inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in ms]
     glob = model()
     outer = torch.optim.SGD(glob.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    starts = [[p.detach().clone() for p in m.parameters()] for m in ms]
     in_flight = None
-
-    def outer_step(mean):
-        for p, d in zip(glob.parameters(), mean):
-            p.grad = d.clone()
-        outer.step()
-
     for t in range(steps):
         for rank, (m, inner) in enumerate(zip(ms, inners)):
             x, y = batch(rank, t)
@@ -71,16 +94,22 @@ def test_delayed_rounds_match_a_single_process_reference():
             inner.step()
         if (t + 1) % h:
             continue
-        deltas = [[g.detach() - p.detach() for g, p in zip(glob.parameters(), m.parameters())]
-                  for m in ms]
+        own = [[p.detach() - s for p, s in zip(m.parameters(), st)]
+               for m, st in zip(ms, starts)]
         if in_flight is not None:
-            outer_step(in_flight)
-        in_flight = [sum(d[i] for d in deltas) / size for i in range(len(deltas[0]))]
-        for m in ms:
-            m.load_state_dict(glob.state_dict())
+            for p, d in zip(glob.parameters(), in_flight):
+                p.grad = d.clone()
+            outer.step()
+        in_flight = [-sum(o[i] for o in own) / size for i in range(len(own[0]))]
+        with torch.no_grad():
+            for m, o, st in zip(ms, own, starts):
+                for p, g, d, s in zip(m.parameters(), glob.parameters(), o, st):
+                    p.copy_(g + d)
+                    s.copy_(p)
     want = flat(glob)
-    assert all(torch.allclose(r, want, atol=1e-5) for r in res), \
-        [float((r - want).abs().max()) for r in res]
+    for r, m in zip(res, ms):
+        assert torch.allclose(r[1], want, atol=1e-5), float((r[1] - want).abs().max())
+        assert torch.allclose(r[0], flat(m), atol=1e-5), float((r[0] - flat(m)).abs().max())
 
 
 @pytest.mark.parametrize("split", [4, 6, 7])
@@ -142,7 +171,7 @@ def test_the_first_step_handshake_names_another_outer_delay():
 
 
 @pytest.mark.parametrize("mode", ["skip", "raise"])
-def test_a_nonfinite_pseudo_gradient_drops_its_round_on_every_rank(mode):
+def test_a_nonfinite_pseudo_gradient_drops_its_round_and_the_next_on_every_rank(mode):
     def body(rank, tr):
         m = model()
         opt = wrap(m, tr, local_steps=2, outer_delay=1, nonfinite=mode,
@@ -154,18 +183,20 @@ def test_a_nonfinite_pseudo_gradient_drops_its_round_on_every_rank(mode):
         if rank == 1:
             m[0].weight.grad[0, 0] = float("inf")
         opt.step()   # round 0 ends: its exchange (with the Inf) is launched
-        start = flat(m)
         one_step(m, opt, rank, 2)
         try:
             one_step(m, opt, rank, 3)   # round 1 ends: round 0's verdict lands
         except hvd_slim.NonFiniteGradientError:
-            return "raised", torch.equal(flat(m), start), opt._exchange.step_count
-        return opt.comm_stats()["skipped_steps"], torch.equal(flat(m), start), \
-            opt._exchange.step_count
+            outcome = "raised"
+        else:
+            outcome = opt.comm_stats()["skipped_steps"]
+        return outcome, torch.equal(flat(m), flat(model())), opt._exchange.step_count, \
+            opt._ends.flight.busy, opt._exchange.residual_norm()
 
     res = run_ranks(3, body)
-    # No outer step: every rank restarts from the unchanged global parameters.
-    assert all(r[1] and r[2] == 0 for r in res), res
+    # No outer step, nothing in flight: every rank restarts from the unchanged global
+    # parameters, and nothing of either round is kept.
+    assert all(r[1] and r[2] == 0 and not r[3] and r[4] == 0.0 for r in res), res
     assert all(r[0] == ("raised" if mode == "raise" else 1) for r in res), res
 
 

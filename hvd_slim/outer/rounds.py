@@ -134,9 +134,9 @@ class OuterRounds:
     def apply_flushed(self, only: set) -> None:
         """A flush's pulled residuals (in ``p.grad`` of the parameters in ``only``, the
         compressed ones) land on the global parameters as they are: lr 1, past the outer
-        optimizer, whose state is left alone. One outer step would also take another step of
-        its momentum, and with Nesterov's 0.9 at H = 128 that alone undid training (5.47 bits
-        per byte after flush against 3.35 before, docs/accuracy.md)."""
+        optimizer, whose state is left alone (an outer step would also repeat its momentum).
+        Under local steps the residuals hold rounds of unsent displacement, and landing them
+        at once still costs the language model (docs/accuracy.md, "Local steps")."""
         with torch.no_grad():
             for p, g in zip(self.params, self.global_params):
                 if id(p) in only and p.grad is not None:

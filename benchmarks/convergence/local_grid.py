@@ -30,7 +30,7 @@ import os
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
-from .untuned import GRID_BITS, GRID_DENSITY, GRID_H, _mean, _metric
+from .untuned import GRID_BITS, GRID_DENSITY, GRID_H, _mean, _metric, finish_axes
 
 RATE_BPS = 1e9 / 8       # bytes per second on each host's NIC
 LATENCY_S = 0.050        # one-way, added to every message round
@@ -204,12 +204,7 @@ def plot(rows: "OrderedDict[str, Dict[str, Any]]", case: str, out: str) -> List[
                     label=v, **style)
         if axis == 0:
             ax.set_xscale("log")
-        ax.set_xlabel(xlabel)
-        lm = case == "lm"
-        ax.set_ylabel("validation bits per byte" if lm else "test accuracy (%)")
-        ax.set_title(f"{case}: local steps, 4 ranks (seed 0)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        finish_axes(ax, case, xlabel, f"{case}: local steps, 4 ranks (seed 0)", legend=7)
         written.append(save_figure(fig, os.path.join(out, f"local_grid_{case}_vs_{name}.png")))
     return written
 

@@ -322,13 +322,19 @@ def plot(runs: List[Dict[str, Any]], out: str) -> List[str]:
                 {"linestyle": "--"} if variant.startswith(("top-k", "PowerSGD")) else {}
             ax.plot(xs, ys, marker="o", markersize=3, label=variant, **style)
         ax.set_xscale("log")
-        ax.set_xlabel("MB pushed + pulled by rank 0 (cumulative)")
-        ax.set_ylabel("validation bits per byte" if case == "lm" else "test accuracy (%)")
-        ax.set_title(f"{case}: mean over seeds, 4 ranks")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        finish_axes(ax, case, "MB pushed + pulled by rank 0 (cumulative)",
+                    f"{case}: mean over seeds, 4 ranks", legend=8)
         written.append(save_figure(fig, os.path.join(out, f"untuned_{case}_vs_bytes.png")))
     return written
+
+
+def finish_axes(ax: Any, case: str, xlabel: str, title: str, legend: int) -> None:
+    """Labels, grid and legend of a metric-against-something plot of ``case``."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation bits per byte" if case == "lm" else "test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=legend)
 
 
 def report(runs: List[Dict[str, Any]], out: str) -> str:

@@ -306,3 +306,22 @@ def test_lm_table_compares_each_run_with_dense_on_the_same_seeds():
     # not against the mean (which would read -12%).
     assert "| default | 2 | 2.9000 | +16.00% |" in table
     assert "| top-k 0.02 | 1 | 2.2000 | +10.00% |" in table
+
+
+# --- the local-steps grid's modelled wall time (benchmarks/convergence/local_grid.py) ---------
+def test_the_modelled_wire_time_of_a_ring_and_of_a_delayed_round():
+    from benchmarks.convergence import local_grid as lg
+
+    rate, lat = lg.RATE_BPS, lg.LATENCY_S
+    dense = {"method": "dense", "world_size": 4,
+             "records": [{"dense_bytes": 8e6, "steps": 2}]}   # 4 MB a step
+    ring = 2 * 3 * lat + 2 * 3 / 4 * 4e6 / rate
+    assert abs(lg.wire_seconds(dense, 2, 0, 0) - 2 * ring) < 1e-12
+    # hvd_slim at H = 4: 3 pushes into the server, a 2-round tree for the pull, per exchange.
+    slim = {"method": "slim", "world_size": 4, "slim": {"local_steps": 4}}
+    one = 4 * lat + (3 * 1000 + 2 * 3000) / rate
+    assert abs(lg.wire_seconds(slim, 8, 2000, 6000) - 2 * one) < 1e-12
+    # outer_delay=1: only what an exchange takes beyond the next round's compute counts.
+    late = dict(slim, slim={"local_steps": 4, "outer_delay": 1})
+    assert abs(lg.wire_seconds(late, 8, 2000, 6000, compute=0.04) - 2 * (one - 0.16)) < 1e-12
+    assert lg.wire_seconds(late, 8, 2000, 6000, compute=1.0) == 0.0

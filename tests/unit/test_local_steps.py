@@ -97,23 +97,31 @@ def test_density_one_and_outer_lr_one_is_parameter_averaging():
         assert torch.allclose(res[0][k + 1], mean, atol=1e-6), k
 
 
-def test_resume_mid_round_is_bitwise():
+def plain_and_resumed(keywords, steps, split, finish=None):
+    """Two ranks trained ``steps`` steps straight, and with a checkpoint taken and loaded into
+    a new model and optimizer before step ``split``: each rank's parameters and outer state
+    (and what ``finish(opt)`` returns) from both."""
     def body(rank, tr, split):
         m = model()
-        opt = wrap(m, tr, local_steps=4, seed=5)
-        for t in range(10):
+        opt = wrap(m, tr, seed=5, **keywords)
+        for t in range(steps):
             if t == split:
                 state, weights = opt.state_dict(), {k: v.clone() for k, v in
                                                     m.state_dict().items()}
                 m = model()
                 m.load_state_dict(weights)
-                opt = wrap(m, tr, local_steps=4, seed=5)
+                opt = wrap(m, tr, seed=5, **keywords)
                 opt.load_state_dict(state)
             one_step(m, opt, rank, t)
-        return flat(m), outer_state(opt)
+        extra = finish(opt) if finish else None
+        return flat(m), outer_state(opt), extra
 
-    plain = run_ranks(2, lambda r, tr: body(r, tr, -1))
-    resumed = run_ranks(2, lambda r, tr: body(r, tr, 6))
+    return (run_ranks(2, lambda r, tr: body(r, tr, -1)),
+            run_ranks(2, lambda r, tr: body(r, tr, split)))
+
+
+def test_resume_mid_round_is_bitwise():
+    plain, resumed = plain_and_resumed({"local_steps": 4}, 10, 6)
     for a, b in zip(plain, resumed):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 

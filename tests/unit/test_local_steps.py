@@ -180,13 +180,8 @@ def test_a_nonfinite_pseudo_gradient_drops_the_round_on_every_rank(mode):
             m.parameters(), lr=0.1))
         before = flat(m)
         one_step(m, opt, rank, 0)
-        x, y = batch(rank, 1)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(m(x), y).backward()
-        if rank == 1:
-            m[0].weight.grad[0, 0] = float("inf")
         try:
-            opt.step()
+            inf_on_rank_1(m, opt, rank, 1)
         except hvd_slim.NonFiniteGradientError:
             return "raised", torch.equal(flat(m), before), opt._exchange.residual_norm()
         return opt.comm_stats()["skipped_steps"], torch.equal(flat(m), before), \
@@ -195,6 +190,16 @@ def test_a_nonfinite_pseudo_gradient_drops_the_round_on_every_rank(mode):
     res = run_ranks(3, body)
     assert all(r[1] and r[2] == 0.0 for r in res), res   # back at the global parameters
     assert all(r[0] == ("raised" if mode == "raise" else 1) for r in res), res
+
+
+def inf_on_rank_1(m, opt, rank, t):
+    """A step of batch ``t`` whose gradient rank 1 makes Inf before ``opt.step()``."""
+    x, y = batch(rank, t)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    if rank == 1:
+        m[0].weight.grad[0, 0] = float("inf")
+    opt.step()
 
 
 def test_flush_mid_round_ends_the_round_and_empties_every_residual():

@@ -9,8 +9,8 @@ from hvd_slim.config import ConfigError, SlimConfig
 from hvd_slim.transport import FakeCluster, run_ranks
 from hvd_slim.transport.base import TransportTimeout
 
-from test_local_steps import (batch, flat, model, one_step, outer_state, plain_and_resumed,
-                              wrap)
+from test_local_steps import (batch, flat, inf_on_rank_1, model, one_step, outer_state,
+                              plain_and_resumed, wrap)
 
 
 def globals_of(opt):
@@ -167,12 +167,7 @@ def test_a_nonfinite_pseudo_gradient_drops_its_round_and_the_next_on_every_rank(
         opt = wrap(m, tr, local_steps=2, outer_delay=1, nonfinite=mode,
                    inner=torch.optim.SGD(m.parameters(), lr=0.1))
         one_step(m, opt, rank, 0)
-        x, y = batch(rank, 1)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(m(x), y).backward()
-        if rank == 1:
-            m[0].weight.grad[0, 0] = float("inf")
-        opt.step()   # round 0 ends: its exchange (with the Inf) is launched
+        inf_on_rank_1(m, opt, rank, 1)   # round 0 ends: its exchange (with the Inf) is launched
         one_step(m, opt, rank, 2)
         try:
             one_step(m, opt, rank, 3)   # round 1 ends: round 0's verdict lands

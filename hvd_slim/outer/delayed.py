@@ -43,6 +43,8 @@ class InFlight:
         self.job: Optional[Job] = None
         self.box: Dict[str, Pending] = {}
         self.ready: Optional[List[torch.Tensor]] = None
+        # A round every rank skipped, landed (by a checkpoint) before the round's end used it.
+        self.skipped = False
 
     @property
     def busy(self) -> bool:
@@ -80,7 +82,7 @@ class InFlight:
         residual)."""
         job = self.job
         if job is None:
-            return None if self.ready is None else True
+            return False if self.skipped else (None if self.ready is None else True)
         self.job = None
         self.runner.wait(job)
         if job.error is not None:
@@ -92,6 +94,7 @@ class InFlight:
         if pending.pulled is None:
             self.exchange.settle(pending, commit=False)
             self.exchange.stats.skipped_steps += 1
+            self.skipped = True
             return False
         saved = [p.grad for p in self.params]
         try:
@@ -107,14 +110,15 @@ class InFlight:
 
     def take(self) -> Optional[List[torch.Tensor]]:
         """The landed average for the outer step (and forget it), or None."""
-        out, self.ready = self.ready, None
+        out, self.ready, self.skipped = self.ready, None, False
         return out
 
     # --- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """``ready`` (landed first: a checkpoint never holds a round in flight)."""
         self.land()
-        return {"ready": None if self.ready is None else [t.clone() for t in self.ready]}
+        return {"ready": None if self.ready is None else [t.clone() for t in self.ready],
+                "skipped": self.skipped}
 
     def validate_state_dict(self, state: Dict[str, Any]) -> None:
         ready = state.get("ready")
@@ -130,3 +134,4 @@ class InFlight:
         ready = state.get("ready")
         self.job, self.box = None, {}
         self.ready = None if ready is None else [t.clone() for t in ready]
+        self.skipped = bool(state.get("skipped", False))

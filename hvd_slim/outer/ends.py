@@ -124,7 +124,8 @@ class RoundEnds:
                 self._restart(None)
                 raise
             if landed is False:   # every rank skipped the round in flight (a NaN/Inf): this
-                self._restart(None)   # one built on it goes too, and every rank restarts
+                flight.take()         # one built on it goes too, and every rank restarts
+                self._restart(None)
                 return
             self._restart(landed, own)
             rounds.load_pseudo_gradients(deltas)
@@ -144,6 +145,7 @@ class RoundEnds:
         if landed:
             self.rounds.apply(grads=self.flight.take())
         else:
+            self.flight.take()   # forget a landed skip: it has been acted on
             self.rounds.reset()
         with torch.no_grad():
             for p, s, d in zip(self.rounds.params, self.start, own or [None] * len(self.start)):

@@ -232,3 +232,33 @@ def test_bad_outer_delay_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("HVD_SLIM_OUTER_DELAY", "yes")
     with pytest.raises(ConfigError, match="HVD_SLIM_OUTER_DELAY"):
         wrap(model(), tr)
+
+
+def test_a_skip_landed_by_a_checkpoint_drops_the_same_rounds_as_without_one():
+    """The checkpoint lands the round in flight early; its skip verdict is kept (and saved),
+    so the round's end drops what it would have dropped without the checkpoint."""
+    def body(rank, tr, resume):
+        m = model()
+        kw = dict(local_steps=2, outer_delay=1, nonfinite="skip", seed=5,
+                  inner=torch.optim.SGD(m.parameters(), lr=0.1))
+        opt = wrap(m, tr, **kw)
+        one_step(m, opt, rank, 0)
+        inf_on_rank_1(m, opt, rank, 1)   # round 0 ends: its exchange (with the Inf) launched
+        one_step(m, opt, rank, 2)
+        if resume:
+            state, weights = opt.state_dict(), {k: v.clone() for k, v in
+                                                m.state_dict().items()}
+            assert state["hvd_slim_outer"]["delayed"]["skipped"]
+            m = model()
+            m.load_state_dict(weights)
+            opt = wrap(m, tr, **dict(kw, inner=torch.optim.SGD(m.parameters(), lr=0.1)))
+            opt.load_state_dict(state)
+        for t in range(3, 6):
+            one_step(m, opt, rank, t)
+        opt.flush()
+        return flat(m), globals_of(opt)
+
+    plain = run_ranks(3, lambda r, tr: body(r, tr, False))
+    resumed = run_ranks(3, lambda r, tr: body(r, tr, True))
+    for a, b in zip(plain, resumed):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

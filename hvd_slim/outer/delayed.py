@@ -6,11 +6,10 @@ starts its exchange: the local phases (compensate and select, which read ``p.gra
 caller's thread, the collectives (handshake, push, aggregate, pull) on the transport's
 communication thread (exchange/overlap_runner.py), while round r+1's local steps run. At the end
 of round r+1, :meth:`InFlight.land` waits for it and settles it; the outer optimizer then steps
-the global parameters on round r's average, every rank restarts from them, and round r+1's
-pseudo-gradient is launched. So the outer step lands one round late: round r+1 starts from
-global parameters without round r's step, and its own work reaches them at the end of round
-r+2. The global parameters and the outer state stay bitwise the same on every rank: each
-outer step takes the same pulled values in the same order.
+the global parameters on round r's average and round r+1's pseudo-gradient is launched. So the
+outer step lands one round late (what each rank's model holds meanwhile: outer/ends.py). The
+global parameters and the outer state stay bitwise the same on every rank: each outer step
+takes the same pulled values in the same order.
 
 The settled average is kept in :attr:`InFlight.ready` (not in ``p.grad``, which holds the
 local gradients meanwhile) until the outer step takes it. A checkpoint lands the round in
@@ -26,6 +25,7 @@ import torch
 from ..exchange.build import threads_allowed
 from ..exchange.overlap_runner import Job, runner_for
 from ..exchange.step import Pending, SlimExchange
+from .rounds import matches_params
 
 Opener = Optional[Callable[[], Optional[Callable[[], Any]]]]
 
@@ -124,9 +124,7 @@ class InFlight:
         ready = state.get("ready")
         if ready is None:
             return
-        if not isinstance(ready, list) or len(ready) != len(self.params) or any(
-                not torch.is_tensor(t) or t.shape != p.shape or t.dtype != p.dtype
-                for t, p in zip(ready, self.params)):
+        if not matches_params(ready, self.params):
             raise ValueError("hvd_slim checkpoint: its delayed outer step ('ready') does not "
                              "match this model's trainable parameters (count, shapes or dtypes)")
 

@@ -21,7 +21,7 @@ import torch
 
 from ..exchange.errors import NonFiniteGradientError
 from .delayed import InFlight, Opener
-from .rounds import OuterRounds
+from .rounds import OuterRounds, matches_params
 
 
 class RoundEnds:
@@ -43,19 +43,14 @@ class RoundEnds:
         """Before the first local step: the global parameters (and this rank's round start)
         are the model's now, after any broadcast the script made after building the
         optimizer. A no-op after that, or once a checkpoint was loaded."""
-        if self.rounds.capture() and self.start is not None:
-            with torch.no_grad():
-                for p, s in zip(self.rounds.params, self.start):
-                    s.copy_(p)
+        if self.rounds.capture():
+            self._mark_start()
 
     def flushed(self, only: set) -> None:
         """A flush's pulled residuals (in ``p.grad``) land on the global parameters
         (:meth:`OuterRounds.apply_flushed`); the next round starts from them."""
         self.rounds.apply_flushed(only)
-        if self.start is not None:
-            with torch.no_grad():
-                for p, s in zip(self.rounds.params, self.start):
-                    s.copy_(p)
+        self._mark_start()
 
     def end(self, step_round: Callable[[], Any], open_round: Opener) -> None:
         """The round's exchange, after the join round that starts it: run now
@@ -124,8 +119,7 @@ class RoundEnds:
                 self._restart(None)
                 raise
             if landed is False:   # every rank skipped the round in flight (a NaN/Inf): this
-                flight.take()         # one built on it goes too, and every rank restarts
-                self._restart(None)
+                self._restart(None)   # one built on it goes too, and every rank restarts
                 return
             self._restart(landed, own)
             rounds.load_pseudo_gradients(deltas)
@@ -147,10 +141,18 @@ class RoundEnds:
         else:
             self.flight.take()   # forget a landed skip: it has been acted on
             self.rounds.reset()
-        with torch.no_grad():
-            for p, s, d in zip(self.rounds.params, self.start, own or [None] * len(self.start)):
-                if d is not None:
+        if own is not None:
+            with torch.no_grad():
+                for p, d in zip(self.rounds.params, own):
                     p.add_(d)
+        self._mark_start()
+
+    def _mark_start(self) -> None:
+        """``outer_delay=1``: the next round starts from the model as it is now."""
+        if self.start is None:
+            return
+        with torch.no_grad():
+            for p, s in zip(self.rounds.params, self.start):
                 s.copy_(p)
 
     # --- checkpoint ------------------------------------------------------------------------
@@ -175,10 +177,7 @@ class RoundEnds:
         if self.flight is not None:
             delayed = state.get("delayed") or {}
             self.flight.validate_state_dict(delayed)
-            start = delayed.get("start")
-            if not isinstance(start, list) or len(start) != len(self.start) or any(
-                    not torch.is_tensor(t) or t.shape != s.shape or t.dtype != s.dtype
-                    for t, s in zip(start, self.start)):
+            if not matches_params(delayed.get("start"), self.start):
                 raise ValueError("hvd_slim checkpoint: its round start ('delayed'/'start') does "
                                  "not match this model's trainable parameters; it was saved "
                                  "without outer_delay=1 or for another model")

@@ -63,6 +63,14 @@ def describe_outer_optimizer(outer: Optional[torch.optim.Optimizer]) -> str:
     return type(outer).__name__ + "".join(groups)
 
 
+def matches_params(saved: Any, params: Sequence[torch.Tensor]) -> bool:
+    """Whether ``saved`` (from a checkpoint) is a list of tensors shaped and typed as
+    ``params``, one each."""
+    return isinstance(saved, list) and len(saved) == len(params) and all(
+        torch.is_tensor(t) and t.shape == p.shape and t.dtype == p.dtype
+        for t, p in zip(saved, params))
+
+
 class OuterRounds:
     """This rank's round: the global parameters, the outer optimizer and the local steps
     taken since the round began."""
@@ -171,9 +179,7 @@ class OuterRounds:
                              f"{state.get('local_steps')}; this optimizer has local_steps="
                              f"{self.local_steps}. Resume with the same local_steps")
         saved = state["global"]
-        if not isinstance(saved, list) or len(saved) != len(self.params) or any(
-                not torch.is_tensor(t) or t.shape != p.shape or t.dtype != p.dtype
-                for t, p in zip(saved, self.params)):
+        if not matches_params(saved, self.params):
             raise ValueError("hvd_slim checkpoint: its global parameters do not match this "
                              "model's trainable parameters (count, shapes or dtypes)")
         taken = state.get("taken")

@@ -31,7 +31,7 @@ ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight"
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
                 "warmup_start_density", "servers", "hierarchical", "overlap", "local_steps",
-                "outer_delay")
+                "outer_delay", "residual_decay")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -158,6 +158,10 @@ class SlimConfig:
     # Share of a rank's velocity dropped where a coordinate is sent: 1.0 (True) is DGC's momentum
     # masking, 0.0 (False) keeps it all (what is delivered then sums to dense momentum SGD's)
     momentum_masking: float = 0.0
+    # Error feedback: each step a worker's residual is multiplied by this before the new
+    # gradient joins it (memory/residual.py); 1.0 keeps everything until it is sent. Below 1,
+    # SparseLoCo's decayed accumulator: unsent mass fades over about 1/(1 - beta) steps.
+    residual_decay: float = 1.0
     # Adam/AdamW: "rescaled" feeds exp_avg_sq each delivered value as per-step means of the steps
     # it sums (inner/adam.py); "live": Adam's own step on the bursts; "auto": rescaled for Adam
     adam_variance: str = "auto"
@@ -231,6 +235,8 @@ class SlimConfig:
         mm = self.momentum_masking
         norm["momentum_masking"] = float(mm) if isinstance(mm, bool) else \
             _check_fraction("momentum_masking", mm, low_open=False)
+        norm["residual_decay"] = _check_fraction("residual_decay", self.residual_decay,
+                                                 low_open=True)
         if self.momentum_correction not in (None, True, False):
             raise ConfigError(f"momentum_correction must be True, False or None (auto), "
                               f"got {self.momentum_correction!r}", "momentum_correction")

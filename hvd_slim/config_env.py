@@ -70,7 +70,8 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "momentum_masking": "true, false or a number in [0, 1]",
               "servers": "an integer >= 1 or auto", "hierarchical": "true or false",
               "overlap": "true, false or an integer number of stages >= 1",
-              "local_steps": "an integer >= 1", "outer_delay": "an integer, 0 or 1"}
+              "local_steps": "an integer >= 1", "outer_delay": "an integer, 0 or 1",
+              "residual_decay": "a number in (0, 1]"}
 
 
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None

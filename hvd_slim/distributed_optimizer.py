@@ -79,6 +79,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             * ``outer_delay``: with ``local_steps``, ``1`` overlaps a round's exchange with
               the next round and applies its outer step one round late; ``0`` (default)
               waits for it at the round's end.
+            * ``residual_decay``: each step the worker's residual is multiplied by this
+              before the new gradient joins it; ``1.0`` (default) keeps every unsent value
+              until it is sent. Below 1 it is SparseLoCo's decayed error feedback, which with
+              ``local_steps`` takes the place of the outer optimizer's momentum.
             * ``seed``: keys the exploration generator.
             * ``warmup_dense_steps``, ``warmup_decay_steps`` and ``warmup_start_density``:
               dense first steps, then a geometric decay from the start density to the

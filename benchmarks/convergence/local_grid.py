@@ -35,10 +35,11 @@ from .untuned import GRID_BITS, GRID_DENSITY, GRID_H, _mean, _metric, finish_axe
 RATE_BPS = 1e9 / 8       # bytes per second on each host's NIC
 LATENCY_S = 0.050        # one-way, added to every message round
 TARGET = "local_steps=32 0.01 4-bit"
+SPARSELOCO = TARGET + " decay=0.95 outer=sgd"
 REFERENCES = ("dense", "default", "default local_steps=8", "local_steps=32 dense", TARGET,
-              TARGET + " outer_delay=1")
+              TARGET + " outer_delay=1", SPARSELOCO)
 PLOTTED = ("dense", "local_steps=1 0.01 4-bit", "local_steps=8 0.01 4-bit", TARGET,
-           TARGET + " outer_delay=1", "local_steps=128 0.01 4-bit", "local_steps=32 0.001 4-bit",
+           TARGET + " outer_delay=1", SPARSELOCO, "local_steps=128 0.01 4-bit", "local_steps=32 0.001 4-bit",
            "local_steps=32 0.01 2-bit", "local_steps=32 dense")
 
 

@@ -68,6 +68,10 @@ def wrap_optimizer(method: str, hvd: ModuleType, opt: torch.optim.Optimizer, mod
         kwargs = dict(finite, **(slim_kwargs or {}))
         if density is not None:
             kwargs["density"] = density
+        outer = kwargs.pop("outer_sgd", None)
+        if outer is not None:   # a run spec is JSON: the outer optimizer as SGD's keywords
+            kwargs["outer_optimizer"] = torch.optim.SGD(
+                [p for p in model.parameters() if p.requires_grad], **outer)
         return hvd.DistributedOptimizer(opt, named_parameters=named, **kwargs)
     if method == "horovod":
         return hvd.DistributedOptimizer(opt, named_parameters=named)

@@ -67,7 +67,12 @@ LOCAL_ABLATION = (("default", None, {}), ("default local_steps=8", None, {"local
                   ("local_steps=32 0.01 4-bit", 0.01, {"local_steps": 32, "value_bits": 4}),
                   # and with its exchange overlapped with the next round (outer/delayed.py)
                   ("local_steps=32 0.01 4-bit outer_delay=1", 0.01,
-                   {"local_steps": 32, "value_bits": 4, "outer_delay": 1}))
+                   {"local_steps": 32, "value_bits": 4, "outer_delay": 1}),
+                  # SparseLoCo's recipe: the decayed residual is the momentum, the outer step
+                  # plain SGD at lr 1 (residual_decay, memory/residual.py)
+                  ("local_steps=32 0.01 4-bit decay=0.95 outer=sgd", 0.01,
+                   {"local_steps": 32, "value_bits": 4, "residual_decay": 0.95,
+                    "outer_sgd": {"lr": 1.0}}))
 
 # The local-steps grid (``--groups local-grid``, 1 seed a point): H x density x value bits,
 # the target point left to LOCAL_ABLATION, and DiLoCo's own exchange (density 1.0, 32-bit) at

@@ -77,6 +77,7 @@ class Worker:
         self.shards = ShardPlan(layout, 1, size, config.server_rank) if shards is None else shards
         momentum = momentum or {}
         self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device,
+                                               decay=config.residual_decay,
                                                **momentum.get(b.index, {}))
                        for b in layout.sparse}
         self.selector = {p.b.index: CoreSelector() for ps in self.shards.pieces(None)

@@ -20,15 +20,20 @@ class ResidualMemory:
 
     With ``momentum > 0`` (momentum correction, DGC-style):
     ``u = m*u + (1-dampening)*g``; ``a = r + u`` (nesterov: ``a = r + g + m*u``).
-    Without: ``a = r + g``. ``update`` sets ``r = a`` minus what was delivered at the sent
+    Without: ``a = r + g``. With ``decay`` beta < 1 the residual fades first, ``beta*r`` in place
+    of ``r`` (SparseLoCo's decayed error feedback: unsent mass older than about
+    ``1/(1-beta)`` steps is forgotten, never sent). ``update`` sets ``r = a`` minus what was delivered at the sent
     coordinates and masks ``u`` there (momentum factor masking).
     """
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", momentum: float = 0.0,
-                 dampening: float = 0.0, nesterov: bool = False) -> None:
+                 dampening: float = 0.0, nesterov: bool = False, decay: float = 1.0) -> None:
         if momentum < 0:
             raise ValueError(f"momentum must be >= 0, got {momentum}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.decay = float(decay)
         self.momentum = float(momentum)
         self.dampening = float(dampening)
         self.nesterov = bool(nesterov)
@@ -61,11 +66,14 @@ class ResidualMemory:
         (None: zero), with ``a`` written into ``out``: the gradients are read where they lie
         (each parameter's ``.grad``), never gathered into a flat copy first. ``parts`` cover
         the buffer; a part's grad may alias ``out`` at the same place."""
-        r, u, m = self.residual, self.velocity, self.momentum
+        r, u, m, beta = self.residual, self.velocity, self.momentum, self.decay
         if u is None:
             for off, n, g in parts:
                 if g is None:
-                    out[off:off + n].copy_(r[off:off + n])
+                    torch.mul(r[off:off + n], beta, out=out[off:off + n]) if beta != 1.0 \
+                        else out[off:off + n].copy_(r[off:off + n])
+                elif beta != 1.0:   # g + beta*r in one fused pass
+                    torch.add(g.reshape(-1), r[off:off + n], alpha=beta, out=out[off:off + n])
                 else:   # r + g: the same bits as g + r
                     torch.add(r[off:off + n], g.reshape(-1), out=out[off:off + n])
             return out, None
@@ -81,11 +89,15 @@ class ResidualMemory:
             if self.nesterov:   # a = r + g + m*u'
                 a = out[off:off + n]
                 if g is None:
-                    torch.add(r[off:off + n], un, alpha=m, out=a)
+                    torch.mul(r[off:off + n], beta, out=a).add_(un, alpha=m) if beta != 1.0 \
+                        else torch.add(r[off:off + n], un, alpha=m, out=a)
+                elif beta != 1.0:
+                    torch.add(g.reshape(-1), r[off:off + n], alpha=beta, out=a).add_(un, alpha=m)
                 else:
                     torch.add(r[off:off + n], g.reshape(-1), out=a).add_(un, alpha=m)
-        if not self.nesterov:
-            torch.add(r, u_new, out=out)   # a = r + u'
+        if not self.nesterov:   # a = r + u' (beta*r + u' with decay)
+            torch.add(u_new, r, alpha=beta, out=out) if beta != 1.0 else \
+                torch.add(r, u_new, out=out)
         return out, u_new
 
     def _check(self, grad: torch.Tensor) -> None:

@@ -157,6 +157,7 @@ BAD_ENV = [
     ("overlap", "0"), ("overlap", "2.5"), ("overlap", "lots"),
     ("local_steps", "0"), ("local_steps", "many"),
     ("outer_delay", "2"), ("outer_delay", "soon"),
+    ("residual_decay", "0"), ("residual_decay", "1.5"), ("residual_decay", "fast"),
 ]
 
 
@@ -186,7 +187,7 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
             "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
             "warmup_start_density": 0.5, "servers": 2, "hierarchical": False,
-            "overlap": 2, "local_steps": 8, "outer_delay": 0}[name]
+            "overlap": 2, "local_steps": 8, "outer_delay": 0, "residual_decay": 0.9}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

@@ -39,7 +39,8 @@ SPARSELOCO = TARGET + " decay=0.95 outer=sgd"
 REFERENCES = ("dense", "default", "default local_steps=8", "local_steps=32 dense", TARGET,
               TARGET + " outer_delay=1", SPARSELOCO)
 PLOTTED = ("dense", "local_steps=1 0.01 4-bit", "local_steps=8 0.01 4-bit", TARGET,
-           TARGET + " outer_delay=1", SPARSELOCO, "local_steps=128 0.01 4-bit", "local_steps=32 0.001 4-bit",
+           TARGET + " outer_delay=1", SPARSELOCO, "local_steps=128 0.01 4-bit",
+           "local_steps=32 0.001 4-bit",
            "local_steps=32 0.01 2-bit", "local_steps=32 dense")
 
 

@@ -21,9 +21,9 @@ class ResidualMemory:
     With ``momentum > 0`` (momentum correction, DGC-style):
     ``u = m*u + (1-dampening)*g``; ``a = r + u`` (nesterov: ``a = r + g + m*u``).
     Without: ``a = r + g``. With ``decay`` beta < 1 the residual fades first, ``beta*r`` in place
-    of ``r`` (SparseLoCo's decayed error feedback: unsent mass older than about
-    ``1/(1-beta)`` steps is forgotten, never sent). ``update`` sets ``r = a`` minus what was delivered at the sent
-    coordinates and masks ``u`` there (momentum factor masking).
+    of ``r`` (SparseLoCo's decayed error feedback: unsent mass older than about ``1/(1-beta)``
+    steps is forgotten, never sent). ``update`` sets ``r = a`` minus what was delivered at the
+    sent coordinates and masks ``u`` there (momentum factor masking).
     """
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
@@ -69,13 +69,12 @@ class ResidualMemory:
         r, u, m, beta = self.residual, self.velocity, self.momentum, self.decay
         if u is None:
             for off, n, g in parts:
-                if g is None:
-                    torch.mul(r[off:off + n], beta, out=out[off:off + n]) if beta != 1.0 \
-                        else out[off:off + n].copy_(r[off:off + n])
-                elif beta != 1.0:   # g + beta*r in one fused pass
-                    torch.add(g.reshape(-1), r[off:off + n], alpha=beta, out=out[off:off + n])
-                else:   # r + g: the same bits as g + r
-                    torch.add(r[off:off + n], g.reshape(-1), out=out[off:off + n])
+                if g is None and beta != 1.0:
+                    torch.mul(r[off:off + n], beta, out=out[off:off + n])
+                elif g is None:
+                    out[off:off + n].copy_(r[off:off + n])
+                else:
+                    self._join(r[off:off + n], g.reshape(-1), out[off:off + n])
             return out, None
         u_new, keep = self._next_velocity, 1.0 - self.dampening
         for off, n, g in parts:
@@ -88,17 +87,22 @@ class ResidualMemory:
                 torch.mul(g.reshape(-1), keep, out=un).add_(uo, alpha=m)
             if self.nesterov:   # a = r + g + m*u'
                 a = out[off:off + n]
-                if g is None:
-                    torch.mul(r[off:off + n], beta, out=a).add_(un, alpha=m) if beta != 1.0 \
-                        else torch.add(r[off:off + n], un, alpha=m, out=a)
-                elif beta != 1.0:
-                    torch.add(g.reshape(-1), r[off:off + n], alpha=beta, out=a).add_(un, alpha=m)
+                if g is None and beta != 1.0:
+                    torch.mul(r[off:off + n], beta, out=a).add_(un, alpha=m)
+                elif g is None:
+                    torch.add(r[off:off + n], un, alpha=m, out=a)
                 else:
-                    torch.add(r[off:off + n], g.reshape(-1), out=a).add_(un, alpha=m)
-        if not self.nesterov:   # a = r + u' (beta*r + u' with decay)
-            torch.add(u_new, r, alpha=beta, out=out) if beta != 1.0 else \
-                torch.add(r, u_new, out=out)
+                    self._join(r[off:off + n], g.reshape(-1), a).add_(un, alpha=m)
+        if not self.nesterov:   # a = r + u'
+            self._join(r, u_new, out)
         return out, u_new
+
+    def _join(self, r: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = decay*r + x`` in one pass; without decay ``r + x``, the bits error feedback
+        always had (the same as ``x + r``)."""
+        if self.decay == 1.0:
+            return torch.add(r, x, out=out)
+        return torch.add(x, r, alpha=self.decay, out=out)
 
     def _check(self, grad: torch.Tensor) -> None:
         if grad.shape != self.residual.shape:

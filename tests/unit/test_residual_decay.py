@@ -14,9 +14,8 @@ from hvd_slim.memory import ResidualMemory
 from hvd_slim.transport import run_ranks
 
 from test_exchange import SHAPES, grad_for, make_params
-from test_reliability_checkpoint import refused, trained_states, train, wrap
+from test_reliability_checkpoint import assert_resume_is_bitwise, refused, trained_states
 from test_reliability_mismatch import SAME, first_step_error, params, same_everywhere
-from test_reliability_nonfinite import flat, model
 
 STEPS = 6
 
@@ -133,28 +132,7 @@ def test_a_checkpoint_under_another_decay_is_refused():
 
 
 def test_resume_with_decay_is_bitwise(tmp_path):
-    T = 3
-
-    def run(rank, tr, mode):
-        m = model()
-        opt = wrap(m, tr, residual_decay=0.9, opt_kw=dict(lr=0.1))
-        if mode == "resume":
-            m.load_state_dict(torch.load(tmp_path / f"m{rank}.pt", weights_only=True))
-            opt.load_state_dict(torch.load(tmp_path / f"o{rank}.pt", weights_only=True))
-        train(m, opt, rank, range(T, 2 * T) if mode == "resume" else range(T))
-        if mode == "save":
-            torch.save(m.state_dict(), tmp_path / f"m{rank}.pt")
-            torch.save(opt.state_dict(), tmp_path / f"o{rank}.pt")
-            return None
-        if mode == "full":
-            train(m, opt, rank, range(T, 2 * T))
-        return flat(m), opt._exchange.residual_norm()
-
-    full = run_ranks(2, lambda r, tr: run(r, tr, "full"), timeout=60)
-    run_ranks(2, lambda r, tr: run(r, tr, "save"), timeout=60)
-    resumed = run_ranks(2, lambda r, tr: run(r, tr, "resume"), timeout=60)
-    for (a, na), (b, nb) in zip(full, resumed):
-        assert torch.equal(a, b) and na == nb and na > 0
+    assert_resume_is_bitwise(tmp_path, 2, 3, residual_decay=0.9, opt_kw=dict(lr=0.1))
 
 
 def test_the_variable_sets_it(monkeypatch):

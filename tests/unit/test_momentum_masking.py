@@ -19,21 +19,27 @@ M, STEPS = 0.9, 6
 
 
 def _delivered(size: int, masking: bool):
-    config = SlimConfig(density=0.01, min_compress_numel=1000, op="sum",
-                        momentum_masking=masking)
+    return delivered(size, SlimConfig(density=0.01, min_compress_numel=1000, op="sum",
+                                      momentum_masking=masking), M)
 
+
+def delivered(size: int, config: SlimConfig, momentum: float, fade: float = 1.0):
+    """Per rank: ``sum_t fade^(STEPS-1-t) delivered_t`` over STEPS exchange steps (momentum
+    correction at ``momentum``, none at 0), plus what a flush then delivers; and the names of
+    the compressed tensors."""
     def rank_fn(rank, tr):
         named = make_params()
         layout = Layout(named, config, lambda dt: dt)
-        ex = SlimExchange(layout, config, tr,
-                          momentum={b.index: {"momentum": M} for b in layout.sparse})
+        extra = {"momentum": {b.index: {"momentum": momentum} for b in layout.sparse}} \
+            if momentum else {}
+        ex = SlimExchange(layout, config, tr, **extra)
         got = {name: torch.zeros(p.shape, dtype=torch.float64) for name, p in named}
         for t in range(STEPS):
             for name, p in named:
                 p.grad = grad_for(rank, t, name, p.shape)
             ex.step()
             for name, p in named:
-                got[name] += p.grad.double()
+                got[name] = fade * got[name] + p.grad.double()
         for _, p in named:
             p.grad = None
         ex.flush()

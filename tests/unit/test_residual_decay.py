@@ -9,15 +9,13 @@ import pytest
 import torch
 
 from hvd_slim.config import ConfigError, SlimConfig
-from hvd_slim.exchange import Layout, SlimExchange
 from hvd_slim.memory import ResidualMemory
-from hvd_slim.transport import run_ranks
 
-from test_exchange import SHAPES, grad_for, make_params
+from test_exchange import SHAPES, grad_for
+from test_momentum_masking import STEPS, delivered
 from test_reliability_checkpoint import assert_resume_is_bitwise, refused, trained_states
 from test_reliability_mismatch import SAME, first_step_error, params, same_everywhere
 
-STEPS = 6
 
 
 @pytest.mark.parametrize("momentum, nesterov", [(0.0, False), (0.9, False), (0.9, True)])
@@ -57,31 +55,9 @@ def test_the_memory_refuses_a_decay_outside_zero_one():
 
 def _decayed_delivery(size: int, beta: float, momentum: float):
     """Each rank's ``sum_t beta^(T-t) delivered_t`` plus its flush, op=Sum, exact union pull."""
-    config = SlimConfig(density=0.01, min_compress_numel=1000, op="sum", pull="union",
-                        value_bits=32, residual_decay=beta)
-
-    def rank_fn(rank, tr):
-        named = make_params()
-        layout = Layout(named, config, lambda dt: dt)
-        extra = {"momentum": {b.index: {"momentum": momentum} for b in layout.sparse}} \
-            if momentum else {}
-        ex = SlimExchange(layout, config, tr, **extra)
-        got = {name: torch.zeros(p.shape, dtype=torch.float64) for name, p in named}
-        for t in range(STEPS):
-            for name, p in named:
-                p.grad = grad_for(rank, t, name, p.shape)
-            ex.step()
-            for name, p in named:
-                got[name] = beta * got[name] + p.grad.double()
-        for _, p in named:
-            p.grad = None
-        ex.flush()
-        for name, p in named:
-            if p.grad is not None:
-                got[name] += p.grad.double()
-        return got, {s.name for b in layout.sparse for s in b.segments}
-
-    return run_ranks(size, rank_fn)
+    return delivered(size, SlimConfig(density=0.01, min_compress_numel=1000, op="sum",
+                                      pull="union", value_bits=32, residual_decay=beta),
+                     momentum, fade=beta)
 
 
 def _decayed_sum(size: int, name: str, beta: float, momentum: float) -> torch.Tensor:

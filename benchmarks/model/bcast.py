@@ -6,9 +6,9 @@ local work (the others' receive direction)."""
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import List, Tuple
 
-from .net import Cost, Network, Tokens, counters, empty, phase
+from .net import Cost, Network, Tokens, counters, phase
 
 
 def bcast_linear(net: Network, n: int, root: int, nbytes: float) -> Cost:
@@ -21,13 +21,39 @@ def vrank_to_rank(vrank: int, root: int) -> int:
     return root if vrank == 0 else (0 if vrank == root else vrank)
 
 
+def binomial_children(v: int, n: int) -> List[int]:
+    """The vranks that vrank ``v`` sends to in libnbc's binomial tree: ``v + 2^r`` for every
+    ``2^r > v`` below ``n`` (the root: 1, 2, 4, ...; vrank 1: 3, 5, ...)."""
+    rounds = math.ceil(math.log2(n)) if n > 1 else 0
+    return [v + (1 << r) for r in range(rounds) if v < (1 << r) and v + (1 << r) < n]
+
+
 def bcast_binomial(net: Network, n: int, root: int, nbytes: float) -> Cost:
-    """``ceil(log2 n)`` rounds; in round r every vrank below ``2^r`` that has the message sends
-    it to vrank ``+ 2^r``."""
-    out, tokens = empty(net, n), Tokens(net, n)
-    for r in range(math.ceil(math.log2(n)) if n > 1 else 0):
-        out.add(phase(net, n, ((vrank_to_rank(v, root), vrank_to_rank(v + (1 << r), root),
-                                nbytes) for v in range(1 << r) if v + (1 << r) < n), tokens))
+    """libnbc's binomial schedule (``bcast_sched_binomial``): a vrank receives from its parent,
+    then sends to all of its children at once, in one round (no barrier between the sends).
+    So the root's NIC carries ``ceil(log2 n)`` copies together, and a child forwards only once
+    its own copy, slowed by its siblings', is in: at 8 ranks the path 0 -> 1 -> 3 -> 7 takes
+    3 + 2 + 1 message times. Each parent's sends are one :func:`~.net.phase` that starts when
+    its copy arrived; on a shared link the whole load is a bound too."""
+    ends = net.endpoints(n)
+    out = Cost(0.0, [0.0] * ends, [0.0] * ends, 0)
+    if n < 2 or nbytes <= 0:
+        return out
+    tokens = Tokens(net, n)
+    arrival, depth = {0: 0.0}, {0: 0}
+    for v in range(n):                     # a parent's vrank is below its children's
+        kids = binomial_children(v, n)
+        if not kids:
+            continue
+        sends = phase(net, n, ((vrank_to_rank(v, root), vrank_to_rank(c, root), nbytes)
+                               for c in kids), tokens)
+        for c in kids:
+            arrival[c], depth[c] = arrival[v] + sends.seconds, depth[v] + 1
+        out.tx = [a + b for a, b in zip(out.tx, sends.tx)]
+        out.rx = [a + b for a, b in zip(out.rx, sends.rx)]
+    out.seconds, out.phases = max(arrival.values()), max(depth.values())
+    if net.shared:
+        out.seconds = max(out.seconds, 8 * (n - 1) * nbytes / net.rate() + net.latency_s)
     return out
 
 
@@ -66,13 +92,19 @@ def bcast_chain(net: Network, n: int, root: int, nbytes: float, seg: float = 327
     return out
 
 
-def libnbc_ibcast(n: int, nbytes: float) -> Tuple[str, int]:
-    """The algorithm Open MPI's libnbc (which serves ``MPI_Ibcast`` by default, and so
-    hvd_slim's pull) picks: linear up to 4 ranks, binomial under 64 KiB, else a chain of 8 KiB
-    segments under 512 KiB and of 32 KiB ones above (ompi/mca/coll/libnbc/nbc_ibcast.c)."""
+def libnbc_ibcast(n: int, nbytes: float, skip_dt_decision: bool = True) -> Tuple[str, int]:
+    """The algorithm Open MPI 4.1's libnbc (which serves ``MPI_Ibcast`` by default, and so
+    hvd_slim's pull) picks (ompi/mca/coll/libnbc/nbc_ibcast.c). By default
+    (``coll_libnbc_ibcast_skip_dt_decision`` true, as ``ompi_info --param coll libnbc --level 9``
+    shows for the benchmark's Open MPI 4.1.4) only the communicator's size decides: linear up to
+    4 ranks, binomial above, whatever the message. The switched NIC counters agree: at 8 hosts
+    the 0.37 MB union pull left host 0 three times, host 1 twice, hosts 2 and 3 once
+    (``cluster_rerun/scaling_cnn1m_8h_100m``), a binomial tree, not a chain. With the datatype
+    decision (``skip_dt_decision=False``): binomial under 64 KiB, else a chain of 8 KiB segments
+    under 512 KiB and of 32 KiB ones above."""
     if n <= 4:
         return "linear", 0
-    if nbytes < 65536:
+    if skip_dt_decision or nbytes < 65536:
         return "binomial", 0
     return ("chain", 8192) if nbytes < 524288 else ("chain", 32768)
 

@@ -150,7 +150,7 @@ def main(out_dir: str, models: Sequence[str], rates: Sequence[float], ranks: Seq
              f"{lat * 1e6:g} us latency, {kw.get('overhead_s', 0.0) * 1e6:g} us per message, "
              f"dense allreduce by {kw.get('allreduce', 'ring')} ({kw.get('mpi', 'ideal')} "
              f"MPI), hvd_slim at value_bits {slim.value_bits} with its pull by libnbc's Ibcast "
-             f"(a pipelined chain), sharded pulls by one Iallgatherv")
+             f"(a binomial tree beyond 4 ranks), sharded pulls by one Iallgatherv")
     if not comm_only:
         title += (f"; compute {kw.get('compute_s', 0.0):g} s, per element: pass "
                   f"{loc.pass_s * 1e9:.3g} ns, top-k selection {loc.topk_select_s * 1e9:.3g} ns, "

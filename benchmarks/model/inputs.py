@@ -129,8 +129,13 @@ def inputs_of(res: Dict[str, Any]) -> Inputs:
     mpi_name = str((res.get("machine") or {}).get("mpi") or "")
     mpi = "openmpi-tcp" if "Open MPI" in mpi_name else "ideal"
     notes.append(f"MPI: {mpi_name or 'not recorded'}; modelled as {mpi!r}")
+    cores = int((res.get("machine") or {}).get("logical_cpus") or 0)
+    if cores:
+        notes.append(f"measured: {cores} logical CPUs for {n} ranks" +
+                     (" (ranks outnumber cores: MPI partners enter steps apart)"
+                      if n > cores else " (a core per rank)"))
     sc = Scenario(n, net, shapes, compute_s=compute, local=LocalCosts(pass_s=pass_s), slim=slim,
-                  mpi=mpi)
+                  mpi=mpi, cores=cores)
     return Inputs(sc, notes)
 
 

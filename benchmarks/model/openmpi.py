@@ -21,11 +21,18 @@ sent its request. When the two partners do not enter the step together (the rule
 exception, with 4 or 8 ranks on 2 cores), the early one's own put starts before it has matched
 the late one's rendezvous, and its request for the late one's data waits behind its own put on
 their connection: the two directions run one after the other, ``(tx + rx) / rate`` on each NIC.
-This is an upper bound (partners that enter together overlap). Measured: the dense MPI
+This is an upper bound (partners that enter together overlap). What decides how often the
+partners enter apart is whether the ranks outnumber the cores. When they do (``skewed``, 4 or 8
+ranks on 2 cores), every step is entered apart: a rank's partner is often descheduled. When
+every rank has a core, only the collective's first step is (the ranks arrive from their own
+local work at different times); each later step starts as both partners finish the one before,
+together, and its directions overlap. Measured: the dense MPI
 allreduces took 1.5-2.1x the full-duplex Rabenseifner time on the switched NICs (every file of
 the cluster studies), where Gloo's ring (DDP: each rank sends to one neighbour and receives
 from the other) and Open MPI's one-way transfers (hvd_slim's push and pull) reach the line rate.
-Steps of at most 128 KiB, and a ring (``irecv`` from the left, ``send`` to the right), are not
+With 2 ranks on the 2 cores (cnn1m at 2 hosts, 4.59 MB: two steps of 2.29 MB) the allreduce's
+wire time was 1.52x the full-duplex time: the serialized first step and a full-duplex second
+one (1.5x), not every step serialized (2x, which predicted +31.5%). Steps of at most 128 KiB, and a ring (``irecv`` from the left, ``send`` to the right), are not
 serialized. On a shared link the order does not matter (every byte crosses it anyway).
 """
 from __future__ import annotations
@@ -81,22 +88,23 @@ def decide(rules: Rules, n: int, nbytes: float) -> int:
 
 
 def _exchange(net: Network, n: int, pairs: List[Tuple[int, int]], each: float,
-              tokens: Tokens) -> Cost:
+              tokens: Tokens, apart: bool = True) -> Cost:
     """One step of pairwise exchanges of ``each`` bytes each way, serialized beyond
-    :data:`SERIAL_ABOVE`."""
+    :data:`SERIAL_ABOVE` when the partners enter it ``apart`` (see the module docstring)."""
     flows: List[Flow] = [f for a, b in pairs for f in ((a, b, each), (b, a, each))]
-    return phase(net, n, flows, tokens, serial=each > SERIAL_ABOVE)
+    return phase(net, n, flows, tokens, serial=apart and each > SERIAL_ABOVE)
 
 
 def _pof2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def rabenseifner(net: Network, n: int, nbytes: float) -> Cost:
+def rabenseifner(net: Network, n: int, nbytes: float, skewed: bool = True) -> Cost:
     """``ompi_coll_base_allreduce_intra_redscat_allgather``: for n not a power of two, the first
     ``2r`` ranks (r = n - 2^floor(log2 n)) exchange halves in pairs and the odd ones hand their
     reduced half to the even ones, which take part for both; recursive halving then doubling
-    among the 2^floor(log2 n) left; the even ranks send the result to their odd partners."""
+    among the 2^floor(log2 n) left; the even ranks send the result to their odd partners.
+    ``skewed``: every step's partners enter it apart, else only the first's."""
     out, tokens = empty(net, n), Tokens(net, n)
     if n < 2 or nbytes <= 0:
         return out
@@ -105,22 +113,24 @@ def rabenseifner(net: Network, n: int, nbytes: float) -> Cost:
     if r:
         out.add(_exchange(net, n, [(2 * i, 2 * i + 1) for i in range(r)], nbytes / 2, tokens))
         out.add(phase(net, n, [(2 * i + 1, 2 * i, nbytes / 2) for i in range(r)], tokens))
+    first = not r
     real = [2 * v if v < r else v + r for v in range(p)]
     steps = p.bit_length() - 1
     sizes = [nbytes / 2 ** (j + 1) for j in range(steps)]
     order = list(range(steps)) + list(reversed(range(steps)))
     for j in order:
         pairs = [(real[v], real[v ^ (1 << j)]) for v in range(p) if v < v ^ (1 << j)]
-        out.add(_exchange(net, n, pairs, sizes[j], tokens))
+        out.add(_exchange(net, n, pairs, sizes[j], tokens, skewed or first))
+        first = False
     if r:
         out.add(phase(net, n, [(2 * i, 2 * i + 1, nbytes) for i in range(r)], tokens))
     return out
 
 
-def recursive_doubling(net: Network, n: int, nbytes: float) -> Cost:
+def recursive_doubling(net: Network, n: int, nbytes: float, skewed: bool = True) -> Cost:
     """Allreduce by recursive doubling: the whole vector exchanged with ``i xor 2^j`` for
     ``log2`` of the largest power of two steps (the rest fold in and out as in
-    :func:`rabenseifner`, whole vectors)."""
+    :func:`rabenseifner`, whole vectors; ``skewed`` as there)."""
     out, tokens = empty(net, n), Tokens(net, n)
     p = _pof2(n)
     r = n - p
@@ -129,7 +139,7 @@ def recursive_doubling(net: Network, n: int, nbytes: float) -> Cost:
     real = [2 * v if v < r else v + r for v in range(p)]
     for j in range(p.bit_length() - 1):
         pairs = [(real[v], real[v ^ (1 << j)]) for v in range(p) if v < v ^ (1 << j)]
-        out.add(_exchange(net, n, pairs, nbytes, tokens))
+        out.add(_exchange(net, n, pairs, nbytes, tokens, skewed or (j == 0 and not r)))
     if r:
         out.add(phase(net, n, [(2 * i, 2 * i + 1, nbytes) for i in range(r)], tokens))
     return out
@@ -141,25 +151,27 @@ def reduce_bcast(net: Network, n: int, nbytes: float) -> Cost:
     return bcast_binomial(net, n, 0, nbytes).add(bcast_binomial(net, n, 0, nbytes))
 
 
-def allreduce(net: Network, n: int, nbytes: float) -> Cost:
-    """``MPI_Allreduce`` of ``nbytes`` as Open MPI 4.1's tuned component runs it."""
+def allreduce(net: Network, n: int, nbytes: float, skewed: bool = True) -> Cost:
+    """``MPI_Allreduce`` of ``nbytes`` as Open MPI 4.1's tuned component runs it; ``skewed``:
+    the ranks outnumber the cores (see the module docstring)."""
     if n < 2 or nbytes <= 0:
         return empty(net, n)
     alg = decide(ALLREDUCE_RULES, n, nbytes)
     if alg == 6 and nbytes >= _pof2(n):
-        return rabenseifner(net, n, nbytes)
+        return rabenseifner(net, n, nbytes, skewed)
     if alg == 3:
-        return recursive_doubling(net, n, nbytes)
+        return recursive_doubling(net, n, nbytes, skewed)
     if alg in (4, 5):
         return ring_allreduce(net, n, nbytes)
     return reduce_bcast(net, n, nbytes)
 
 
-def allgather(net: Network, n: int, each: float) -> Cost:
+def allgather(net: Network, n: int, each: float, skewed: bool = True) -> Cost:
     """``MPI_Allgather`` of ``each`` bytes a rank as Open MPI 4.1's tuned component runs it:
     two_proc (one exchange), recursive doubling (exchanges of 1, 2, 4 ... blocks; Bruck's when n
     is not a power of two, as the code falls back), neighbor exchange (n/2 steps: first one
-    block, then two, with alternating neighbours), the ring, or Bruck's."""
+    block, then two, with alternating neighbours), the ring, or Bruck's. ``skewed`` as for
+    :func:`allreduce`."""
     if n < 2 or each <= 0:
         return empty(net, n)
     alg = decide(ALLGATHER_RULES, n, each)
@@ -170,13 +182,14 @@ def allgather(net: Network, n: int, each: float) -> Cost:
         out = empty(net, n)
         for j in range(n.bit_length() - 1):
             pairs = [(i, i ^ (1 << j)) for i in range(n) if i < i ^ (1 << j)]
-            out.add(_exchange(net, n, pairs, each * (1 << j), tokens))
+            out.add(_exchange(net, n, pairs, each * (1 << j), tokens, skewed or j == 0))
         return out
     if alg == 5 and n % 2 == 0:
         out = empty(net, n)
         for k in range(n // 2):   # even steps pair (0, 1), (2, 3) ..., odd ones (1, 2) ...
             pairs = [(i, (i + 1) % n) for i in range(k % 2, n, 2)]
-            out.add(_exchange(net, n, pairs, each * (1 if k == 0 else 2), tokens))
+            out.add(_exchange(net, n, pairs, each * (1 if k == 0 else 2), tokens,
+                              skewed or k == 0))
         return out
     if alg == 4:
         return ring_allgather(net, n, each)

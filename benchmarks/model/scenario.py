@@ -76,12 +76,20 @@ class Scenario:
     allreduce: str = "ring"           # an ideal MPI's allreduce: a key of ALLREDUCE
     mpi: str = "ideal"                # one of MPI_KINDS (see the module docstring)
     bcast: str = "libnbc"             # hvd_slim's pull: see bcast.bcast
+    cores: int = 0                    # the machine's cores for all ranks; 0: one per rank
+
+    @property
+    def skewed(self) -> bool:
+        """Whether the ranks outnumber the cores (MPI partners then enter steps apart)."""
+        return 0 < self.cores < self.ranks
 
     @property
     def d(self) -> int:
         return numel(self.shapes)
 
     def __post_init__(self) -> None:
+        if self.cores < 0:
+            raise ValueError(f"cores must be >= 0, got {self.cores}")
         if self.mpi not in MPI_KINDS or self.allreduce not in ALLREDUCE:
             raise ValueError(f"mpi must be one of {MPI_KINDS} and allreduce one of "
                              f"{sorted(ALLREDUCE)}, got {self.mpi!r}, {self.allreduce!r}")
@@ -127,8 +135,11 @@ def allreduce(sc: Scenario, nbytes: float, cap: float = math.inf, gloo: bool = F
     ring or by MPI's algorithm (``sc.mpi``, ``sc.allreduce``)."""
     out = nw.Cost()
     left = float(nbytes)
-    fn = nw.ring_allreduce if gloo else openmpi.allreduce if sc.mpi == "openmpi-tcp" else \
-        ALLREDUCE[sc.allreduce]
+    if gloo or sc.mpi != "openmpi-tcp":
+        fn = nw.ring_allreduce if gloo else ALLREDUCE[sc.allreduce]
+    else:
+        def fn(net: nw.Network, n: int, nbytes: float) -> nw.Cost:
+            return openmpi.allreduce(net, n, nbytes, sc.skewed)
     while left > 0:
         out.add(fn(sc.net, sc.ranks, min(cap, left)))
         left -= cap
@@ -137,8 +148,9 @@ def allreduce(sc: Scenario, nbytes: float, cap: float = math.inf, gloo: bool = F
 
 def allgather(sc: Scenario, each: float) -> nw.Cost:
     """MPI's allgather of ``each`` bytes a rank: Open MPI's (``sc.mpi``) or a ring."""
-    fn = openmpi.allgather if sc.mpi == "openmpi-tcp" else nw.ring_allgather
-    return fn(sc.net, sc.ranks, each)
+    if sc.mpi == "openmpi-tcp":
+        return openmpi.allgather(sc.net, sc.ranks, each, sc.skewed)
+    return nw.ring_allgather(sc.net, sc.ranks, each)
 
 
 def serialized(sc: Scenario, nbytes: float) -> bool:

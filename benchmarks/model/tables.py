@@ -9,8 +9,9 @@ if TYPE_CHECKING:   # pragma: no cover
     from .validate import Row
 
 LEGEND_CALIBRATED = (
-    "compute + local: (m) measured on the calibration run (its median minus the model's "
-    "communication on its network; the floor's too), times the load index; (d) derived as "
+    "compute + local: (m) this file's floor (the compute input) plus what the peer adds to the "
+    "floor on the calibration run (its median minus the model's communication on its network "
+    "and minus its floor), times the load index; (d) derived as "
     "without --local-from (the floor's median here, measured, plus the counted passes at the "
     "floor's cost per element and the measured selection). comm from the model on this file's "
     "network.")
@@ -37,8 +38,9 @@ def _local_cells(r: "Row") -> Tuple[str, str]:
     p = r.pred
     if r.calib is not None:
         load = f" x load {r.load:.3f}" if r.load != 1.0 else ""
-        return (f"{r.local_m * r.load:.4f} (m)",
-                f"(calibration {r.calib[0]:.4f} - its comm {r.calib[1]:.4f}){load}")
+        return (f"{r.floors[0] + r.local_m * r.load:.4f} (m)",
+                f"floor {r.floors[0]:.4f} + (calibration {r.calib[0]:.4f} - its comm "
+                f"{r.calib[1]:.4f} - its floor {r.floors[1]:.4f}){load}")
     sel = p.detail.get("select_s")
     return (f"{p.compute_s + p.local_s:.4f} (d)",
             f"compute {p.compute_s:.4f} (m) + local {p.local_s:.4f}" +

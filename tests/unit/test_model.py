@@ -93,8 +93,13 @@ def test_broadcasts():
     lin = bc.bcast_linear(switched(4, latency=lat), 4, 0, b)
     assert lin.seconds == pytest.approx(3 * b * 8 / GBIT + lat) and lin.tx[0] == 3 * b
     binom = bc.bcast_binomial(switched(8, latency=lat), 8, 0, b)
-    assert binom.phases == 3 and binom.seconds == pytest.approx(3 * (b * 8 / GBIT + lat))
+    # libnbc's schedule: the root sends its 3 copies at once, vrank 1 its 2, then vrank 3 one,
+    # so the path 0 -> 1 -> 3 -> 7 takes 3 + 2 + 1 message times.
+    assert binom.phases == 3 and binom.seconds == pytest.approx(6 * b * 8 / GBIT + 3 * lat)
     assert sum(binom.rx) == 7 * b and binom.rx[0] == 0
+    assert binom.tx == pytest.approx([3 * b, 2 * b, b, b, 0, 0, 0, 0])
+    assert [bc.binomial_children(v, 8) for v in range(4)] == [[1, 2, 4], [3, 5], [6], [7]]
+    assert bc.binomial_children(0, 6) == [1, 2, 4] and bc.binomial_children(1, 6) == [3, 5]
     seg = 32768
     chain = bc.bcast_chain(switched(8, latency=lat), 8, 0, b, seg)
     nseg = math.ceil(b / seg)
@@ -105,11 +110,14 @@ def test_broadcasts():
     assert sh.seconds == pytest.approx(7 * b * 8 / GBIT)
 
 
-def test_libnbc_picks_linear_binomial_then_a_chain():
+def test_libnbc_picks_by_size_and_reads_the_datatype_only_when_told():
     assert bc.libnbc_ibcast(4, 1e8) == ("linear", 0)
     assert bc.libnbc_ibcast(5, 1000) == ("binomial", 0)
-    assert bc.libnbc_ibcast(64, 100_000) == ("chain", 8192)
-    assert bc.libnbc_ibcast(64, 10_000_000) == ("chain", 32768)
+    # Open MPI 4.1.4's default (coll_libnbc_ibcast_skip_dt_decision): the size alone decides.
+    assert bc.libnbc_ibcast(64, 100_000) == ("binomial", 0)
+    assert bc.libnbc_ibcast(8, 10_000_000) == ("binomial", 0)
+    assert bc.libnbc_ibcast(64, 100_000, skip_dt_decision=False) == ("chain", 8192)
+    assert bc.libnbc_ibcast(64, 10_000_000, skip_dt_decision=False) == ("chain", 32768)
 
 
 def test_ranks_of_one_host_do_not_touch_its_nic():
@@ -275,7 +283,7 @@ def test_hvd_slim_step_is_its_phases_in_series():
     want = (nw.bruck_allgather(net, n, 352).seconds + nw.gather(net, n, 0, b.push).seconds
             + bc.bcast(net, n, 0, 8).seconds + bc.bcast(net, n, 0, b.pull).seconds)
     assert got.comm_s == pytest.approx(want, rel=1e-12) and got.local_s == 0
-    assert got.detail["bcast"] == "chain"
+    assert got.detail["bcast"] == "binomial"   # libnbc by size alone, 8 > 4 ranks
     assert got.busiest_rx == pytest.approx((n - 1) * b.push + (n - 1) * 352, rel=1e-9)
 
 
@@ -416,17 +424,21 @@ def test_local_from_takes_each_peers_calibrated_local_work(tmp_path, capsys):
     assert c.inputs.scenario.net.rate() == pytest.approx(CAL_GBIT * GBIT)
     rows = {r.peer: r for r in validate.rows_of(res, validate.inputs_of(res), c)}
     mpi = rows["mpi-allreduce"]
-    assert mpi.local_m == pytest.approx(CAL_LOCAL, rel=1e-9)        # median - loopback ring
-    assert mpi.seconds == pytest.approx(CAL_LOCAL + ring, rel=1e-9)
-    assert mpi.error == pytest.approx(0, abs=1e-9)
-    assert rows["floor"].seconds == pytest.approx(0.011)   # predicted, so scored: +10%
+    # What the peer adds to the calibration's floor (0.011): its median - loopback ring - floor;
+    # compute is the target's own floor (0.010).
+    added = CAL_LOCAL - 0.011
+    assert mpi.local_m == pytest.approx(added, rel=1e-9)
+    assert mpi.seconds == pytest.approx(0.010 + added + ring, rel=1e-9)
+    assert mpi.error == pytest.approx(-0.001 / (CAL_LOCAL + ring), rel=1e-6)
+    assert rows["floor"].seconds == pytest.approx(0.010)   # an input, not scored
     assert rows["horovod"].calib is None and rows["horovod"].error == pytest.approx(0, abs=1e-9)
     assert cli(["validate", target, "--local-from", cal]) == 0
     out = capsys.readouterr().out
     assert "| compute + local | from |" in out
-    assert f"| {CAL_LOCAL:.4f} (m) | (calibration " in out and " (d) | compute 0.0100 (m)" in out
+    assert f"| {0.010 + added:.4f} (m) | floor 0.0100 + (calibration " in out
+    assert " - its floor 0.0110)" in out and " (d) | compute 0.0100 (m)" in out
     assert "compute + local of 2 of 3 peers from" in out
-    assert "max |error| 10.0% (floor); 3 of 3 peers within, 0 beyond 25%" in out
+    assert "(mpi-allreduce); 2 of 2 peers within, 0 beyond 25%" in out
     # Without the flag: the derived local work, the floor unscored.
     assert cli(["validate", target]) == 1
     assert "| compute (m) | local |" in capsys.readouterr().out

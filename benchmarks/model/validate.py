@@ -33,10 +33,11 @@ hvd_slim's and top-k's, every rank, every step), which the model already takes a
 selection / the calibration's): how much faster or slower the same CPU work ran in this file's
 sitting. A ratio counts only when both runs ran the same selection code (hvd_slim's by
 ``machine.hvd_slim_sha256``, top-k's torch.topk by ``machine.torch``): the timings of two
-versions of a selector measure the change of code, not the machine's load. It scales every calibrated added local work. The median keeps one job's drift from setting the
-file's. Why not the floors' ratio: it is one job of 8 steps and moved by 77% within the sitting;
-scaled by it, 59 of the 81 steps of ``cluster_rerun`` are within 25% against 75 with the
-selection's median. ``--no-load-correction`` sets ``load`` to 1.
+versions of a selector measure the change of code, not the machine's load. It scales every
+peer's calibrated added local work. The median keeps one job's drift from setting the file's.
+Why not the floors' ratio: it is one job of 8 steps and moved by 77% within the sitting; when
+the floor was still scored, 59 of the 81 steps of ``cluster_rerun`` were within 25% scaled by
+it against 75 with the selection's median. ``--no-load-correction`` sets ``load`` to 1.
 
 **Compute is this file's floor**, as without a calibration: the model takes compute time as an
 input, and the floor (the same forward/backward or gradient writes, no exchange) is its

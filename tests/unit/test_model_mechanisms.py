@@ -210,7 +210,10 @@ def test_the_load_index_makes_a_uniformly_slower_run_exact(tmp_path):
     text, bad = validate.report(target, 0.25, [c])
     assert not bad and "load index 0.600, the median" in text and "differs" not in text
     uncorrected, bad = validate.report(target, 0.25, [c], corrected=False)
-    assert "not applied" in uncorrected and {r.peer for r in bad} == set(peers)
+    # Without the load index the selection-heavy peers miss; the floor is an input, not scored,
+    # and mpi-allreduce's own CPU work (0.01 s) is too small against its wire time to miss.
+    assert "not applied" in uncorrected
+    assert {r.peer for r in bad} == {"hvd_slim-slim@0.01", "topk-ef@0.01"}
 
 
 def test_the_load_index_is_a_median_and_flags_other_code(tmp_path):
@@ -235,8 +238,9 @@ def test_the_load_index_is_a_median_and_flags_other_code(tmp_path):
 
 
 def test_the_cluster_rerun_is_predicted_within_25_percent():
-    """The one sitting of 2 December (docs/performance.md, "The cost model"): 75 of its 81
-    steps within 25%; the six misses are the documented ones."""
+    """The one sitting of 2 December (docs/performance.md, "The cost model"): 70 of its 72
+    scored steps within 25% (the floors are inputs, not scored); the two misses are the
+    documented ones."""
     files = [os.path.join(RERUN, f) for f in (
         "peers_resnet18_4h_1g.json", "scaling_cnn1m_2h_100m.json", "scaling_cnn1m_4h_100m.json",
         "scaling_cnn1m_8h_100m.json", "hetero_resnet18_slow0.json", "hetero_resnet18_slow3.json",
@@ -247,14 +251,10 @@ def test_the_cluster_rerun_is_predicted_within_25_percent():
     for path in files:
         _, bad = validate.report(path, 0.25, calibs)
         text, _ = validate.report(path, 10.0, calibs)
-        scored += sum(line.startswith("| ") and not line.startswith("| peer")
+        scored += sum(line.startswith("| ") and not line.startswith(("| peer", "| floor "))
                       for line in text.splitlines())
         misses += [(os.path.basename(path), r.peer) for r in bad]
-    assert scored == 81
+    assert scored == 72
     assert sorted(misses) == sorted([
-        ("peers_resnet18_4h_1g.json", "floor"), ("peers_resnet18_4h_1g.json",
-                                                 "hvd_slim-slim@0.02"),
-        ("scaling_cnn1m_2h_100m.json", "mpi-allreduce"),
         ("scaling_cnn1m_4h_100m.json", "hvd_slim-slim@0.02"),
-        ("scaling_cnn1m_8h_100m.json", "hvd_slim-union@0.01"),
-        ("hetero_resnet18_slow3.json", "floor")])
+        ("scaling_cnn1m_8h_100m.json", "hvd_slim-slim@0.01")])

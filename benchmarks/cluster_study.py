@@ -15,9 +15,11 @@ Series (each one or more ``benchmarks.run`` jobs, results in ``--out``):
 * ``hetero``: 4 hosts at 1 Gbit/s with one at 250 Mbit/s, once a worker's (host 3) and once
   the server's (host 0): how much each peer slows down.
 * ``shared``: the old shared medium (every rank on one 1 Gbit/s link), for comparison.
-* ``calibrate``: the ``peers`` and ``scaling`` jobs again on the unshaped loopback: each peer's
-  step with next to no wire time, this machine's local work at that N, which the cost model
-  (``python -m benchmarks.model validate --local-from``) takes as a measured input.
+* ``calibrate``: the ``peers``, ``compute``, ``hosts`` and ``scaling`` jobs again on the
+  unshaped loopback: each peer's step with next to no wire time, this machine's local work at
+  that N, which the cost model (``python -m benchmarks.model validate --local-from``) takes as
+  a measured input. Run a file and its calibration in one sitting (``--only`` picks jobs by
+  tag): the machine's speed drifts between sittings.
 
 Then ``<out>/summary.md`` gathers the tables and ``<out>/scaling_*.png`` the plots.
 """
@@ -95,8 +97,13 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
         jobs.append({"series": "calibrate", "tag": "calibrate_cnn1m_2hx2_loopback",
                      "argv": ["--model", "cnn1m", "--ranks", "4", "--ranks-per-host", "2",
                               "--net", "loopback", "--pulls", "slim,hier,sharded", "--peers",
-                              "floor,hvd_slim-slim@0.01,hvd_slim-hier@0.01,hvd_slim-sharded@0.01",
+                              "floor,mpi-allreduce,hvd_slim-slim@0.01,hvd_slim-hier@0.01,"
+                              "hvd_slim-sharded@0.01",
                               "--densities", "0.01", "--steps", str(steps)]})
+        for model in ("resnet18-real", "smallcnn"):   # the compute series' local work
+            jobs.append({"series": "calibrate", "tag": f"calibrate_{model}_4r_loopback",
+                         "argv": ["--model", model, "--ranks", "4", "--net", "loopback",
+                                  "--peers", SUBSET, "--densities", DENSITIES, *few]})
         for hosts in (2, 4, 8):
             jobs.append({"series": "calibrate", "tag": f"calibrate_cnn1m_{hosts}r_loopback",
                          "argv": ["--model", "cnn1m", "--ranks", str(hosts), "--net", "loopback",
@@ -113,6 +120,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="measured steps per peer")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "cluster"))
+    ap.add_argument("--only", default="",
+                    help="comma-separated job tags (e.g. compute_smallcnn_4h_1g): run only "
+                         "these of the chosen series")
     ap.add_argument("--quiet-cpu", default="0.5", help="passed to benchmarks.run")
     ap.add_argument("--summary-only", action="store_true",
                     help="rebuild summary.md and the plots from the JSON files in --out")
@@ -122,6 +132,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if bad:
         ap.error(f"unknown series {bad}; choose from {', '.join(SERIES)}")
     jobs = plan(series, args.steps)
+    only = [t for t in args.only.split(",") if t]
+    unknown = sorted(set(only) - {j["tag"] for j in jobs})
+    if unknown:
+        ap.error(f"--only: no job tagged {', '.join(unknown)} in series {args.series}; "
+                 f"the tags are {', '.join(j['tag'] for j in jobs)}")
+    if only:
+        jobs = [j for j in jobs if j["tag"] in only]
     failed = []
     if not args.summary_only:
         for job in jobs:

@@ -8,7 +8,7 @@ counted sizes, such as the per-rank volume of a ring allreduce.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import numpy as np
 import torch
@@ -203,12 +203,3 @@ class Slim(Peer):
         st = self.opt.comm_stats()
         return {"last_step": st["last_step"], "compressed_numel": st["compressed_numel"],
                 "dense_numel": st["dense_numel"], "world_size": st["world_size"]}
-
-
-def peer_names(densities: List[float], pulls: List[str]) -> List[str]:
-    """Every peer, in run order: cheap ones first so a failure shows up early."""
-    names = ["floor", "mpi-allreduce", "horovod", "horovod-fp16", "ddp-allreduce", "ddp-fp16",
-             "ddp-powersgd-r1", "ddp-powersgd-r4"]
-    names += [f"topk-ef@{d:g}" for d in densities]
-    names += [f"hvd_slim-{p}@{d:g}" for d in densities for p in pulls]
-    return names

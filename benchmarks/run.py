@@ -34,10 +34,19 @@ from typing import Any, Dict, List, Optional
 from . import cluster, launch, netem, report
 from .machine import describe, horovod_status, wait_for_quiet
 from .models import MODELS
-from .peers import peer_names
 
 NETS = ("switched", "shared", *sorted(netem.NETS))
 
+
+def peer_names(densities: List[float], pulls: List[str]) -> List[str]:
+    """Every peer, in run order: cheap ones first so a failure shows up early. (Here, not in
+    benchmarks.peers: importing that imports mpi4py.MPI, which initialises MPI, and a launcher
+    that is an MPI singleton hands its variables to the mpirun it starts.)"""
+    names = ["floor", "mpi-allreduce", "horovod", "horovod-fp16", "ddp-allreduce", "ddp-fp16",
+             "ddp-powersgd-r1", "ddp-powersgd-r4"]
+    names += [f"topk-ef@{d:g}" for d in densities]
+    names += [f"hvd_slim-{p}@{d:g}" for d in densities for p in pulls]
+    return names
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run",

@@ -26,7 +26,7 @@ from .peers import DenseAllreduce, Floor, Peer, Slim, TopKAllgather
 
 
 def make_peer(name: str, work: Workload, comm: Any, warmup: int) -> Peer:
-    """The peer called ``name`` (see :func:`benchmarks.peers.peer_names`)."""
+    """The peer called ``name`` (see :func:`benchmarks.run.peer_names`)."""
     if name == "floor":
         return Floor(work, comm)
     if name == "mpi-allreduce":

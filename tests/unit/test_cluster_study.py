@@ -3,6 +3,9 @@ same model, ranks and peers (what ``validate --local-from`` pairs them by), and 
 jobs by tag or refuses an unknown one before anything runs."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from benchmarks import cluster_study as cs
@@ -44,3 +47,15 @@ def test_only_runs_the_named_jobs_and_refuses_an_unknown_tag(monkeypatch, tmp_pa
         cs.main(["--series", "compute", "--out", str(tmp_path), "--only", "calibrate_x"])
     assert e.value.code == 2 and "--only: no job tagged calibrate_x" in capsys.readouterr().err
     assert ran == ["compute_smallcnn_4h_1g", "calibrate_smallcnn_4r_loopback"]
+
+
+def test_importing_the_launchers_does_not_initialise_mpi():
+    """mpi4py.MPI initialises MPI on import; a process that did so (a pytest run, a launcher)
+    hands its singleton's variables to every mpirun it starts, and those jobs exit 1 with no
+    output. The launchers import only what runs outside MPI."""
+    code = ("import sys, benchmarks.cluster_study, benchmarks.run; "
+            "print('mpi4py.MPI' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -173,6 +173,11 @@ class Workload:
             self.named = self.model.named_shaped()
 
     @property
+    def real(self) -> bool:
+        """Whether ``backward`` is a real forward and backward pass (:data:`REAL`)."""
+        return self.name in REAL
+
+    @property
     def numel(self) -> int:
         return sum(p.numel() for _, p in self.named)
 

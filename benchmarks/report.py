@@ -81,6 +81,8 @@ def _peer(name: str, recs: List[Dict[str, Any]], env: Dict[str, str]) -> Dict[st
         "hosts": ok[0].get("hosts"), "local_size": ok[0].get("local_size"),
         "step_times_s": times,
         "loadavg": [r.get("loadavg_before") for r in ok] + [ok[-1].get("loadavg_after")]}
+    if ok[0].get("backward_profile"):   # the floor of a real backward (benchmarks.ready)
+        out["backward_profile"] = ok[0]["backward_profile"]
     nic = _nic(ok[0])
     if nic:
         out["nic_bytes_per_step"] = nic

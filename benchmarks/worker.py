@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from .models import Workload
 from .peers import DenseAllreduce, Floor, Peer, Slim, TopKAllgather
+from .ready import ReadyClock, profile
 
 
 def make_peer(name: str, work: Workload, comm: Any, warmup: int) -> Peer:
@@ -95,6 +96,8 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     work = Workload(args.model, rank, seed=args.seed)
     peer = make_peer(name, work, comm, args.warmup)
     warm = args.warmup + getattr(peer, "extra_warmup", 0)
+    # The floor of a real backward times each gradient's readiness (benchmarks.ready).
+    clock = ReadyClock(work.named) if name == "floor" and work.real else None
     load0 = os.getloadavg()
     times: List[float] = []
     c0: Dict[str, float] = {}
@@ -105,10 +108,13 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
         t0 = time.perf_counter()
         peer.zero_grad()
         work.backward(i, peer.module)
+        t_back = time.perf_counter()
         peer.step()
         dt = time.perf_counter() - t0
         if i >= warm:
             times.append(dt)
+            if clock is not None:
+                clock.mark(t0, t_back)
     c1 = {**_numeric(peer.counters()), **nic_bytes()}
     per_step = {k: (v - c0.get(k, 0.0)) / args.steps for k, v in c1.items()}
     extra = peer.extra() if hasattr(peer, "extra") else {}
@@ -118,13 +124,17 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     all_extra = comm.gather(extra, root=0)
     all_hosts = comm.gather(os.environ.get("HVDSLIM_BENCH_HOST"), root=0)   # switched cluster
     local = comm.gather(_local_size(), root=0)
+    ready = comm.gather(clock.steps if clock is not None else None, root=0)
+    if clock is not None:
+        clock.close()
     peer.close()
     del peer, work
     gc.collect()
     if rank != 0:
         return {}
     step_times = [max(ts[i] for ts in all_times) for i in range(args.steps)]
-    return {"peer": name, "status": "ok", "step_times_s": step_times,
+    more = {"backward_profile": profile(ready, clock.names, clock.numel)} if clock else {}
+    return {**more, "peer": name, "status": "ok", "step_times_s": step_times,
             "rank_step_times_s": all_times, "per_rank_per_step": all_counts,
             "extra": all_extra, "basis": basis, "warmup_steps": warm, "measured_steps": args.steps,
             "hosts": all_hosts, "local_size": local,

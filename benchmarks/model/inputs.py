@@ -3,7 +3,9 @@
 Measured: ranks and model (``settings``); the link (``network``: ``mode``, ``rate_gbit`` per
 host, ``ranks_per_host``, ``latency_ms``; older files: ``settings.net``, "tbf1g" = a shared
 1 Gbit/s link, "tbf10g" 10, "loopback"); the achieved rate (``network.pingpong``, as a share of
-the nominal one); compute (the ``floor`` peer's median); hvd_slim's settings (the defaults at
+the nominal one); compute (the ``floor`` peer's median) and, for a real backward, when each
+gradient was ready in it (the floor's ``backward_profile``, which Horovod's overlap is modelled
+from: :mod:`.overlap`); hvd_slim's settings (the defaults at
 ``machine.git_commit``, ``settings.env``'s HVD_SLIM_* variables); the MPI (``machine.mpi``:
 Open MPI runs its own algorithms over its TCP BTL, ``Scenario.mpi = "openmpi-tcp"``; a file
 that names no MPI gets the ideal one).
@@ -134,9 +136,28 @@ def inputs_of(res: Dict[str, Any]) -> Inputs:
         notes.append(f"measured: {cores} logical CPUs for {n} ranks" +
                      (" (ranks outnumber cores: MPI partners enter steps apart)"
                       if n > cores else " (a core per rank)"))
+    ready, back = _backward_profile(res, d, notes)
     sc = Scenario(n, net, shapes, compute_s=compute, local=LocalCosts(pass_s=pass_s), slim=slim,
-                  mpi=mpi, cores=cores)
+                  mpi=mpi, cores=cores, ready=ready, backward_end_s=back)
     return Inputs(sc, notes)
+
+
+def _backward_profile(res: Dict[str, Any], d: int, notes: List[str]
+                      ) -> Tuple[Tuple[Tuple[float, int], ...], float]:
+    """The floor's measured gradient-ready times (benchmarks.ready), if it recorded them."""
+    prof = (res.get("peers", {}).get("floor") or {}).get("backward_profile") or {}
+    if not prof:
+        return (), 0.0
+    ready = tuple(zip((float(t) for t in prof["ready_s"]), (int(k) for k in prof["numel"])))
+    if sum(k for _, k in ready) != d:
+        raise ValueError(f"the floor's backward_profile covers {sum(k for _, k in ready)} "
+                         f"elements, the model {d}")
+    back = float(prof["backward_end_s"])
+    first = min(t for t, _ in ready)
+    notes.append(f"measured: backward profile of {len(ready)} tensors (floor, slowest rank, "
+                 f"median of {prof.get('steps')} steps): first gradient at {first:.4f} s, "
+                 f"backward() ends at {back:.4f} s")
+    return ready, back
 
 
 def local_costs_of(res: Dict[str, Any], density: float = 0.01) -> LocalCosts:

@@ -77,6 +77,11 @@ class Scenario:
     mpi: str = "ideal"                # one of MPI_KINDS (see the module docstring)
     bcast: str = "libnbc"             # hvd_slim's pull: see bcast.bcast
     cores: int = 0                    # the machine's cores for all ranks; 0: one per rank
+    # A real backward's measured profile (benchmarks.ready): (seconds from the step's start
+    # to the gradient's readiness, elements) per tensor, and when backward() returned. Empty:
+    # every gradient is ready at once, after the compute (the synthetic workloads).
+    ready: Tuple[Tuple[float, int], ...] = ()
+    backward_end_s: float = 0.0
 
     @property
     def skewed(self) -> bool:

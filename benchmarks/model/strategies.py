@@ -1,6 +1,8 @@
 """One steady-state data-parallel step per strategy: compute, then local work, then the
-collectives, in series (the benchmark's backward is one gradient copy and every peer exchanges
-after it, so nothing overlaps).
+collectives, in series: every peer but Horovod exchanges after its backward (DDP's PowerSGD
+runs one bucket, as the benchmark forces, so its hook fires at the end), and the synthetic
+workloads' backward is one gradient copy. Horovod over a real backward (a scenario with a
+measured ``ready`` profile) overlaps its allreduces with it: :mod:`.overlap`.
 
 * compute: ``Scenario.compute_s`` (validation: the measured ``floor`` peer, which is the
   gradient copy and SGD's momentum step every peer also does).
@@ -23,6 +25,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 from . import net as nw
 from .scenario import (FLOOR_PASSES, PASSES, LocalCosts, Prediction, Scenario, allgather,
                        allreduce, finish, ring_bytes)
+from .overlap import FUSION_BYTES as HOROVOD_FUSION_BYTES
+from .overlap import horovod_overlapped
 from .slim_steps import hvd_slim, hvd_slim_hier, hvd_slim_sharded
 from .workloads import powersgd_sizes, split
 
@@ -30,7 +34,6 @@ __all__ = ["FLOOR_PASSES", "PASSES", "LocalCosts", "Prediction", "Scenario", "ST
            "parse", "predict", "predict_all"]
 
 DDP_BUCKET_BYTES = 25 << 20       # DDP's bucket_cap_mb default: one allreduce per bucket
-HOROVOD_FUSION_BYTES = 64 << 20   # Horovod's fusion threshold
 TOPK_ITEM_BYTES = 8               # benchmarks.peers.TopKAllgather: int32 index + fp32 value
 SMALL_NUMEL = 4096                # benchmarks.peers.SMALL_NUMEL: top-k's dense threshold
 
@@ -42,8 +45,10 @@ def floor(sc: Scenario, peer: str, select_s: Optional[float] = None) -> Predicti
 
 def dense(sc: Scenario, peer: str, select_s: Optional[float] = None) -> Prediction:
     """fp32 (or fp16) dense allreduce of every gradient: MPI, Horovod (over MPI) or DDP over
-    Gloo."""
+    Gloo. Horovod with a measured backward profile overlaps it (:mod:`.overlap`)."""
     itemsize = 2 if peer.endswith("fp16") else 4
+    if peer.startswith("horovod") and sc.ready:
+        return horovod_overlapped(sc, peer, itemsize, PASSES[peer] * sc.d * sc.local.pass_s)
     nbytes = itemsize * sc.d
     gloo = peer.startswith("ddp")
     cap = DDP_BUCKET_BYTES if gloo else \

@@ -36,6 +36,13 @@ def _bytes(measured: Optional[float], predicted: float, derived: bool) -> str:
 def _local_cells(r: "Row") -> Tuple[str, str]:
     """(compute + local, where it comes from) for the calibrated table."""
     p = r.pred
+    if r.calib is not None and r.overlapped:
+        load = f" x load {r.load:.3f}" if r.load != 1.0 else ""
+        return (f"{r.floors[0] + r.local_m * r.load:.4f} (m)",
+                f"floor {r.floors[0]:.4f} + max((calibration {r.calib[0]:.4f} - its floor "
+                f"{r.floors[1]:.4f}){load}, comm): overlapped, the wire ends "
+                f"{p.detail['wire_end_s']:.4f} s after the step's start, backward() at "
+                f"{p.detail['backward_end_s']:.4f}")
     if r.calib is not None:
         load = f" x load {r.load:.3f}" if r.load != 1.0 else ""
         return (f"{r.floors[0] + r.local_m * r.load:.4f} (m)",

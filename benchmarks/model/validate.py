@@ -53,8 +53,14 @@ Gbit/s) is what is removed. The load index is measured in the validated file its
 floor and the selections are without --local-from: the predictions know the file's CPU speed,
 not its step times.
 
-Wire time and CPU work *add*: every peer here exchanges after its backward, and the CPU work in
-the exchange sits in its critical path: hvd_slim encodes before its push and the server
+**Horovod over a real backward overlaps** (:mod:`.overlap`): its allreduces start as the
+gradients come in (the floor's measured ``backward_profile``), and the step is the later of
+the CPU path (this file's floor + the calibrated added work x load) and the wire path (the
+floor + the wire's end past ``backward()``); its added work is the calibration's median minus
+its floor, the loopback's wire being hidden behind that backward.
+
+Otherwise wire time and CPU work *add*: every other peer exchanges after its backward, and
+the CPU work in the exchange sits in its critical path: hvd_slim encodes before its push and the server
 aggregates and selects after the gather, top-k selects before its allgather, MPI reduces
 between Rabenseifner's steps and Gloo each received ring chunk before forwarding it, and
 PowerSGD's products separate its allreduces. With 4 or 8 ranks on 2 cores there is no spare
@@ -96,11 +102,19 @@ class Row:
     floors: Tuple[float, float] = (0.0, 0.0)
 
     @property
+    def overlapped(self) -> bool:
+        """Whether the wire overlaps the backward (Horovod over a real one, :mod:`.overlap`)."""
+        return bool(self.pred.detail.get("overlapped"))
+
+    @property
     def local_m(self) -> Optional[float]:
-        """The calibrated work this peer adds to the floor (None: no calibration)."""
+        """The calibrated work this peer adds to the floor (None: no calibration). Overlapped,
+        the calibration's wire is hidden behind its backward (tens of Gbit/s), so all it adds
+        to its floor is local work."""
         if self.calib is None:
             return None
-        return max(0.0, self.calib[0] - self.calib[1] - self.floors[1])
+        comm = 0.0 if self.overlapped else self.calib[1]
+        return max(0.0, self.calib[0] - comm - self.floors[1])
 
 
 @dataclass
@@ -204,7 +218,10 @@ def rows_of(res: Dict[str, Any], inp: Inputs, calib: Optional[Calibration] = Non
         if calib is not None and _ok(c):
             there = predict(name, calib.inputs.scenario, _sel(c))
             row.calib, row.load, row.floors = (float(c["median_s"]), there.comm_s), load, floors
-            row.seconds = floors[0] + row.local_m * load + pred.comm_s
+            added = row.local_m * load
+            # overlapped: the later of the CPU path and the wire path (.overlap)
+            row.seconds = floors[0] + (max(added, pred.comm_s) if row.overlapped
+                                       else added + pred.comm_s)
         row.error = row.seconds / row.measured - 1
         out.append(row)
     return out

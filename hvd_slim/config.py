@@ -30,12 +30,13 @@ ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight"
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
-                "warmup_start_density", "servers", "hierarchical", "overlap", "local_steps",
-                "outer_delay", "residual_decay")
+                "warmup_start_density", "servers", "hierarchical", "overlap", "overlap_forward",
+                "local_steps", "outer_delay", "residual_decay")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
-RESUMABLE_FIELDS = ("timeout", "nonfinite")
+# (overlap_forward: a checkpoint never holds a step in flight, it is saved after it lands.)
+RESUMABLE_FIELDS = ("timeout", "nonfinite", "overlap_forward")
 # servers="auto": as many shards as ranks, but none under this many compressed coordinates:
 # every piece pays fixed costs per step (its selection, exploration generator, a section in
 # every message; about 0.5 ms on this machine), which swamp what spreading the bytes saves on
@@ -101,6 +102,18 @@ def _check_overlap(value: Any) -> int:
         raise ConfigError(f"overlap must be True, False or an integer number of stages >= 1, "
                           f"got {value!r}", "overlap")
     return _check_int("overlap", value, 1)
+
+
+def _check_overlap_forward(value: Any, overlap: int) -> bool:
+    """``overlap_forward``: True or False, and True only with stages to order."""
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        raise ConfigError(f"overlap_forward must be True or False, got {value!r}",
+                          "overlap_forward")
+    if value and overlap <= 1:
+        raise ConfigError(f"overlap_forward=True needs overlap > 1 (overlap={overlap}): it "
+                          "orders the stages of an overlapped exchange. Pass overlap=True too",
+                          "overlap_forward")
+    return bool(value)
 
 
 def _check_outer_delay(value: Any, local_steps: int) -> int:
@@ -178,6 +191,10 @@ class SlimConfig:
     # backward order, each exchanged as soon as its gradients are ready; 1: all in step().
     # True means OVERLAP_STAGES, False 1.
     overlap: int = 1
+    # With overlap > 1 (exchange/overlap_order.py, hvd_slim/forward_apply.py): once backward is
+    # over the stages nearest the input go first (P3's order), and step() returns before the
+    # rest is back; each stage's update lands when the next forward pass reaches its modules.
+    overlap_forward: bool = False
     # Local steps (outer/rounds.py): the wrapped optimizer steps alone this many times, then
     # the pseudo-gradient (global - local parameters) goes through the exchange to an outer
     # optimizer; 1: every step exchanges its gradients.
@@ -268,6 +285,7 @@ class SlimConfig:
         if norm["overlap"] > 1 and norm["hierarchical"]:
             raise ConfigError("overlap > 1 cannot be combined with hierarchical=True yet: pass "
                               "one of them", "overlap")
+        norm["overlap_forward"] = _check_overlap_forward(self.overlap_forward, norm["overlap"])
         norm["local_steps"] = _check_int("local_steps", self.local_steps, 1)
         if norm["local_steps"] > 1:
             _check_local_steps(norm, self.momentum_correction)

@@ -31,7 +31,7 @@ def _parse_env(name: str, text: str) -> Any:
             return flags[t.lower()]
         if name == "overlap" and t.lower() in flags and not t.isdigit():
             return flags[t.lower()]   # a number is a stage count, as for the keyword
-        if name in ("momentum_correction", "hierarchical"):
+        if name in ("momentum_correction", "hierarchical", "overlap_forward"):
             if t.lower() not in flags:
                 raise ValueError(f"{t!r} is none of these")
             return flags[t.lower()]
@@ -69,6 +69,7 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "value_bits": "one of 2, 4, 8, 16 or 32", "adam_variance": "auto, rescaled or live",
               "momentum_masking": "true, false or a number in [0, 1]",
               "servers": "an integer >= 1 or auto", "hierarchical": "true or false",
+              "overlap_forward": "true or false",
               "overlap": "true, false or an integer number of stages >= 1",
               "local_steps": "an integer >= 1", "outer_delay": "an integer, 0 or 1",
               "residual_decay": "a number in (0, 1]"}

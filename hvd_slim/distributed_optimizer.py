@@ -72,6 +72,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
               first, then exchange between the hosts.
             * ``overlap``: ``True`` (4 stages) or a number of stages, each exchanged as soon as
               its gradients are ready in backward, on a communication thread.
+            * ``overlap_forward``: with ``overlap``, once backward is over send the stages
+              nearest the input first and let ``step()`` return before the rest is back;
+              each stage's update is applied when the next forward pass reaches its modules
+              (call ``optimizer.apply_updates()`` before reading parameters outside one).
             * ``local_steps``: H > 1 steps the wrapped optimizer H times on local gradients,
               then exchanges the pseudo-gradient ``global - local`` for an outer step.
             * ``outer_optimizer``: with ``local_steps``, a ``torch.optim.Optimizer`` over the

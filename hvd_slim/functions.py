@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .collective_ops import _broadcast, on_group
+from .forward_apply import drain_all
 from .runtime import basics, engine
 from .runtime.api_timeout import operation
 from .runtime.checks import check_root_rank
@@ -165,6 +166,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
     """
     what = "broadcast_parameters"
+    drain_all()   # overlap_forward: updates still in flight land before the values are sent
     items = _named_tensors(params, what)
     root = check_root_rank(what, root_rank, basics.size())
     layout = [(str(t.dtype), tuple(t.shape)) for _, t in items]

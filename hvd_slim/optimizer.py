@@ -18,6 +18,7 @@ from . import join_sync
 from .exchange import SPARSE, Layout
 from .exchange.build import build_exchange
 from .exchange.protocol import OverlappedExchange
+from .forward_apply import ForwardApply
 from .inner import adam
 from .outer import OuterRounds
 from .outer.ends import RoundEnds
@@ -70,6 +71,11 @@ class _SlimOptimizer(torch.optim.Optimizer):
             self._end_accumulation)
         # overlap > 1: the hooks start each stage's exchange as its gradients come in.
         self._overlapped = isinstance(self._exchange, OverlappedExchange)
+        # overlap_forward: step() may leave its updates to the next forward (forward_apply.py).
+        self._forward = None
+        if cfg.overlap_forward and self._overlapped:
+            self._forward = ForwardApply([[p for _, p in cut] for cut in self._exchange.cuts],
+                                         self._step_deferred)
         self._delay = {p: self.backward_passes_per_step for p in self._requires_update}
         self._pending = set()
         self._synchronized = False
@@ -83,6 +89,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
     # --- hooks -------------------------------------------------------------------------------
     def _make_hook(self, p: torch.Tensor):
         def hook(_param: torch.Tensor) -> None:
+            if self._forward is not None:
+                self._forward.on_grad(p, self._parameter_names.get(p, "?"))
             if self._delay[p] <= 0:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before "
@@ -131,6 +139,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         if self._outer is not None:   # local steps: p.grad is this rank's, nothing to exchange
             self._synchronized = True
             return
+        self.apply_updates()
         if self._overlapped:   # the round, if any, was queued by the first hook (or is now)
             self._synchronize_now(self._open_round)
             return
@@ -182,12 +191,43 @@ class _SlimOptimizer(torch.optim.Optimizer):
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
+            if self._forward is not None and closure is None and not self._synchronized:
+                return self._step_deferring()
             self.synchronize()
         self._synchronized = False
         if self._skipped:   # every rank skipped this step: the wrapped optimizer must not step
             self._skipped = False
             return None
         return self._inner_step(closure, only_sparse=False)
+
+    def _step_deferring(self):
+        """``overlap_forward``: exchange, and leave the update of the stages still in flight
+        to the next forward pass (forward_apply.py) when every rank's step is sure to commit."""
+        self.apply_updates()
+        self._skipped = False
+        try:
+            out = self._exchange.step(self._open_round, defer=True)
+        finally:
+            self._end_accumulation()
+        if out is True or out is False:   # settled already (a NaN/Inf somewhere, or no thread)
+            if out is False:
+                return None
+            return self._inner_step(None, only_sparse=False)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        self._forward.defer(out, groups, self._exchange.step_count + 1)
+        return None
+
+    def _step_deferred(self, only, groups, count) -> None:
+        """The wrapped optimizer's step of a deferred stage (``only``: its parameters' ids)."""
+        self._inner_step(None, only_sparse=False, only=only, groups=groups, count=count)
+
+    def apply_updates(self) -> None:
+        """With ``overlap_forward=True``: apply every update ``step()`` left to the next
+        forward pass now (the next forward, backward, ``step()``, ``synchronize()``,
+        ``flush()`` and ``state_dict()`` do so themselves). Call it before reading parameters
+        outside a forward pass, e.g. for an EMA or ``model.state_dict()``. Otherwise a no-op."""
+        if self._forward is not None:
+            self._forward.settle_all()
 
     def _local_step(self, closure):
         """``local_steps > 1``: the wrapped optimizer's step on this rank's gradients; the last
@@ -213,22 +253,26 @@ class _SlimOptimizer(torch.optim.Optimizer):
                                  "prohibited as it can cause a race condition. " + _AMP_HINT)
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
-    def _inner_step(self, closure, only_sparse: bool):
+    def _inner_step(self, closure, only_sparse: bool, only=None, groups=None, count=None):
         """The wrapped optimizer's step. With momentum correction the compressed parameters are
         stepped without the optimizer's own momentum (the exchange already applied it); under
         Adam they are stepped by inner/adam.py (adam_variance="rescaled") once the dense
-        warm-up, if any, is over."""
-        rescaled = self._rescaled_params if self._exchange.step_count > \
+        warm-up, if any, is over. A deferred stage (``overlap_forward``) steps ``only`` its
+        parameters, with the hyperparameters ``groups`` of its step ``count``."""
+        count = self._exchange.step_count if count is None else count
+        rescaled = self._rescaled_params if count > \
             self._settings.config.warmup_dense_steps else set()
-        if not self._mc_params and not only_sparse and not rescaled:
+        if not self._mc_params and not only_sparse and not rescaled and only is None:
             return super(self.__class__, self).step(closure)
         saved = self.param_groups
+        hyper = saved if groups is None else [{**g, **h} for g, h in zip(saved, groups)]
         view = []
-        for g in saved:
-            plain = [p for p in g["params"] if id(p) not in self._mc_params
+        for g in hyper:
+            mine = [p for p in g["params"] if only is None or id(p) in only]
+            plain = [p for p in mine if id(p) not in self._mc_params
                      and id(p) not in rescaled
                      and (not only_sparse or id(p) in self._sparse_params)]
-            corrected = [p for p in g["params"] if id(p) in self._mc_params]
+            corrected = [p for p in mine if id(p) in self._mc_params]
             if plain:
                 view.append({**g, "params": plain})
             if corrected:
@@ -239,8 +283,9 @@ class _SlimOptimizer(torch.optim.Optimizer):
             out = super(self.__class__, self).step(closure)
         finally:
             self.param_groups = saved
-        for g in saved:
-            params = [p for p in g["params"] if id(p) in rescaled]
+        for g in hyper:
+            params = [p for p in g["params"] if id(p) in rescaled
+                      and (only is None or id(p) in only)]
             if params:
                 adam.step(g, params, self.state)
         return out
@@ -253,6 +298,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         if self._pending:
             raise AssertionError("optimizer.flush() was called after loss.backward() but before "
                                  "optimizer.step(): step first, then flush")
+        self.apply_updates()
         if self._outer is not None:
             if self._outer.taken:   # end the round first
                 self._ends.end(self._step_round, self._open_round)
@@ -331,6 +377,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         (residuals, velocities, cached cores, step). Residuals are per rank: save every rank's.
         With ``outer_delay=1`` the round in flight lands first (its average is saved, to be
         applied at the round's end)."""
+        self.apply_updates()
         outer = None if self._ends is None else self._ends.state_dict()   # lands first
         sd = super(self.__class__, self).state_dict()
         sd["hvd_slim"] = self._exchange.state_dict()
@@ -345,6 +392,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict expects a dict, got {type(state_dict).__name__}")
         state_dict = dict(state_dict)
+        self.apply_updates()
         slim = state_dict.pop("hvd_slim", None)
         outer = state_dict.pop("hvd_slim_outer", None)
         if self._ends is not None:

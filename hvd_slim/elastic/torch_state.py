@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import rebind
+from ..forward_apply import drain_all
 from .sampler import ElasticSampler
 from .state import ObjectState
 
@@ -30,6 +31,7 @@ class _Handler:
         self.save()
 
     def save(self) -> None:
+        drain_all()   # overlap_forward: a model's updates still in flight land first
         self.saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
@@ -45,6 +47,7 @@ class _Handler:
 class _ModelHandler(_Handler):
     def sync(self) -> None:
         from ..functions import broadcast_parameters
+        drain_all()
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 

@@ -19,7 +19,7 @@ thread.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -28,7 +28,8 @@ from ..transport.base import Transport
 from . import checkpoint, handshake
 from .errors import NonFiniteGradientError
 from .layout import Layout
-from .overlap_runner import Job, runner_for
+from .overlap_order import Deferred, OrderedJob
+from .overlap_runner import Job, ends_step, runner_for
 from .overlap_stats import StagedStats
 from .step import Pending, SlimExchange
 
@@ -113,12 +114,20 @@ class StagedExchange:
         if self._waiting[k] == 0:
             self._runner.ready(self._job, k)
 
-    def step(self, opener: Opener = None) -> bool:
-        """:meth:`SlimExchange.step` for every stage: the stages not begun yet run now."""
+    def step(self, opener: Opener = None, defer: bool = False) -> Union[bool, Deferred]:
+        """:meth:`SlimExchange.step` for every stage: the stages not begun yet run now. With
+        ``defer`` (``overlap_forward``, on a communication thread), once every rank's gradients
+        are in and none has a NaN/Inf, return a :class:`Deferred` instead of waiting for the
+        rest (exchange/overlap_order.py)."""
         if self._job is None:
             self._start(opener)
         job, self._job = self._job, None
         self._waiting = list(self._sizes)
+        if defer and isinstance(job, OrderedJob) and self._runner.threaded:
+            self._runner.release(job)
+            job.verdict.wait()
+            if job.clear and job.error is None:
+                return Deferred(self, job)
         self._runner.wait(job)
         return self._settle(job)
 
@@ -133,44 +142,49 @@ class StagedExchange:
             self._handshake(t)   # a failure here keeps the gradients in the residuals
 
         self._rounded = False
-        self._job = Job([self._stage(st) for st in self.stages], first)
+        if self.cfg.overlap_forward:
+            self._job = OrderedJob(self.stages, first, t, self.digest)
+        else:
+            self._job = Job([st.begin for st in self.stages], first)
         self._runner.submit(self._job)
-
-    @staticmethod
-    def _stage(st: SlimExchange) -> Callable[[], Any]:
-        def run() -> Any:
-            pending = st.begin()
-            return False if pending.pulled is None else pending
-        return run
 
     def _settle(self, job: Job) -> bool:
         """On the caller's thread, with every stage back: commit all, drop all, or raise."""
-        begun: List[Pending] = [p for p in job.results if p is not False]
+        begun: Dict[int, Pending] = job.outcomes
+        prepared = getattr(job, "prepared", {})   # local phases run, exchange not begun
         if job.error is not None:
             failed, exc = job.error
             if isinstance(exc, NonFiniteGradientError) or not self._rounded:
-                for st, pending in zip(self.stages, begun):   # nothing changes
-                    st.settle(pending, commit=False)
+                self._drop(begun, prepared)   # nothing changes
             else:   # keep this rank's gradient of every stage in its residual (the failed
-                # stage's begin did so itself)
+                # stage did so itself)
                 for k, st in enumerate(self.stages):
-                    if k < len(begun):
+                    if k in begun:
                         st.absorb(begun[k])
+                    elif k in prepared:
+                        st.worker.absorb()
                     elif k != failed:
                         st.absorb(None)
             raise exc
-        if job.results and job.results[-1] is False:   # a stage every rank skipped
-            for st, pending in zip(self.stages, begun):
-                st.settle(pending, commit=False)
+        skipped = [k for k, out in begun.items() if ends_step(out)]
+        if skipped:   # a stage every rank skipped
+            self._drop(begun, prepared)
             self.stats.skipped_steps += 1
-            self.stats.last_skip = self.stages[len(job.results) - 1].stats.last_skip
+            self.stats.last_skip = self.stages[skipped[0]].stats.last_skip
             if self.cfg.nonfinite == "flag":
                 for st in self.stages:
                     st.worker.flag_grads()
             return False
-        for st, pending in zip(self.stages, begun):
-            st.settle(pending, commit=True)
+        for k in sorted(begun):
+            self.stages[k].settle(begun[k], commit=True)
         return True
+
+    def _drop(self, begun: Dict[int, Pending], prepared: Dict[int, Any]) -> None:
+        """Every stage of the step dropped exactly (selectors as they were)."""
+        for k, pending in begun.items():
+            self.stages[k].settle(pending, commit=False)
+        for k, prep in prepared.items():
+            self.stages[k].worker.rollback(prep.selectors)
 
     def flush(self) -> None:
         """:meth:`SlimExchange.flush`, stage by stage (on the communication thread, in turn)."""

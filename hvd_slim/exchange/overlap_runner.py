@@ -19,40 +19,69 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-# A stage: called on the runner's thread once the stage is ready; returns False to end the
-# step there (every rank ends it at the same stage: a skipped stage).
-Stage = Callable[[], bool]
+# A stage: called on the runner's thread once the stage is ready; returns False, or something
+# whose ``pulled`` is None (a skipped stage's pending step), to end the step there (every rank
+# ends it at the same stage).
+Stage = Callable[[], Any]
+
+
+def ends_step(out: Any) -> bool:
+    """Whether a stage's return ends the step (a skip)."""
+    return out is False or getattr(out, "pulled", True) is None
 
 
 class Job:
     """One step's stages, in the order every rank runs them; ``first`` (if any) runs before
-    them (the join round). After it ran: ``results`` (each stage's return) and ``error`` (the
-    exception that ended it, and the stage it came from, -1 for ``first``)."""
+    them (the join round). After it ran: ``results`` (each stage's return, in the order run),
+    ``outcomes`` (the same by stage index) and ``error`` (the exception that ended it, and the
+    stage it came from, -1 for ``first``). ``finished[s]`` is set once stage ``s`` is back (or
+    the job ended without it)."""
 
     def __init__(self, stages: List[Stage], first: Optional[Callable[[], Any]] = None) -> None:
         self.stages, self.first = stages, first
         self.ready = [False] * len(stages)
         self.results: List[Any] = []
+        self.outcomes: Dict[int, Any] = {}
         self.error: Optional[tuple] = None
         self.done = threading.Event()
+        self.finished = [threading.Event() for _ in stages]
 
     def run(self, wait_ready: Callable[["Job", int], None]) -> None:
+        try:
+            self._run(wait_ready)
+        finally:
+            for ev in self.finished:
+                ev.set()
+
+    def _run(self, wait_ready: Callable[["Job", int], None]) -> None:
+        if not self.run_first():
+            return
+        for s in range(len(self.stages)):
+            wait_ready(self, s)
+            if not self.run_stage(s, self.stages[s]):
+                return
+
+    def run_first(self) -> bool:
+        """The join round; False (the error kept) if it failed."""
         try:
             if self.first is not None:
                 self.first()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             self.error = (-1, exc)
-            return
-        for s, stage in enumerate(self.stages):
-            wait_ready(self, s)
-            try:
-                out = stage()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                self.error = (s, exc)
-                return
-            self.results.append(out)
-            if out is False:
-                return
+            return False
+        return True
+
+    def run_stage(self, s: int, stage: Callable[[], Any]) -> bool:
+        """Run stage ``s``; False when the step ends there (an error, kept, or a skip)."""
+        try:
+            out = stage()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            self.error = (s, exc)
+            return False
+        self.results.append(out)
+        self.outcomes[s] = out
+        self.finished[s].set()
+        return not ends_step(out)
 
 
 class Runner:
@@ -91,13 +120,18 @@ class Runner:
             job.run(lambda j, s: None)
             job.done.set()
             return
+        self.release(job)
+        job.done.wait()
+
+    def release(self, job: Job) -> None:
+        """Mark every stage of ``job`` and of the steps queued before it ready (what has no
+        gradient by now is zero), without waiting."""
         with self._cv:
             for queued in self._jobs:
                 queued.ready = [True] * len(queued.stages)
                 if queued is job:
                     break
             self._cv.notify_all()
-        job.done.wait()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:

@@ -1,7 +1,7 @@
 """Control messages: the first-step handshake and the decisions a step can end in.
 
 All share the 32-byte header of :mod:`hvd_slim.wire.message` (the last header field holds the
-body length of text kinds, and must be zero otherwise):
+body length of text kinds and ORDER's flags, and must be zero otherwise):
 
 * ``HELLO`` (rank -> rank 0): header only; its step and digest are what rank 0 compares.
 * ``AGREED`` / ``DESCRIBE`` (rank 0 -> all): header only; all agree, or "send your description".
@@ -10,6 +10,8 @@ body length of text kinds, and must be zero otherwise):
 * ``NONFINITE`` (rank -> server, instead of a push): this rank's gradient has NaN/Inf; the body
   names the tensors.
 * ``SKIP`` (server -> all, instead of a pull): every rank skips this step; the body says why.
+* ``ORDER`` (rank -> rank 0, then rank 0 -> all): header only, a few flags in the last field;
+  the schedule round of ``overlap_forward`` (exchange/overlap_order.py).
 
 Every decoder checks the exact length, kind, sender, step and digest, and raises
 :class:`~hvd_slim.wire.errors.WireError` naming what differs.
@@ -23,7 +25,7 @@ import numpy as np
 
 from .errors import WireError
 from .message import (AGREED, DESCRIBE, DESCRIPTION, HEADER, HELLO, KIND_NAMES, MAGIC, NONFINITE,
-                      SKIP, TEXT_KINDS, VERSION, _header, check_envelope, fit_text)
+                      ORDER, SKIP, TEXT_KINDS, VERSION, _header, check_envelope, fit_text)
 
 # Largest text body accepted per kind: a report or decision is a few lines; a description
 # lists every parameter (about 80 bytes each), so it gets room for very large models.
@@ -50,6 +52,30 @@ def decode_control(buf: np.ndarray, *, kind: int, sender: int, step: Optional[in
         raise WireError(f"{who}: a {KIND_NAMES[kind]} message is {HEADER.size} bytes with no "
                         f"buckets, got {len(buf)} bytes and {nb} buckets")
     return got_step, got_digest
+
+
+# ORDER's flags (the header's last field): at most these bits.
+ORDER_FLAGS = 0xFF
+
+
+def encode_order(sender: int, step: int, digest: int, flags: int) -> np.ndarray:
+    """An ORDER message: header only, ``flags`` (a few bits) in its last field."""
+    if not 0 <= flags <= ORDER_FLAGS:
+        raise ValueError(f"ORDER flags must be in [0, {ORDER_FLAGS}], got {flags}")
+    return np.frombuffer(HEADER.pack(MAGIC, VERSION, ORDER, 0, sender, step, digest, flags),
+                         np.uint8).copy()
+
+
+def decode_order(buf: np.ndarray, *, sender: int, step: int, digest: int, who: str) -> int:
+    """Strictly decode an ORDER message of ``sender`` at ``step``; returns its flags."""
+    got_kind, nb, got_sender, got_step, got_digest, extra = _header(buf, who)
+    check_envelope(who, (got_kind, got_sender, got_step, got_digest), ORDER, sender, step,
+                   digest)
+    if nb != 0 or len(buf) != HEADER.size or extra > ORDER_FLAGS:
+        raise WireError(f"{who}: a {KIND_NAMES[ORDER]} message is {HEADER.size} bytes with no "
+                        f"buckets and flags <= {ORDER_FLAGS}, got {len(buf)} bytes, {nb} "
+                        f"buckets, flags {extra}")
+    return extra
 
 
 def encode_text(kind: int, sender: int, step: int, digest: int, text: str,
@@ -100,6 +126,6 @@ def decode_description(buf: np.ndarray, *, sender: int, step: int, digest: Optio
     return obj
 
 
-__all__ = ["AGREED", "DESCRIBE", "DESCRIPTION", "HELLO", "NONFINITE", "SKIP", "MAX_TEXT",
-           "encode_control", "decode_control", "encode_text", "decode_text",
+__all__ = ["AGREED", "DESCRIBE", "DESCRIPTION", "HELLO", "NONFINITE", "ORDER", "SKIP", "MAX_TEXT",
+           "encode_control", "decode_control", "encode_order", "decode_order", "encode_text", "decode_text",
            "encode_description", "decode_description"]

@@ -39,9 +39,12 @@ assert HEADER.size == 32 and ENTRY.size == 16
 PUSH, PULL, FLUSH_PUSH, FLUSH_PULL, ERROR = 1, 2, 3, 4, 5
 # Control (see control.py): the first-step handshake, and the decisions a step can end in.
 HELLO, AGREED, DESCRIBE, DESCRIPTION, NONFINITE, SKIP = 6, 7, 8, 9, 10, 11
+# The schedule round of ``overlap_forward`` (exchange/overlap_order.py): flags in ``extra``.
+ORDER = 12
 KIND_NAMES = {PUSH: "push", PULL: "pull", FLUSH_PUSH: "flush push", FLUSH_PULL: "flush pull",
               ERROR: "error", HELLO: "hello", AGREED: "agreed", DESCRIBE: "describe request",
-              DESCRIPTION: "description", NONFINITE: "non-finite report", SKIP: "skip"}
+              DESCRIPTION: "description", NONFINITE: "non-finite report", SKIP: "skip",
+              ORDER: "schedule round"}
 # Kinds whose body is UTF-8 text of ``extra`` bytes (the header's last field).
 TEXT_KINDS = (ERROR, DESCRIPTION, NONFINITE, SKIP)
 # ERROR codes (the header's bucket-count field), so every rank raises the same exception type.
@@ -190,7 +193,7 @@ def header_fields(meta: np.ndarray, length: int, who: str) -> tuple:
         raise RemoteError(text, nb)
     if kind not in KIND_NAMES:
         raise WireError(f"{who}: unknown message kind {kind}")
-    if extra != 0 and kind not in TEXT_KINDS:
+    if extra != 0 and kind not in TEXT_KINDS and kind != ORDER:
         raise WireError(f"{who}: reserved header field is {extra}, expected 0")
     return kind, nb, sender, step, digest, extra
 

@@ -90,11 +90,12 @@ def held_residual(opt, model):
 
 
 def train(model, opt, steps):
-    """``steps`` plain training steps (zero_grad, backward, step)."""
+    """``steps`` plain training steps (zero_grad, backward, step), the last update landed."""
     for t in range(steps):
         opt.zero_grad()
         loss_of(model, t).backward()
         opt.step()
+    opt.apply_updates()
 
 
 def dense_step(ref, ref_opt, t):
@@ -115,15 +116,17 @@ def servers_of(spec):
 def variant(name):
     """The exchange's shape: flat, hosts first (``hierarchical=True``: the ranks of this
     machine are one host, MPI's shared-memory split, so the host phases carry everything and
-    each cross exchange has one rank), or overlapped with backward in 3 stages."""
+    each cross exchange has one rank), or overlapped with backward in 3 stages (and with the
+    next forward: ``overlap_forward``)."""
     return {"flat": {}, "hier": {"hierarchical": True}, "overlap": {"overlap": 3},
+            "forward": {"overlap": 3, "overlap_forward": True},
             "4-bit": {"value_bits": 4}, "2-bit": {"value_bits": 2}}[name]
 
 
 @pytest.mark.parametrize("pull, servers, shape", [
     ("slim", 1, "flat"), ("union", 1, "flat"), ("slim", "all", "flat"), ("union", "all", "flat"),
     ("slim", 1, "hier"), ("union", 1, "hier"), ("slim", 1, "overlap"), ("slim", "all", "overlap"),
-    ("slim", "all", "4-bit"), ("union", 1, "2-bit")])
+    ("slim", "all", "forward"), ("slim", "all", "4-bit"), ("union", 1, "2-bit")])
 def test_fifty_steps_keep_replicas_identical(pull, servers, shape):
     model = Net()
     opt = wrap(model, density=0.01, pull=pull, servers=servers_of(servers), **variant(shape))
@@ -138,7 +141,7 @@ INNER = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
 
 
 @pytest.mark.parametrize("servers, shape", [(1, "flat"), ("all", "flat"), (1, "hier"),
-                                           (1, "overlap")])
+                                           (1, "overlap"), (1, "forward")])
 @pytest.mark.parametrize("inner", sorted(INNER))
 def test_density_one_matches_mpi_allreduce_averaging(inner, servers, shape):
     """The parity test: density 1.0 sends every bucket dense, so the wrapped optimizer's own
@@ -153,6 +156,7 @@ def test_density_one_matches_mpi_allreduce_averaging(inner, servers, shape):
         loss_of(model, t).backward()
         opt.step()
         dense_step(ref, ref_opt, t)
+    opt.apply_updates()
     assert torch.allclose(flat(model), flat(ref), rtol=1e-6, atol=1e-6)
 
 
@@ -231,7 +235,7 @@ def test_wire_size_per_step(q, bits):
         assert last["bytes_pushed"] == parts + 8
 
 
-@pytest.mark.parametrize("shape", ["flat", "hier", "overlap"])
+@pytest.mark.parametrize("shape", ["flat", "hier", "overlap", "forward"])
 def test_unused_parameters_on_one_rank(shape):
     model = Net()
     opt = wrap(model, density=0.05, **variant(shape))
@@ -239,6 +243,7 @@ def test_unused_parameters_on_one_rank(shape):
         opt.zero_grad()
         loss_of(model, t, use_side=(hvd.rank() % 2 == 1)).backward()
         opt.step()
+    opt.apply_updates()
     assert_same_on_every_rank(flat(model))
 
 
@@ -317,7 +322,7 @@ def flat_params_dot(model, c):
     return (torch.cat([p.reshape(-1) for p in model.parameters()]) * c).sum()
 
 
-@pytest.mark.parametrize("shape", ["flat", "hier", "overlap"])
+@pytest.mark.parametrize("shape", ["flat", "hier", "overlap", "forward"])
 def test_state_dict_round_trip_continues_bitwise(shape):
     def run(split):
         model = Net()
@@ -332,6 +337,7 @@ def test_state_dict_round_trip_continues_bitwise(shape):
             opt.zero_grad()
             loss_of(model, t).backward()
             opt.step()
+        opt.apply_updates()
         return flat(model)
 
     assert torch.equal(run(-1), run(4))

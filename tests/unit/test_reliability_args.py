@@ -72,6 +72,8 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
                          r"got 'on'"),
     (dict(overlap=2, hierarchical=True), r"^overlap > 1 cannot be combined with "
                                          r"hierarchical=True"),
+    (dict(overlap_forward="yes"), r"^overlap_forward must be True or False, got 'yes'"),
+    (dict(overlap_forward=True), r"^overlap_forward=True needs overlap > 1 \(overlap=1\)"),
     (dict(local_steps=0), r"^local_steps must be >= 1, got 0"),
     (dict(local_steps=2.5), r"^local_steps must be an integer >= 1, got 2.5"),
     (dict(local_steps=4, overlap=2), r"^local_steps > 1 cannot be combined with overlap > 1"),
@@ -155,6 +157,7 @@ BAD_ENV = [
     ("servers", "0"), ("servers", "many"), ("servers", "3"),
     ("hierarchical", "maybe"),
     ("overlap", "0"), ("overlap", "2.5"), ("overlap", "lots"),
+    ("overlap_forward", "maybe"),
     ("local_steps", "0"), ("local_steps", "many"),
     ("outer_delay", "2"), ("outer_delay", "soon"),
     ("residual_decay", "0"), ("residual_decay", "1.5"), ("residual_decay", "fast"),
@@ -187,7 +190,7 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
             "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
             "warmup_start_density": 0.5, "servers": 2, "hierarchical": False,
-            "overlap": 2, "local_steps": 8, "outer_delay": 0, "residual_decay": 0.9}[name]
+            "overlap": 2, "overlap_forward": False, "local_steps": 8, "outer_delay": 0, "residual_decay": 0.9}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

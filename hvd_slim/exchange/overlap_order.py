@@ -1,0 +1,176 @@
+"""P3's order for ``overlap_forward=True`` (docs/design.md §2 "Overlap"): the stages nearest
+the input go first once backward is over, and ``step()`` may return before the rest is back.
+
+During backward the stages run as with ``overlap`` alone, in backward order, each once its
+gradients are in. Before each stage every rank says, in one small round (ORDER), whether all
+its gradients are in. Once every rank says so, the stages not begun yet run in reverse (the
+first layers, which the next forward pass needs first, first), and that same round carries the
+step's verdict: whether any rank found a NaN/Inf in them (their local phases, compensate and
+select, run before it). The stages begun earlier have had their verdicts already (a skip ends
+the step there). So when the round is clear, every stage of the step will commit, barring a
+failed transport, and ``step()`` may hand the step over as a :class:`Deferred`: each stage is
+settled, and its parameters stepped, only when the next forward pass reaches them
+(hvd_slim/forward_apply.py). When it is not clear the stages run in backward order and the
+step is settled as one, as without ``overlap_forward``.
+
+Every rank decides from the round's answer alone, so all make the same collectives in the same
+order; the round costs one gather and one broadcast of 32 bytes a stage.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
+
+import threading
+
+from ..wire import control
+from ..wire import message as wm
+from .handshake import ROOT
+from .overlap_runner import Job, ends_step
+
+if TYPE_CHECKING:   # pragma: no cover
+    from .step import SlimExchange
+
+# ORDER flags: this rank's gradients are all in; none of its stages not begun found NaN/Inf.
+FINAL, CLEAR = 1, 2
+# Job.error's stage for a failed schedule round (-1 is the join round's).
+ROUND_FAILED = -2
+
+
+def order_round(ex: "SlimExchange", t: int, digest: int, flags: int) -> int:
+    """Collective over ``ex``'s ranks: the AND of every rank's ``flags`` (gathered on rank 0
+    of the set, answered to all). A malformed message raises the same error on every rank."""
+    tr, rank = ex.transport, ex.rank
+    msg = control.encode_order(rank, t, digest, flags)
+
+    def run() -> int:
+        got = tr.gather(msg, root=ROOT, bound=len(msg))
+        reply = None
+        if rank == ROOT:
+            try:
+                both = FINAL | CLEAR
+                for r, buf in enumerate(got):
+                    both &= control.decode_order(buf, sender=r, step=t, digest=digest,
+                                                 who=f"schedule round of step {t} from rank {r}")
+                reply = control.encode_order(ROOT, t, digest, both)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
+                reply = wm.encode_error(ROOT, t, f"rank {ROOT} could not read the schedule "
+                                        f"round of step {t}: {exc}", limit=wm.HEADER.size + 512)
+        buf = tr.broadcast(reply, root=ROOT, bound=wm.HEADER.size + 512)
+        return control.decode_order(buf, sender=ROOT, step=t, digest=digest,
+                                    who=f"schedule round of step {t} from rank {ROOT}")
+
+    return ex._collective(run, f"the schedule round of step {t}")
+
+
+class OrderedJob(Job):
+    """One step of ``overlap_forward``: the stages' exchanges (``exchanges``, in backward
+    order), run as the module docstring says. ``verdict`` is set once the order is known (or
+    the job ended): then ``clear`` says whether every stage will commit. ``prepared`` holds the
+    stages whose local phases ran but whose exchange did not (the step ended first)."""
+
+    def __init__(self, exchanges: List["SlimExchange"], first: Optional[Callable[[], Any]],
+                 t: int, digest: int) -> None:
+        super().__init__([_communicate(ex) for ex in exchanges], first)
+        self.exchanges, self.t, self.digest = exchanges, t, digest
+        self.prepared: Dict[int, Any] = {}
+        self.verdict = threading.Event()
+        self.clear = False
+
+    def run(self, wait_ready: Callable[[Job, int], None]) -> None:
+        try:
+            super().run(wait_ready)
+        finally:
+            self.verdict.set()
+
+    def _run(self, wait_ready: Callable[[Job, int], None]) -> None:
+        if not self.run_first():
+            return
+        n, k = len(self.exchanges), 0
+        while k < n:
+            wait_ready(self, k)
+            flags = 0
+            if all(self.ready):   # every gradient of the step is in on this rank
+                if not self._prepare(range(k, n)):
+                    return
+                clear = all(self.prepared[s].report is None for s in range(k, n))
+                flags = FINAL | (CLEAR if clear else 0)
+            try:
+                agreed = order_round(self.exchanges[0], self.t, self.digest, flags)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                self.error = (ROUND_FAILED, exc)   # no stage kept its gradient itself
+                return
+            if agreed & FINAL:
+                break
+            if not self._prepare([k]) or not self.run_stage(k, self._stage(k)):
+                return
+            k += 1
+        else:
+            return
+        self.clear = bool(agreed & CLEAR)
+        self.verdict.set()
+        order = range(n - 1, k - 1, -1) if self.clear else range(k, n)
+        for s in order:
+            if not self.run_stage(s, self._stage(s)):
+                return
+
+    def _prepare(self, stages: Any) -> bool:
+        """The local phases of ``stages`` not prepared yet; False (the error kept) on failure
+        (that stage's gradient is then in its residual: prepare absorbs it)."""
+        for s in stages:
+            if s in self.prepared:
+                continue
+            try:
+                self.prepared[s] = self.exchanges[s].prepare()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                self.error = (s, exc)
+                return False
+        return True
+
+    def _stage(self, s: int) -> Callable[[], Any]:
+        prep = self.prepared.pop(s)
+        return lambda: self.stages[s](prep)
+
+
+def _communicate(ex: "SlimExchange") -> Callable[[Any], Any]:
+    return ex.communicate
+
+
+class Deferred:
+    """A step :meth:`StagedExchange.step` handed over before all its stages were back (the
+    schedule round was clear). :meth:`settle` commits one stage once it is back; a failed
+    stage raises there, after keeping in the residuals what the unsettled stages computed."""
+
+    def __init__(self, staged: Any, job: OrderedJob) -> None:
+        self.staged, self.job = staged, job
+        self.pending: Set[int] = set(range(len(job.stages)))
+
+    def settle(self, k: int) -> None:
+        """Wait for stage ``k`` and commit it (its pulled values into its ``p.grad``)."""
+        if k not in self.pending:
+            return
+        job = self.job
+        job.finished[k].wait()
+        if job.error is not None or k not in job.outcomes or ends_step(job.outcomes[k]):
+            job.done.wait()
+            self._fail()
+        self.pending.discard(k)
+        self.staged.stages[k].settle(job.outcomes[k], commit=True)
+
+    def _fail(self) -> None:
+        """The transport failed after the verdict: stages settled stay; every other one keeps
+        this rank's gradient in its residual, as a failed step does; then raise."""
+        job, stages = self.job, self.staged.stages
+        failed, exc = job.error if job.error is not None else (-1, None)
+        for k in sorted(self.pending):
+            out = job.outcomes.get(k)
+            if out is not None and ends_step(out):   # cannot follow a clear round: dropped
+                stages[k].settle(out, commit=False)
+            elif out is not None:
+                stages[k].absorb(out)
+            elif k in job.prepared:
+                stages[k].worker.absorb()
+            elif k != failed:
+                stages[k].absorb(None)
+        self.pending.clear()
+        raise exc if exc is not None else RuntimeError(
+            "hvd_slim: a stage of the step ended without a result")

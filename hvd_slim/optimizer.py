@@ -322,6 +322,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         """On a rank inside ``hvd.join()``, when the others start this optimizer's exchange:
         take part with zero gradients (Horovod's joined ranks contribute zeros; a backward not
         yet stepped is dropped, as there) and step on the pulled update as they do."""
+        self.apply_updates()   # its own last step first (overlap_forward)
         for p in self._requires_update:
             p.grad = None
         self._pending.clear()

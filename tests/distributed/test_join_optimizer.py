@@ -36,16 +36,17 @@ def broadcasts(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("overlap", [1, 3])
-def test_joined_ranks_feed_zeros_to_the_exchange_and_step_alike(broadcasts, overlap):
+@pytest.mark.parametrize("overlap, forward", [(1, False), (3, False), (3, True)])
+def test_joined_ranks_feed_zeros_to_the_exchange_and_step_alike(broadcasts, overlap, forward):
     """density=1.0: the result equals plain SGD on the average over every rank of the
     gradient each still computes (zero once it has joined), and every replica is equal. With
     overlap=3 the ranks still training queue each step's join round from backward's first
-    hook, on the communication thread's behalf."""
+    hook, on the communication thread's behalf; with overlap_forward a rank's last update lands
+    as it joins."""
     n, r = hvd.size(), hvd.rank()
     model, ref = Net(), Net()
     opt = wrap(model, opt=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-               density=1.0, overlap=overlap)
+               density=1.0, overlap=overlap, overlap_forward=forward)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     for t in range(steps_of(r)):
         opt.zero_grad()

@@ -62,9 +62,10 @@ def plan(series: List[str], steps: int) -> List[Dict[str, Any]]:
         # is what the stages cost over one exchange, with nothing to hide them behind.
         for model in ("resnet18-real", "smallcnn", "resnet18"):
             jobs.append({"series": "overlap", "tag": f"overlap_{model}_4h_1g",
-                         "argv": ["--model", model, "--ranks", "4", "--pulls", "slim,overlap",
-                                  "--peers", "floor,hvd_slim-slim@0.01,hvd_slim-overlap@0.01",
-                                  "--densities", "0.01", *few]})
+                         "argv": ["--model", model, "--ranks", "4",
+                                  "--pulls", "slim,overlap,forward",
+                                  "--peers", "floor,hvd_slim-slim@0.01,hvd_slim-overlap@0.01,"
+                                  "hvd_slim-forward@0.01", "--densities", "0.01", *few]})
     if "scaling" in series:
         for hosts in (2, 4, 8):
             jobs.append({"series": "scaling", "tag": f"scaling_cnn1m_{hosts}h_100m", "hosts": hosts,

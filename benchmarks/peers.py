@@ -164,7 +164,9 @@ class Slim(Peer):
     """hvd_slim's ``DistributedOptimizer`` at one density and pull mode; the mode "sharded"
     is ``pull="slim"`` with a server shard per rank (``servers=N``), "hier" is ``pull="slim"``
     with ``hierarchical=True``, "overlap" is ``pull="slim"`` with ``overlap=True`` (its stages
-    start in backward, so it differs only where the workload runs a real backward)."""
+    start in backward, so it differs only where the workload runs a real backward), "forward"
+    that with ``overlap_forward=True`` too (the stages land as the next forward reaches them:
+    a step's time then includes the next forward's waits, not the end of its own exchange)."""
 
     name = "hvd_slim"
     family = "hvd_slim"
@@ -176,15 +178,16 @@ class Slim(Peer):
         self.name = f"hvd_slim-{pull}@{density:g}"
         servers = hvd_slim.size() if pull == "sharded" else 1
         hierarchical = pull == "hier"   # the hosts' ranks combine first (local_size() > 1)
-        overlap = pull == "overlap"
-        pull = "slim" if pull in ("sharded", "hier", "overlap") else pull
+        overlap = pull in ("overlap", "forward")
+        forward = pull == "forward"
+        pull = "slim" if pull in ("sharded", "hier", "overlap", "forward") else pull
         self.density, self.pull = density, pull
         # The steady state is what a step costs: the automatic warm-up (denser slices for the
         # first 1/density steps of training) is switched off here.
         self.opt = hvd_slim.DistributedOptimizer(self.opt, named_parameters=work.named,
                                                  density=density, pull=pull, servers=servers,
                                                  hierarchical=hierarchical, overlap=overlap,
-                                                 warmup_decay_steps=0)
+                                                 overlap_forward=forward, warmup_decay_steps=0)
         self.basis = {"handed": "counted", "wire": "counted",
                       "note": "opt.comm_stats(): bytes_pushed (payload + 8-byte length word "
                               "handed to Gatherv) and bytes_pulled (received from Bcast), counted "

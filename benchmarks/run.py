@@ -59,7 +59,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="densities for hvd_slim and the top-k baseline")
     ap.add_argument("--pulls", default="slim,union", help="hvd_slim pull modes: slim, union, "
                     "sharded (slim with a server shard per rank), hier (slim with "
-                    "hierarchical=True), overlap (slim with overlap=True)")
+                    "hierarchical=True), overlap (slim with overlap=True), forward (overlap with "
+                    "overlap_forward=True)")
     ap.add_argument("--net", choices=NETS, default="switched",
                     help="switched: one NIC per host into a switch; shared: one link for all "
                          "ranks (tbf1g/tbf10g at 1/10 Gbit/s); loopback: unshaped, no root")

@@ -6,7 +6,7 @@ the next forward pass reaches them (P3's per-layer wait; docs/design.md §2 "Ove
 param groups' hyperparameters as they were (a scheduler stepped right after ``step()`` must not
 change this step's learning rate). A forward pre-hook on every module (one global hook, which
 returns at once when nothing is pending) applies the stage of each parameter the module holds
-before the module runs: it commits the stage's exchange, so the pulled values are its
+(itself, or in an ``nn.ParameterList``/``ParameterDict`` of its own) before the module runs: it commits the stage's exchange, so the pulled values are its
 parameters' ``.grad``, and steps the wrapped optimizer on those parameters only. What no
 module's forward reached by the next backward, ``step()``, ``synchronize()``, ``flush()``,
 ``state_dict()`` or :meth:`drain` is applied then.
@@ -118,11 +118,21 @@ def _pre_forward(ref: "weakref.ref[ForwardApply]", module: torch.nn.Module) -> N
     fa = ref()
     if fa is None or fa.deferred is None:
         return None
-    for p in module._parameters.values():
-        k = None if p is None else fa.stage_of.get(id(p))
+    for p in _own_parameters(module):
+        k = fa.stage_of.get(id(p))
         if k is not None:
             fa.apply(k)   # a no-op for a stage applied already
     return None
+
+
+def _own_parameters(module: torch.nn.Module) -> List[torch.Tensor]:
+    """The parameters ``module``'s forward reads itself: its own, and those of the parameter
+    containers it holds (an ``nn.ParameterList``/``ParameterDict`` has no forward of its own)."""
+    out = [p for p in module._parameters.values() if p is not None]
+    for child in module._modules.values():
+        if isinstance(child, (torch.nn.ParameterList, torch.nn.ParameterDict)):
+            out += [p for p in child._parameters.values() if p is not None]
+    return out
 
 
 def drain_all() -> None:

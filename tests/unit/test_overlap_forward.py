@@ -149,6 +149,35 @@ def test_a_nonfinite_gradient_settles_the_step_at_once_as_without_it(mode):
         assert all(r[0] is (mode == "flag") and r[2] for r in res), res
 
 
+def test_a_parameter_list_lands_with_the_module_that_holds_it():
+    class Listed(torch.nn.Module):   # parameters read by the holder's forward, not a child's
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(40, 40) * 0.1)
+                                              for _ in range(3)])
+            self.head = torch.nn.Linear(40, 3)
+
+        def forward(self, x, branch=0):
+            for w in self.ws:
+                x = torch.relu(x @ w)
+            return self.head(x)
+
+    def body(rank, tr, **kw):
+        model = Listed()
+        opt = wrap(model, tr, density=0.05, overlap=3, **kw)
+        for t in range(4):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        opt.apply_updates()
+        return flat(model), None
+
+    plain = run_ranks(2, lambda r, tr: body(r, tr))
+    assert same(plain, run_ranks(2, lambda r, tr: body(r, tr, overlap_forward=True)))
+
+
 @pytest.mark.parametrize("read", ["bias", "weight"])
 def test_a_parameter_read_outside_its_module_raises_at_backward(read):
     class Direct(Net):   # reads unused's parameters without running unused's forward

@@ -29,8 +29,9 @@ _live: "weakref.WeakSet[ForwardApply]" = weakref.WeakSet()
 
 class ForwardApply:
     """The deferred step of one optimizer. ``stage_params[k]`` are stage ``k``'s parameters;
-    ``step_params(params, groups)`` steps the wrapped optimizer on ``params`` with the
-    hyperparameters ``groups`` (one dict per param group, without ``"params"``)."""
+    ``step_params(ids, groups, count)`` steps the wrapped optimizer on the parameters whose
+    ``id`` is in ``ids``, with the hyperparameters ``groups`` (one dict per param group,
+    without ``"params"``) of the exchange's step ``count``."""
 
     def __init__(self, stage_params: List[List[torch.Tensor]],
                  step_params: Callable[[Set[int], List[dict], int], None]) -> None:
@@ -55,8 +56,10 @@ class ForwardApply:
         """Hold ``deferred`` (the exchange's step ``count``, 1-based) until its stages are
         reached; ``groups``: the hyperparameters to step them with."""
         self.deferred, self._groups, self._count = deferred, groups, count
-        # Each gradient as step() left it, to tell later whether the script zeroed it.
-        self._grads = {id(p): (p.grad, None if p.grad is None else p.grad._version)
+        # Each gradient as step() left it, to tell later whether the script zeroed it (weakly:
+        # a gradient the script drops is freed, as without the deferral).
+        self._grads = {id(p): (None, None) if p.grad is None else
+                       (weakref.ref(p.grad), p.grad._version)
                        for ps in self.stage_params for p in ps}
         _live.add(self)
 
@@ -68,8 +71,9 @@ class ForwardApply:
         params = self.stage_params[k]
         kept = {}
         for p in params:
-            grad, version = self._grads.get(id(p), (None, None))
-            if p.grad is None or p.grad is not grad or p.grad._version != version:
+            ref, version = self._grads.get(id(p), (None, None))
+            if p.grad is None or ref is None or p.grad is not ref() or \
+                    p.grad._version != version:
                 kept[p] = p.grad   # zeroed or replaced since step(): restored after
                 p.grad = None
         try:
@@ -108,6 +112,14 @@ class ForwardApply:
         """Apply every stage still pending, nearest the input first."""
         while self.pending:
             self.apply(max(self.deferred.pending))
+
+    def discard(self) -> None:
+        """Drop the step in flight unapplied, once its exchange has ended (a checkpoint is
+        about to replace the state it would change; a failure of it is not raised here)."""
+        if self.deferred is not None:
+            self.deferred.drop()
+        self._forget()
+        self._late = set()
 
     def _forget(self) -> None:
         self.deferred, self._groups, self._grads = None, [], {}

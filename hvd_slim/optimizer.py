@@ -393,7 +393,6 @@ class _SlimOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict expects a dict, got {type(state_dict).__name__}")
         state_dict = dict(state_dict)
-        self.apply_updates()
         slim = state_dict.pop("hvd_slim", None)
         outer = state_dict.pop("hvd_slim_outer", None)
         if self._ends is not None:
@@ -408,6 +407,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
                                  "local_steps=1. Resume with the same local_steps")
         # torch checks the groups before it changes anything; ours is validated already, so
         # from here on nothing can fail half-way.
+        if self._forward is not None:   # a step in flight (or failed) is replaced, not landed
+            self._forward.discard()
         super(self.__class__, self).load_state_dict(state_dict)
         if slim is not None:
             self._exchange.load_state_dict(slim)

@@ -156,6 +156,19 @@ class Deferred:
         self.pending.discard(k)
         self.staged.stages[k].settle(job.outcomes[k], commit=True)
 
+    def drop(self) -> None:
+        """Once the job has ended: drop every stage not settled exactly (nothing of it stays;
+        a checkpoint is about to be loaded over it)."""
+        job, stages = self.job, self.staged.stages
+        job.done.wait()
+        for k in sorted(self.pending):
+            out = job.outcomes.get(k)
+            if out is not None:
+                stages[k].settle(out, commit=False)
+            elif k in job.prepared:
+                stages[k].worker.rollback(job.prepared[k].selectors)
+        self.pending.clear()
+
     def _fail(self) -> None:
         """The transport failed after the verdict: stages settled stay; every other one keeps
         this rank's gradient in its residual, as a failed step does; then raise."""

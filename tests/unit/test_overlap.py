@@ -222,10 +222,14 @@ def test_resume_is_bitwise_and_other_overlap_checkpoints_are_refused():
         wrap(Net(), tr, density=0.05, overlap=3).load_state_dict(flat_opt.state_dict())
 
 
-def test_the_handshake_names_a_rank_with_another_overlap():
+@pytest.mark.parametrize("other, named", [(dict(overlap=1), "overlap"),
+                                          (dict(overlap=3, overlap_forward=True),
+                                           "overlap_forward")])
+def test_the_handshake_names_a_rank_with_another_overlap(other, named):
     def body(rank, tr):
         model = Net()
-        opt = wrap(model, tr, density=0.05, overlap=1 if rank == 1 else 3, timeout=20)
+        kw = other if rank == 1 else dict(overlap=3)
+        opt = wrap(model, tr, density=0.05, timeout=20, **kw)
         x, y = batch(rank, 0)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         try:
@@ -235,21 +239,23 @@ def test_the_handshake_names_a_rank_with_another_overlap():
         return None
 
     msgs = run_ranks(3, body)
-    assert all(m is not None and "overlap" in m for m in msgs), msgs
+    assert all(m is not None and named in m for m in msgs), msgs
 
 
-def test_a_rank_that_stops_stepping_times_the_others_out_naming_it():
+@pytest.mark.parametrize("forward", [False, True])
+def test_a_rank_that_stops_stepping_times_the_others_out_naming_it(forward):
     def body(rank, tr):
         model = Net()
-        opt = wrap(model, tr, density=0.05, overlap=3, timeout=1.0)
+        opt = wrap(model, tr, density=0.05, overlap=3, overlap_forward=forward, timeout=1.0)
         for t in range(3):
             if rank == 2 and t == 1:
                 return None
             x, y = batch(rank, t)
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            try:
+            try:   # with overlap_forward the wait may come in the next forward
+                torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
+                opt.apply_updates()
             except TransportTimeout as exc:
                 return str(exc)
         return "finished"

@@ -126,6 +126,9 @@ class ForwardApply:
         _live.discard(self)
 
 
+# Under torch.compile the hook runs as Python, outside the graph (a graph break where a stage is
+# pending): landing a stage waits on another thread and steps an optimizer.
+@torch.compiler.disable
 def _pre_forward(ref: "weakref.ref[ForwardApply]", module: torch.nn.Module) -> None:
     fa = ref()
     if fa is None or fa.deferred is None:

@@ -3,6 +3,7 @@ ranks: after backward the stages nearest the input go first, ``step()`` hands th
 and each stage's update lands when the next forward pass reaches its modules. Whatever the
 schedule, the training is bitwise the one ``overlap`` alone gives."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -193,6 +194,26 @@ def test_a_parameter_list_lands_with_the_module_that_holds_it():
 
     plain = run_ranks(2, lambda r, tr: body(r, tr))
     assert same(plain, run_ranks(2, lambda r, tr: body(r, tr, overlap_forward=True)))
+
+
+def test_a_compiled_model_trains_bitwise_too():
+    # torch.compile traces into global module hooks; ours runs outside the graph.
+    def body(rank, tr, compiled, **kw):
+        model = Net()
+        opt = wrap(model, tr, density=0.05, overlap=3, **kw)
+        fwd = torch.compile(model, backend="aot_eager") if compiled else model
+        for t in range(3):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(fwd(x), y).backward()
+            opt.step()
+        opt.apply_updates()
+        return flat(model), None
+
+    plain = run_ranks(2, lambda r, tr: body(r, tr, False))
+    with warnings.catch_warnings():   # torch notes that global hooks fire for the wrapper too
+        warnings.simplefilter("ignore", UserWarning)
+        assert same(plain, run_ranks(2, lambda r, tr: body(r, tr, True, overlap_forward=True)))
 
 
 @pytest.mark.parametrize("read", ["bias", "weight"])

@@ -88,6 +88,25 @@ def test_unused_parameters_and_accumulation_keep_it_bitwise(passes):
     assert same(plain, fwd)
 
 
+def test_clipping_between_synchronize_and_step_is_settled_at_once():
+    def body(rank, tr, **kw):
+        model = Net()
+        opt = wrap(model, tr, density=0.05, overlap=3, **kw)
+        for t in range(3):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            (torch.nn.functional.cross_entropy(model(x), y) * 100).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            with opt.skip_synchronize():
+                opt.step()
+            assert opt._forward is None or not opt._forward.pending
+        return flat(model), None
+
+    plain = run_ranks(2, lambda r, tr: body(r, tr))
+    assert same(plain, run_ranks(2, lambda r, tr: body(r, tr, overlap_forward=True)))
+
+
 def test_step_leaves_the_update_to_the_next_forward_and_gradients_as_without_it():
     def body(rank, tr, forward):
         model = Net()

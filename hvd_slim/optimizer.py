@@ -19,7 +19,7 @@ from .exchange import SPARSE, Layout
 from .exchange.build import build_exchange
 from .exchange.protocol import OverlappedExchange
 from .forward_apply import ForwardApply
-from .inner import adam
+from .inner import adam, wrapped
 from .outer import OuterRounds
 from .outer.ends import RoundEnds
 from .runtime import engine
@@ -254,41 +254,16 @@ class _SlimOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def _inner_step(self, closure, only_sparse: bool, only=None, groups=None, count=None):
-        """The wrapped optimizer's step. With momentum correction the compressed parameters are
-        stepped without the optimizer's own momentum (the exchange already applied it); under
-        Adam they are stepped by inner/adam.py (adam_variance="rescaled") once the dense
-        warm-up, if any, is over. A deferred stage (``overlap_forward``) steps ``only`` its
-        parameters, with the hyperparameters ``groups`` of its step ``count``."""
+        """The wrapped optimizer's step (inner/wrapped.py): of the compressed parameters only
+        (``only_sparse``, a flush), or of ``only`` (a deferred stage of ``overlap_forward``,
+        with the hyperparameters ``groups`` of its step ``count``). Adam's rescaled steps
+        (inner/adam.py) start once the dense warm-up, if any, is over."""
         count = self._exchange.step_count if count is None else count
         rescaled = self._rescaled_params if count > \
             self._settings.config.warmup_dense_steps else set()
-        if not self._mc_params and not only_sparse and not rescaled and only is None:
-            return super(self.__class__, self).step(closure)
-        saved = self.param_groups
-        hyper = saved if groups is None else [{**g, **h} for g, h in zip(saved, groups)]
-        view = []
-        for g in hyper:
-            mine = [p for p in g["params"] if only is None or id(p) in only]
-            plain = [p for p in mine if id(p) not in self._mc_params
-                     and id(p) not in rescaled
-                     and (not only_sparse or id(p) in self._sparse_params)]
-            corrected = [p for p in mine if id(p) in self._mc_params]
-            if plain:
-                view.append({**g, "params": plain})
-            if corrected:
-                view.append({**g, "params": corrected, "momentum": 0.0, "dampening": 0.0,
-                             "nesterov": False})
-        self.param_groups = view
-        try:
-            out = super(self.__class__, self).step(closure)
-        finally:
-            self.param_groups = saved
-        for g in hyper:
-            params = [p for p in g["params"] if id(p) in rescaled
-                      and (only is None or id(p) in only)]
-            if params:
-                adam.step(g, params, self.state)
-        return out
+        return wrapped.step(self, super(self.__class__, self).step, closure,
+                            corrected=self._mc_params, rescaled=rescaled, groups=groups,
+                            only=self._sparse_params if only_sparse else only)
 
     # --- Slim-DP extras ----------------------------------------------------------------------
     def flush(self) -> None:

@@ -204,10 +204,7 @@ def test_a_parameter_list_lands_with_the_module_that_holds_it():
         model = Listed()
         opt = wrap(model, tr, density=0.05, overlap=3, **kw)
         for t in range(4):
-            x, y = batch(rank, t)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+            one_step(model, opt, rank, t)
         opt.apply_updates()
         return flat(model), None
 

@@ -181,8 +181,25 @@ def check_fp16_compression() -> None:
     assert_same_everywhere(digest(flat(model)), "parameters with Compression.fp16")
 
 
+def check_overlap_forward() -> None:
+    """Inside Horovod, the exchange overlapped with backward and the next forward trains
+    bitwise as overlap alone, over both transports, and every replica stays identical."""
+    for transport in ("mpi", "gloo"):
+        got = []
+        for forward in (False, True):
+            model = fresh_model()
+            opt = slim(model, density=0.05, transport=transport, overlap=3,
+                       overlap_forward=forward)
+            train(model, opt, steps=STEPS)
+            opt.apply_updates()
+            got.append(flat(model).clone())
+        assert torch.equal(got[0], got[1]), f"overlap_forward over {transport} differs from " \
+            f"overlap alone by {(got[0] - got[1]).abs().max().item()}"
+        assert_same_everywhere(digest(got[1]), f"parameters with overlap_forward over {transport}")
+
+
 CHECKS = [check_starts_from_horovod, check_density_one_matches_horovod, check_replicas_identical,
-          check_broadcast_optimizer_state, check_fp16_compression]
+          check_broadcast_optimizer_state, check_fp16_compression, check_overlap_forward]
 
 
 def report(line: str) -> None:

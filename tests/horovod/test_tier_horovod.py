@@ -30,7 +30,8 @@ SCRIPTS = ROOT / "tests" / "horovod"
 TIMEOUT = float(os.environ.get("HVD_SLIM_HOROVOD_TIMEOUT", "300"))
 REQUIRE = os.environ.get("HVD_SLIM_REQUIRE_HOROVOD", "") == "1"
 CHECKS = ["check_starts_from_horovod", "check_density_one_matches_horovod",
-          "check_replicas_identical", "check_broadcast_optimizer_state", "check_fp16_compression"]
+          "check_replicas_identical", "check_broadcast_optimizer_state", "check_fp16_compression",
+          "check_overlap_forward"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -75,7 +75,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             * ``overlap_forward``: with ``overlap``, once backward is over send the stages
               nearest the input first and let ``step()`` return before the rest is back;
               each stage's update is applied when the next forward pass reaches its modules
-              (call ``optimizer.apply_updates()`` before reading parameters outside one).
+              (``model.state_dict()`` lands them first; call ``optimizer.apply_updates()``
+              before reading parameters outside a forward otherwise).
             * ``local_steps``: H > 1 steps the wrapped optimizer H times on local gradients,
               then exchanges the pseudo-gradient ``global - local`` for an outer step.
             * ``outer_optimizer``: with ``local_steps``, a ``torch.optim.Optimizer`` over the

@@ -14,7 +14,8 @@ module's forward reached by the next backward, ``step()``, ``synchronize()``, ``
 ``.grad`` afterwards is what it would have been without the deferral: the pulled values if the
 script left the gradient alone since ``step()``; what ``zero_grad()`` (the optimizer's or the
 module's) made of it otherwise, so the next backward starts from that (a parameter with no
-gradient at ``step()`` has none after it either).
+gradient at ``step()`` has none after it either). A module the hook has seen also lands the
+step before its ``state_dict()``, so a checkpoint of the model is never a step behind.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ class ForwardApply:
         self._count = 0
         self._grads: Dict[int, tuple] = {}
         self._late: Set[int] = set()   # applied by the first gradient hook of a backward
+        # Modules seen holding our parameters: their state_dict() lands the step first.
+        self._saving: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         ref = weakref.ref(self)
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(
             lambda module, args: _pre_forward(ref, module))
@@ -131,13 +134,24 @@ class ForwardApply:
 @torch.compiler.disable
 def _pre_forward(ref: "weakref.ref[ForwardApply]", module: torch.nn.Module) -> None:
     fa = ref()
-    if fa is None or fa.deferred is None:
+    if fa is None or (fa.deferred is None and module in fa._saving):
         return None
     for p in _own_parameters(module):
         k = fa.stage_of.get(id(p))
         if k is not None:
+            if module not in fa._saving:
+                fa._saving.add(module)
+                module.register_state_dict_pre_hook(
+                    lambda mod, prefix, keep_vars: _before_saving(ref))
             fa.apply(k)   # a no-op for a stage applied already
     return None
+
+
+def _before_saving(ref: "weakref.ref[ForwardApply]") -> None:
+    """A module of ours is about to give its state_dict(): land the step in flight first."""
+    fa = ref()
+    if fa is not None and fa.pending:
+        fa.drain()
 
 
 def _own_parameters(module: torch.nn.Module) -> List[torch.Tensor]:

@@ -224,8 +224,9 @@ class _SlimOptimizer(torch.optim.Optimizer):
     def apply_updates(self) -> None:
         """With ``overlap_forward=True``: apply every update ``step()`` left to the next
         forward pass now (the next forward, backward, ``step()``, ``synchronize()``,
-        ``flush()`` and ``state_dict()`` do so themselves). Call it before reading parameters
-        outside a forward pass, e.g. for an EMA or ``model.state_dict()``. Otherwise a no-op."""
+        ``flush()``, ``state_dict()`` and the model's ``state_dict()`` do so themselves). Call
+        it before reading parameters outside a forward pass otherwise, e.g. for an EMA.
+        Otherwise a no-op."""
         if self._forward is not None:
             self._forward.settle_all()
 

@@ -88,6 +88,21 @@ def test_unused_parameters_and_accumulation_keep_it_bitwise(passes):
     assert same(plain, fwd)
 
 
+def test_the_models_state_dict_lands_the_step_first():
+    def body(rank, tr, **kw):
+        model = Net()
+        opt = wrap(model, tr, density=0.05, overlap=3, **kw)
+        for t in range(3):
+            one_step(model, opt, rank, t)
+        held = opt._forward is not None and opt._forward.pending
+        saved = copy.deepcopy(model.state_dict())   # no apply_updates() first
+        return torch.cat([v.reshape(-1) for v in saved.values()]), held
+
+    plain = run_ranks(2, lambda r, tr: body(r, tr))
+    fwd = run_ranks(2, lambda r, tr: body(r, tr, overlap_forward=True))
+    assert [r[1] for r in fwd] == [True, True] and same(plain, fwd)
+
+
 def test_clipping_between_synchronize_and_step_is_settled_at_once():
     def body(rank, tr, **kw):
         model = Net()

@@ -6,8 +6,9 @@ the next forward pass reaches them (P3's per-layer wait; docs/design.md §2 "Ove
 param groups' hyperparameters as they were (a scheduler stepped right after ``step()`` must not
 change this step's learning rate). A forward pre-hook on every module (one global hook, which
 returns at once when nothing is pending) applies the stage of each parameter the module holds
-(itself, or in an ``nn.ParameterList``/``ParameterDict`` of its own) before the module runs: it commits the stage's exchange, so the pulled values are its
-parameters' ``.grad``, and steps the wrapped optimizer on those parameters only. What no
+(itself, or in an ``nn.ParameterList``/``ParameterDict`` of its own) before the module runs:
+it commits the stage's exchange, so the pulled values are its parameters' ``.grad``, and steps
+the wrapped optimizer on those parameters only. What no
 module's forward reached by the next backward, ``step()``, ``synchronize()``, ``flush()``,
 ``state_dict()`` or :meth:`drain` is applied then.
 
@@ -136,14 +137,12 @@ def _pre_forward(ref: "weakref.ref[ForwardApply]", module: torch.nn.Module) -> N
     fa = ref()
     if fa is None or (fa.deferred is None and module in fa._saving):
         return None
-    for p in _own_parameters(module):
-        k = fa.stage_of.get(id(p))
-        if k is not None:
-            if module not in fa._saving:
-                fa._saving.add(module)
-                module.register_state_dict_pre_hook(
-                    lambda mod, prefix, keep_vars: _before_saving(ref))
-            fa.apply(k)   # a no-op for a stage applied already
+    stages = {fa.stage_of[id(p)] for p in _own_parameters(module) if id(p) in fa.stage_of}
+    if stages and module not in fa._saving:
+        fa._saving.add(module)
+        module.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: _before_saving(ref))
+    for k in sorted(stages, reverse=True):   # nearest the input first, as drain()
+        fa.apply(k)   # a no-op for a stage applied already
     return None
 
 

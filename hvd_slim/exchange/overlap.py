@@ -151,20 +151,13 @@ class StagedExchange:
     def _settle(self, job: Job) -> bool:
         """On the caller's thread, with every stage back: commit all, drop all, or raise."""
         begun: Dict[int, Pending] = job.outcomes
-        prepared = getattr(job, "prepared", {})   # local phases run, exchange not begun
+        prepared = job.prepared   # local phases run, exchange not begun
         if job.error is not None:
             failed, exc = job.error
             if isinstance(exc, NonFiniteGradientError) or not self._rounded:
                 self._drop(begun, prepared)   # nothing changes
-            else:   # keep this rank's gradient of every stage in its residual (the failed
-                # stage did so itself)
-                for k, st in enumerate(self.stages):
-                    if k in begun:
-                        st.absorb(begun[k])
-                    elif k in prepared:
-                        st.worker.absorb()
-                    elif k != failed:
-                        st.absorb(None)
+            else:
+                self.keep(range(len(self.stages)), begun, prepared, failed)
             raise exc
         skipped = [k for k, out in begun.items() if ends_step(out)]
         if skipped:   # a stage every rank skipped
@@ -185,6 +178,25 @@ class StagedExchange:
             self.stages[k].settle(pending, commit=False)
         for k, prep in prepared.items():
             self.stages[k].worker.rollback(prep.selectors)
+
+    def drop(self, which: Sequence[int], job: Job) -> None:
+        """:meth:`_drop` for the stages ``which`` of ``job`` only."""
+        self._drop({k: v for k, v in job.outcomes.items() if k in which},
+                   {k: v for k, v in job.prepared.items() if k in which})
+
+    def keep(self, which: Sequence[int], begun: Dict[int, Pending], prepared: Dict[int, Any],
+             failed: int) -> None:
+        """A failed step: keep this rank's gradient of each stage in ``which`` in its
+        residual, whether begun, only prepared, or never reached (the failed stage did so
+        itself)."""
+        for k in which:
+            st = self.stages[k]
+            if k in begun:
+                st.absorb(begun[k])
+            elif k in prepared:
+                st.worker.absorb()
+            elif k != failed:
+                st.absorb(None)
 
     def flush(self) -> None:
         """:meth:`SlimExchange.flush`, stage by stage (on the communication thread, in turn)."""

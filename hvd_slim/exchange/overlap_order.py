@@ -18,7 +18,7 @@ order; the round costs one gather and one broadcast of 32 bytes a stage.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set
 
 import threading
 
@@ -34,6 +34,10 @@ if TYPE_CHECKING:   # pragma: no cover
 FINAL, CLEAR = 1, 2
 # Job.error's stage for a failed schedule round (-1 is the join round's).
 ROUND_FAILED = -2
+
+
+# The reply's bound: an ORDER, or an ERROR whose text says why rank 0 could not read one.
+REPLY_BOUND = wm.HEADER.size + 512
 
 
 def order_round(ex: "SlimExchange", t: int, digest: int, flags: int) -> int:
@@ -54,8 +58,8 @@ def order_round(ex: "SlimExchange", t: int, digest: int, flags: int) -> int:
                 reply = control.encode_order(ROOT, t, digest, both)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
                 reply = wm.encode_error(ROOT, t, f"rank {ROOT} could not read the schedule "
-                                        f"round of step {t}: {exc}", limit=wm.HEADER.size + 512)
-        buf = tr.broadcast(reply, root=ROOT, bound=wm.HEADER.size + 512)
+                                        f"round of step {t}: {exc}", limit=REPLY_BOUND)
+        buf = tr.broadcast(reply, root=ROOT, bound=REPLY_BOUND)
         return control.decode_order(buf, sender=ROOT, step=t, digest=digest,
                                     who=f"schedule round of step {t} from rank {ROOT}")
 
@@ -70,9 +74,8 @@ class OrderedJob(Job):
 
     def __init__(self, exchanges: List["SlimExchange"], first: Optional[Callable[[], Any]],
                  t: int, digest: int) -> None:
-        super().__init__([_communicate(ex) for ex in exchanges], first)
+        super().__init__([ex.communicate for ex in exchanges], first)
         self.exchanges, self.t, self.digest = exchanges, t, digest
-        self.prepared: Dict[int, Any] = {}
         self.verdict = threading.Event()
         self.clear = False
 
@@ -131,10 +134,6 @@ class OrderedJob(Job):
         return lambda: self.stages[s](prep)
 
 
-def _communicate(ex: "SlimExchange") -> Callable[[Any], Any]:
-    return ex.communicate
-
-
 class Deferred:
     """A step :meth:`StagedExchange.step` handed over before all its stages were back (the
     schedule round was clear). :meth:`settle` commits one stage once it is back; a failed
@@ -159,31 +158,21 @@ class Deferred:
     def drop(self) -> None:
         """Once the job has ended: drop every stage not settled exactly (nothing of it stays;
         a checkpoint is about to be loaded over it)."""
-        job, stages = self.job, self.staged.stages
-        job.done.wait()
-        for k in sorted(self.pending):
-            out = job.outcomes.get(k)
-            if out is not None:
-                stages[k].settle(out, commit=False)
-            elif k in job.prepared:
-                stages[k].worker.rollback(job.prepared[k].selectors)
+        self.job.done.wait()
+        self.staged.drop(sorted(self.pending), self.job)
         self.pending.clear()
 
     def _fail(self) -> None:
         """The transport failed after the verdict: stages settled stay; every other one keeps
         this rank's gradient in its residual, as a failed step does; then raise."""
-        job, stages = self.job, self.staged.stages
+        job = self.job
         failed, exc = job.error if job.error is not None else (-1, None)
-        for k in sorted(self.pending):
-            out = job.outcomes.get(k)
-            if out is not None and ends_step(out):   # cannot follow a clear round: dropped
-                stages[k].settle(out, commit=False)
-            elif out is not None:
-                stages[k].absorb(out)
-            elif k in job.prepared:
-                stages[k].worker.absorb()
-            elif k != failed:
-                stages[k].absorb(None)
+        # A skip cannot follow a clear round; such a stage is dropped all the same.
+        skipped = sorted(k for k in self.pending if k in job.outcomes
+                         and ends_step(job.outcomes[k]))
+        self.staged.drop(skipped, job)
+        rest = sorted(self.pending - set(skipped))
+        self.staged.keep(rest, job.outcomes, job.prepared, failed)
         self.pending.clear()
         raise exc if exc is not None else RuntimeError(
             "hvd_slim: a stage of the step ended without a result")

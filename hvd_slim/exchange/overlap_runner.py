@@ -35,13 +35,15 @@ class Job:
     them (the join round). After it ran: ``results`` (each stage's return, in the order run),
     ``outcomes`` (the same by stage index) and ``error`` (the exception that ended it, and the
     stage it came from, -1 for ``first``). ``finished[s]`` is set once stage ``s`` is back (or
-    the job ended without it)."""
+    the job ended without it). ``prepared`` holds stages whose local phases ran but whose
+    exchange did not (only an ordered job prepares ahead: exchange/overlap_order.py)."""
 
     def __init__(self, stages: List[Stage], first: Optional[Callable[[], Any]] = None) -> None:
         self.stages, self.first = stages, first
         self.ready = [False] * len(stages)
         self.results: List[Any] = []
         self.outcomes: Dict[int, Any] = {}
+        self.prepared: Dict[int, Any] = {}
         self.error: Optional[tuple] = None
         self.done = threading.Event()
         self.finished = [threading.Event() for _ in stages]

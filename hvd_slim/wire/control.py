@@ -126,6 +126,6 @@ def decode_description(buf: np.ndarray, *, sender: int, step: int, digest: Optio
     return obj
 
 
-__all__ = ["AGREED", "DESCRIBE", "DESCRIPTION", "HELLO", "NONFINITE", "ORDER", "SKIP", "MAX_TEXT",
-           "encode_control", "decode_control", "encode_order", "decode_order", "encode_text", "decode_text",
-           "encode_description", "decode_description"]
+__all__ = ["AGREED", "DESCRIBE", "DESCRIPTION", "HELLO", "NONFINITE", "ORDER", "SKIP",
+           "MAX_TEXT", "encode_control", "decode_control", "encode_order", "decode_order",
+           "encode_text", "decode_text", "encode_description", "decode_description"]

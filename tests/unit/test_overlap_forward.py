@@ -56,6 +56,15 @@ def one_step(model, opt, rank, t):
     opt.step()
 
 
+def stepped(model, tr, rank, steps, **kw):
+    """``model`` wrapped (density 0.05, 3 stages, ``kw``) and trained ``steps`` steps; the
+    optimizer, its last step possibly still in flight."""
+    opt = wrap(model, tr, density=0.05, overlap=3, **kw)
+    for t in range(steps):
+        one_step(model, opt, rank, t)
+    return opt
+
+
 @pytest.mark.parametrize("zero", ["opt", "model", "keep"])
 @pytest.mark.parametrize("density", [1.0, 0.05])
 def test_training_is_bitwise_that_of_overlap_alone(density, zero):
@@ -91,9 +100,7 @@ def test_unused_parameters_and_accumulation_keep_it_bitwise(passes):
 def test_the_models_state_dict_lands_the_step_first():
     def body(rank, tr, **kw):
         model = Net()
-        opt = wrap(model, tr, density=0.05, overlap=3, **kw)
-        for t in range(3):
-            one_step(model, opt, rank, t)
+        opt = stepped(model, tr, rank, 3, **kw)
         held = opt._forward is not None and opt._forward.pending
         saved = copy.deepcopy(model.state_dict())   # no apply_updates() first
         return torch.cat([v.reshape(-1) for v in saved.values()]), held
@@ -217,9 +224,7 @@ _LISTED = {k: v + 0.1 * torch.randn(v.shape) for k, v in Listed().state_dict().i
 def test_a_parameter_list_lands_with_the_module_that_holds_it():
     def body(rank, tr, **kw):
         model = Listed()
-        opt = wrap(model, tr, density=0.05, overlap=3, **kw)
-        for t in range(4):
-            one_step(model, opt, rank, t)
+        opt = stepped(model, tr, rank, 4, **kw)
         opt.apply_updates()
         return flat(model), None
 
@@ -298,6 +303,31 @@ def test_checkpoints_land_the_step_first_and_resume_bitwise_either_way():
     plain = run_ranks(2, lambda r, tr: body(r, tr, -1, True))
     for resume_fwd in (True, False):
         assert same(plain, run_ranks(2, lambda r, tr: body(r, tr, 3, resume_fwd)))
+
+
+def test_a_failed_stage_raises_and_keeps_its_gradient_in_the_residual():
+    # Whether the stage fails before step() returns (then step() raises) or after it (then
+    # whatever waits for it raises) depends on timing; either way every rank raises, nothing
+    # stays pending and the stage's gradient is kept.
+    def body(rank, tr):
+        model = Net()
+        opt = stepped(model, tr, rank, 1, overlap_forward=True)
+        opt.apply_updates()
+        first = opt._exchange.stages[-1]   # the input side: the last one ready in backward
+
+        def broken(*args, **kw):
+            raise RuntimeError("the wire broke")
+        first._push = broken   # on every rank: communicate keeps the gradient, then raises
+        held = first.residual_norm()
+        try:
+            one_step(model, opt, rank, 1)
+            opt.apply_updates()
+        except RuntimeError as exc:
+            return str(exc), opt._forward.pending, first.residual_norm() != held
+        return None
+
+    res = run_ranks(2, body)
+    assert all(r == ("the wire broke", False, True) for r in res), res
 
 
 def test_loading_over_a_step_in_flight_drops_it_exactly():

@@ -95,6 +95,7 @@ class StagedExchange:
         self._runner = runner_for(transport, threaded)
         self._job: Optional[Job] = None
         self._agreed = False
+        self._late_verdict = late_verdict(layout, config)
 
     @property
     def step_count(self) -> int:
@@ -123,7 +124,8 @@ class StagedExchange:
             self._start(opener)
         job, self._job = self._job, None
         self._waiting = list(self._sizes)
-        if defer and isinstance(job, OrderedJob) and self._runner.threaded:
+        if defer and isinstance(job, OrderedJob) and self._runner.threaded \
+                and not self._late_verdict:
             self._runner.release(job)
             job.verdict.wait()
             if job.clear and job.error is None:
@@ -280,6 +282,21 @@ class StagedExchange:
             st.load_state_dict(saved)
         self.stats.skipped_steps = int(state.get("skipped_steps", 0))
         self._agreed = False
+
+
+def late_verdict(layout: Layout, config: SlimConfig) -> bool:
+    """Whether a server can refuse a step whose pushes were all finite: its sum overflowing a
+    16-bit wire (fp16, or bf16 at the edge of float32) is found only once the stage is
+    aggregated, after the schedule round, so ``overlap_forward`` must not hand such a step
+    over before every stage is back. FP8 and packed values are scaled to fit, and
+    ``nonfinite="propagate"`` refuses nothing."""
+    if config.nonfinite == "propagate":
+        return False
+    def narrowed(dt: torch.dtype, b: Any) -> bool:
+        return dt in (torch.float16, torch.bfloat16) and dt != b.dtype
+
+    return any(narrowed(b.comm_dtype, b) or (not b.slice_bits and narrowed(b.slice_dtype, b))
+               for b in layout.buckets)
 
 
 def _flush_stage(st: SlimExchange) -> Callable[[], Any]:

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+import hvd_slim
 from hvd_slim.config import ConfigError, SlimConfig
 from hvd_slim.config_env import resolve_config
 from hvd_slim.exchange import Layout
@@ -197,6 +198,33 @@ def test_a_nonfinite_gradient_settles_the_step_at_once_as_without_it(mode):
         assert all(r[0] == "NonFiniteGradientError" and r[2] is False for r in res), res
     else:
         assert all(r[0] is (mode == "flag") and r[2] for r in res), res
+
+
+@pytest.mark.parametrize("mode", ["skip", "flag", "raise"])
+def test_a_sum_that_overflows_the_16_bit_wire_is_refused_in_step_not_later(mode):
+    """Every push is finite, so the schedule round is clear, but the server's sum overflows
+    float16: with a 16-bit wire the step cannot be handed over before every stage is back."""
+    def body(rank, tr):
+        model = Net()
+        opt = wrap(model, tr, density=1.0, nonfinite=mode, op=hvd_slim.Sum,
+                   compression=hvd_slim.Compression.fp16, **FWD)
+        x, y = batch(rank, 0)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        model.a.weight.grad[0, 0] = 40000.0   # fits float16; the sum of three does not
+        before = flat(model)
+        try:
+            opt.step()
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, opt._forward.pending, torch.equal(before, flat(model))
+        pending = opt._forward.pending
+        nan = all(torch.isnan(p.grad).all() for p in model.parameters() if p.grad is not None)
+        model(x)
+        opt.apply_updates()
+        return nan, pending, torch.equal(before, flat(model))
+
+    res = run_ranks(3, body)
+    first = "NonFiniteGradientError" if mode == "raise" else mode == "flag"
+    assert all(r == (first, False, True) for r in res), res
 
 
 class Listed(torch.nn.Module):

@@ -11,8 +11,10 @@ parameters, and mixed CPU/CUDA parameters or NCCL for CPU parameters are refused
 ``HVD_SLIM_GPU_CHECK_ON_CPU=1`` runs the same checks on CPU tensors (``--transports mpi,gloo``):
 that is how this script's own logic is exercised on a machine without a GPU.
 
-Each rank appends ``hvd_slim-gpu: rank R of N PASS <check>`` lines to
-``$HVD_SLIM_REPORT_DIR/rank<R>.txt``; a failure prints the traceback and aborts every rank.
+Each rank appends ``hvd_slim-gpu: rank R of N PASS <check>`` (or ``FAIL``, with the traceback)
+lines to ``$HVD_SLIM_REPORT_DIR/rank<R>.txt``. A check that fails on every rank does not stop the
+others, so one run on a GPU reports every failure; the job then exits non-zero. A check that
+fails on some ranks only aborts every rank.
 """
 import argparse
 import hashlib
@@ -246,20 +248,37 @@ def main() -> None:
     elif not ON_CPU:
         plan.append((check_bad_device_combinations_are_refused, "-"))
     folder = os.environ.get("HVD_SLIM_REPORT_DIR")
-    for check, transport in plan:
-        try:
-            detail = check(transport)
-        except BaseException:  # noqa: BLE001 - report, then end every rank
-            sys.stderr.write(f"{tag} FAILED {check.__name__}[{transport}]\n{traceback.format_exc()}")
-            sys.stderr.flush()
-            COMM.Abort(1)
-        line = f"{tag} PASS {check.__name__}[{transport}]: {detail}"
+
+    def report(line: str) -> None:
         print(line, flush=True)
         if folder:
             with open(os.path.join(folder, f"rank{hvd.rank()}.txt"), "a", encoding="utf-8") as f:
                 f.write(line + "\n")
+
+    failed = []
+    for check, transport in plan:
+        name = f"{check.__name__}[{transport}]"
+        try:
+            detail, ok = check(transport), True
+        except BaseException:  # noqa: BLE001 - reported; the other checks still run
+            detail, ok = traceback.format_exc(), False
+        # A check that failed on every rank leaves the ranks in step (each raised at its end,
+        # or timed out of the collective its peer left), so the next checks still run and one
+        # GPU session reports every failure. Ranks that disagree are out of step: end them all.
+        verdicts = COMM.allgather(ok)
+        if ok:
+            report(f"{tag} PASS {name}: {detail}")
+            continue
+        failed.append(name)
+        report(f"{tag} FAIL {name}:\n{detail}")
+        if any(verdicts):
+            sys.stderr.write(f"{tag}: {name} failed here but passed on another rank\n")
+            sys.stderr.flush()
+            COMM.Abort(1)
     hvd.barrier()
     hvd.shutdown()  # releases the NCCL/Gloo groups before exit
+    if failed:
+        sys.exit(f"{tag}: {len(failed)} check(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -145,3 +145,50 @@ def test_slice_indices_is_the_core_then_its_keyed_exploration():
     pulled = slice_indices(1000, core, 50, seed=9, role=ROLE_PULL, rank=1, step=4, bucket=2,
                            device=torch.device("cpu"))
     assert ROLE_PUSH != ROLE_PULL and not torch.equal(got, pulled)
+
+
+def _tie_heavy(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Scores with many exact ties (a few distinct levels) and a run of zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 7, (n,), generator=g).to(dtype) * 0.25
+    x[n // 3: n // 3 + n // 10] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [1, 17, 999, 10_000, 49_999])
+def test_the_topk_path_selects_the_passes_set(monkeypatch, dtype, k):
+    """A GPU's core comes from one torch.topk (backend.use_topk): exactly the set of the
+    threshold passes, ties at the k-th value to the lowest indices, for plain scores, for
+    magnitudes of signed values and for tie-heavy scores where zeros must fill the set."""
+    g = torch.Generator().manual_seed(k)
+    cases = [torch.rand(50_000, generator=g, dtype=dtype), _tie_heavy(50_000, k, dtype)]
+    signed = torch.randn(50_000, generator=g, dtype=dtype)
+    signed[::7] = -signed[1::7][: signed[::7].numel()]   # equal magnitudes of both signs
+    sparse = torch.zeros(50_000, dtype=dtype)
+    sparse[torch.randperm(50_000, generator=g)[:300]] = 1.0   # fewer positives than most k
+    want = [CoreSelector(backend="numpy").select(x, k) for x in cases + [sparse]]
+    want_mag = CoreSelector(backend="numpy").select_magnitude(signed, k)
+    monkeypatch.setattr(backend, "FORCE_TOPK", True)
+    sel = CoreSelector(backend="torch")
+    for x, w in zip(cases + [sparse], want):
+        got = sel.select(x, k)
+        assert sel.last_passes == 1 and got.dtype == torch.int64 and torch.equal(got, w)
+    assert torch.equal(sel.select_magnitude(signed, k), want_mag)
+    assert sel.state_dict() == {"threshold": None}   # the passes' state is left alone
+
+
+def test_the_topk_path_leaves_nan_to_the_passes(monkeypatch):
+    """topk ranks NaN highest, the passes never select it: a NaN in the top k falls back."""
+    x = torch.rand(20_000, generator=torch.Generator().manual_seed(3))
+    x[[5, 700]] = float("nan")
+    want = CoreSelector(backend="numpy").select_magnitude(x, 100)
+    monkeypatch.setattr(backend, "FORCE_TOPK", True)
+    sel = CoreSelector(backend="torch")
+    got = sel.select_magnitude(x, 100)
+    assert torch.equal(got, want) and 5 not in got.tolist() and sel.last_passes >= 1
+
+
+def test_cpu_scores_keep_the_passes():
+    """On a CPU the passes win (torch.topk is a partial sort there): use_topk is off."""
+    assert not backend.use_topk(torch.zeros(3))

@@ -131,5 +131,8 @@ class InFlight:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         ready = state.get("ready")
         self.job, self.box = None, {}
-        self.ready = None if ready is None else [t.clone() for t in ready]
+        # On the parameters' devices: a checkpoint loaded with map_location="cpu" holds them
+        # on the host, and they become the parameters' .grad when the round lands.
+        self.ready = None if ready is None else [t.to(p.device, copy=True)
+                                                 for t, p in zip(ready, self.params)]
         self.skipped = bool(state.get("skipped", False))

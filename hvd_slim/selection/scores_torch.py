@@ -61,7 +61,8 @@ class TorchScores:
 
     def sample_order(self, i: int) -> float:
         """The ``i``-th smallest sample value (0-based)."""
-        return float(torch.kthvalue(self.sample, i + 1).values)
+        # sort, not kthvalue: CUDA's kthvalue refuses torch.use_deterministic_algorithms(True).
+        return float(torch.sort(self.sample).values[i])
 
     def sample_max_below(self, thr: float) -> Optional[float]:
         below = self.sample[self.sample < thr]
@@ -81,8 +82,9 @@ class TorchScores:
                     ) -> Tuple[torch.Tensor, Optional[float]]:
         """(the ``j``-th smallest of ``vals`` as a 0-d tensor on their device, the ``jw``-th
         smallest as a float or None)."""
-        kth = torch.kthvalue(vals, j + 1).values
-        nxt = None if jw is None else float(torch.kthvalue(vals, jw + 1).values)
+        ordered = torch.sort(vals).values   # a few more than k values: cheap on a device
+        kth = ordered[j]
+        nxt = None if jw is None else float(ordered[jw])
         return kth, nxt
 
     @staticmethod

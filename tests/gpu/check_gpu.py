@@ -4,7 +4,8 @@
 Per transport: replicas stay bitwise identical over 20 steps at density 0.01; ``density=1.0``
 equals the dense average (mpi4py's Allreduce on host copies, independent of hvd_slim) to 1e-5;
 ``flush()`` zeroes every residual and lands on the closed form; Adam on sparse deliveries
-keeps replicas and its state identical. On NCCL: no device-to-host copy
+keeps replicas and its state identical; a checkpoint loaded with ``map_location="cpu"``
+resumes bitwise; under ``torch.use_deterministic_algorithms(True)`` nothing is refused. On NCCL: no device-to-host copy
 of payload size happens in a step (tests/gpu/host_copies.py counts them). Plus: ``auto`` picks NCCL for CUDA
 parameters, and mixed CPU/CUDA parameters or NCCL for CPU parameters are refused clearly.
 
@@ -18,6 +19,7 @@ fails on some ranks only aborts every rank.
 """
 import argparse
 import hashlib
+import io
 import os
 import sys
 import traceback
@@ -158,6 +160,57 @@ def check_adam_on_sparse_deliveries(transport: str) -> str:
     return f"{len(clocks)} tensors on the rescaled path"
 
 
+def check_resume_from_a_cpu_mapped_checkpoint(transport: str) -> str:
+    """A checkpoint saved from the GPU and loaded with ``map_location="cpu"`` (how a script
+    loads one anywhere) resumes bitwise as an uninterrupted run: residuals, cached push and pull
+    cores (``refresh_interval=2``) and, with local steps, a delayed outer step in flight."""
+    done = []
+    for kw in (dict(refresh_interval=2, warmup_decay_steps=0), dict(local_steps=2, outer_delay=1)):
+        def run(steps, state=None):
+            model = Net().to(device())
+            opt = wrap(model, transport, density=0.01, **kw)
+            if state is not None:
+                model.load_state_dict(state[0])
+                opt.load_state_dict(state[1])
+            for t in steps:
+                opt.zero_grad()
+                loss(model, t).backward()
+                opt.step()
+            return model, opt
+        full, _ = run(range(8))
+        half, opt = run(range(5))
+        buf = io.BytesIO()
+        torch.save((half.state_dict(), opt.state_dict()), buf)
+        buf.seek(0)
+        resumed, _ = run(range(5, 8), torch.load(buf, map_location="cpu", weights_only=True))
+        assert torch.equal(flat(resumed), flat(full)), f"resumed with {kw} differs"
+        assert all(p.device == device() for p in resumed.parameters())
+        if "local_steps" not in kw:   # inside a round of local steps the replicas differ
+            assert_same_on_every_rank(flat(resumed), f"replicas resumed with {kw}")
+        done.append(",".join(kw))
+    return f"bitwise after resuming ({'; '.join(done)})"
+
+
+def check_deterministic_algorithms(transport: str) -> str:
+    """Under ``torch.use_deterministic_algorithms(True)`` (a reproducible run's setting) the
+    exchange uses no CUDA kernel torch refuses there, and two runs agree bitwise."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            model = WideNet().to(device())
+            opt = wrap(model, transport, density=0.01)
+            for t in range(6):
+                opt.zero_grad()
+                loss(model, t).backward()
+                opt.step()
+            runs.append(flat(model))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(runs[0], runs[1]), "two deterministic runs differ"
+    return "6 steps twice, bitwise equal"
+
+
 class WideNet(torch.nn.Module):
     """Payload sections far larger than any metadata read: 65k compressed coordinates, so a
     push carries about 650 values (2.6 KB) and their indices."""
@@ -230,7 +283,8 @@ def check_bad_device_combinations_are_refused(_: str) -> str:
 
 
 PER_TRANSPORT = [check_replicas_identical, check_density_one_is_the_dense_average,
-                 check_flush_lands_on_the_closed_form, check_adam_on_sparse_deliveries]
+                 check_flush_lands_on_the_closed_form, check_adam_on_sparse_deliveries,
+                 check_resume_from_a_cpu_mapped_checkpoint, check_deterministic_algorithms]
 # Transports on which the device path keeps payloads off the host: NCCL (and Gloo on CPU tensors).
 DEVICE_RESIDENT = {"nccl", "gloo"} if ON_CPU else {"nccl"}
 

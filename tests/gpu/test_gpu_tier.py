@@ -25,7 +25,8 @@ from tests.mpi_launch import run_mpi, tail
 SCRIPT = ROOT / "tests" / "gpu" / "check_gpu.py"
 TIMEOUT = float(os.environ.get("HVD_SLIM_GPU_TIMEOUT", "150"))
 PER_TRANSPORT = ["check_replicas_identical", "check_density_one_is_the_dense_average",
-                 "check_flush_lands_on_the_closed_form", "check_adam_on_sparse_deliveries"]
+                 "check_flush_lands_on_the_closed_form", "check_adam_on_sparse_deliveries",
+                 "check_resume_from_a_cpu_mapped_checkpoint", "check_deterministic_algorithms"]
 HOST_COPIES = "check_no_payload_goes_through_the_host"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
 
@@ -48,6 +49,8 @@ def passed_checks(reports: Path, np_: int) -> set:
 def run_checks(tmp_path: Path, transports: str, extra=None, np_: int = 2) -> tuple:
     env = {"HVD_SLIM_REPORT_DIR": str(tmp_path), "HVD_SLIM_TRANSPORT_TIMEOUT": "60",
            "HVD_SLIM_TRANSPORT": "auto",  # check_auto_picks_nccl relies on the default
+           # cuBLAS's deterministic mode (check_deterministic_algorithms) needs a fixed workspace
+           "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
            "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"), **(extra or {})}
     rc, out, seconds = run_mpi(np_, [sys.executable, str(SCRIPT), "--transports", transports],
                                TIMEOUT, extra_env=env)

@@ -16,9 +16,6 @@ from typing import Any, Optional, Protocol, Tuple, TypeVar, runtime_checkable
 import torch
 
 FORCE_TORCH = False
-# Select a GPU's core with one ``torch.topk`` instead of the threshold passes (see use_topk);
-# FORCE_TOPK runs that path on CPU tensors too, so it is tested without a GPU.
-FORCE_TOPK = False
 
 # The backend's array type: np.ndarray or torch.Tensor.
 A = TypeVar("A")
@@ -27,15 +24,6 @@ A = TypeVar("A")
 def use_torch(t: torch.Tensor) -> bool:
     """Whether selection code should handle ``t`` with torch ops rather than numpy."""
     return FORCE_TORCH or t.device.type != "cpu"
-
-
-def use_topk(t: torch.Tensor) -> bool:
-    """Whether the core of scores ``t`` is taken by one ``torch.topk`` (plus exact tie-breaking)
-    rather than the carried-threshold passes. On a GPU the passes' host reads of thresholds and
-    candidate counts each stall the device, and ``torch.topk``'s radix select is one kernel:
-    measured on an H200, 0.64 ms against 3.97 ms for 255k of 25.5M (docs/gpu.md). On a CPU
-    ``torch.topk`` is a partial sort and loses to the passes by 25x."""
-    return FORCE_TOPK or t.device.type != "cpu"
 
 
 @runtime_checkable   # so a test can check both backends against it

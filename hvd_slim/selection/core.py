@@ -15,8 +15,7 @@ about one vectorised threshold pass:
 The steps read the scores only through the :class:`~hvd_slim.selection.backend.Scores`
 contract: CPU scores run in numpy (scores_numpy.py), scores on a GPU the same steps in torch
 ops on the GPU (scores_torch.py; selection/backend.py decides), with bitwise the same result
-and threshold. On a GPU the core is taken by one ``torch.topk`` instead (``backend.use_topk``):
-there the passes' scalar host reads stall the device, and the same set comes out.
+and threshold.
 
 The threshold for the next call is the candidate value at rank ``k + margin``, a plain Python
 float in :meth:`CoreSelector.state_dict`, so a restored run selects bitwise identically.
@@ -28,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from .backend import A, Scores, use_topk, use_torch
+from .backend import A, Scores, use_torch
 from .scores_numpy import _BLOCK, NumpyScores, _as_numpy
 from .scores_torch import TorchScores, _as_float
 
@@ -129,13 +128,6 @@ class CoreSelector:
             else NumpyScores(_as_numpy(score), magnitude)
         if k == 0 or k >= s.n:
             return torch.arange(min(k, s.n), dtype=torch.int64, device=score.device)
-        if isinstance(s, TorchScores) and use_topk(score):
-            # The same set in one radix select; the carried threshold is neither read nor
-            # changed (it only ever saves the passes work).
-            top = s.top(k)
-            if top is not None:
-                self.last_passes, self.last_candidates = 1, k
-                return top
         return s.result(self._select(s, k), score.device)
 
     def _select(self, s: Scores[A], k: int) -> A:

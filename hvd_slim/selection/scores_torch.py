@@ -34,23 +34,6 @@ class TorchScores:
         self.sample = s.new_empty(0)
         self.m = 0
 
-    def top(self, k: int) -> Optional[torch.Tensor]:
-        """Ascending indices of exactly ``k`` (< n) top scores, ties at the k-th value to the
-        lowest indices (the set :class:`~hvd_slim.selection.core.CoreSelector` defines), from
-        one ``torch.topk`` for the k-th value and one pass for the set: two scalar host reads.
-        None when a NaN reaches the top k (``topk`` ranks NaN highest; the passes never select
-        it), so the caller falls back to the passes."""
-        s = self.s.abs() if self.magnitude else self.s
-        kth = float(torch.topk(s, k, sorted=False).values.min())
-        if kth != kth:
-            return None
-        keep = s > kth
-        need = k - int(keep.sum())
-        if need:
-            ties = (s == kth).nonzero().reshape(-1)
-            keep[ties[:need]] = True
-        return keep.nonzero().reshape(-1)
-
     def take_sample(self, stride: int) -> None:
         x = self.s[stride // 2::stride]
         self.sample = x.abs() if self.magnitude else x.contiguous()

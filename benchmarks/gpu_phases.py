@@ -140,17 +140,6 @@ def run_density(model: str, n: int, density: float, device: torch.device, steps:
     sel.select_magnitude(a, k)   # warm: the threshold is carried over, as between steps
     med["core_select"] = statistics.median(
         _timed(device, lambda: sel.select_magnitude(a, k))[1] for _ in range(steps))
-    # The carried-threshold passes the CPU runs, on this device (what the GPU ran before
-    # backend.use_topk): the core selection's alternative.
-    from hvd_slim.selection import core as selection_core
-    real_use_topk, selection_core.use_topk = selection_core.use_topk, lambda t: False
-    try:
-        passes = CoreSelector()
-        passes.select_magnitude(a, k)
-        med["core_passes"] = statistics.median(
-            _timed(device, lambda: passes.select_magnitude(a, k))[1] for _ in range(steps))
-    finally:
-        selection_core.use_topk = real_use_topk
     med["torch_topk"] = statistics.median(
         _timed(device, lambda: torch.topk(a.abs(), k, sorted=False))[1] for _ in range(steps))
     return {"density": density, "numel": sum(p.numel() for _, p in rk.named[0]),
@@ -208,7 +197,7 @@ def main() -> None:
           f"{rows[0]['numel']:,} parameters ({rows[0]['compressed_numel']:,} compressed); "
           f"median ms per step, per rank unless marked")
     cols = ("select", "encode", "decode", "aggregate", "pull_decode", "apply", "core_select",
-            "core_passes", "torch_topk")
+            "torch_topk")
     print("| density | k | " + " | ".join(cols) + " | push B | pull B |")
     for r in rows:
         ms = r["ms"]

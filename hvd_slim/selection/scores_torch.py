@@ -44,7 +44,8 @@ class TorchScores:
 
     def sample_order(self, i: int) -> float:
         """The ``i``-th smallest sample value (0-based)."""
-        # sort, not kthvalue: CUDA's kthvalue refuses torch.use_deterministic_algorithms(True).
+        # sort, not kthvalue: CUDA's kthvalue refuses torch.use_deterministic_algorithms(True),
+        # and it made the whole selection 3.5x slower on an H200 (docs/gpu.md).
         return float(torch.sort(self.sample).values[i])
 
     def sample_max_below(self, thr: float) -> Optional[float]:

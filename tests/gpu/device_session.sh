@@ -45,7 +45,7 @@ tier=${PIPESTATUS[0]}
 
 say "phase benchmark"
 timeout -k 10 240 "$PY" -m benchmarks.gpu_phases --model resnet50 --densities 0.01,0.001 \
-    --ranks 4 --out "$OUT/gpu_phases.json" 2>&1 | tee "$OUT/gpu_phases.txt"
+    --ranks 4 --steps 20 --out "$OUT/gpu_phases.json" 2>&1 | tee "$OUT/gpu_phases.txt"
 bench=${PIPESTATUS[0]}
 
 say "summary: GPU tier exit $tier, benchmark exit $bench"

@@ -72,6 +72,8 @@ def torch_transport(backend: str, device: torch.device) -> Any:
 
     # Gloo frames live on the host whatever the parameters' device: one Gloo group serves all.
     dev = torch.device("cpu") if backend == "gloo" else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:   # one cache key, and set_device needs one
+        dev = torch.device("cuda", torch.cuda.current_device())
     found = torch_dist.cached(backend, dev)
     if found is not None:
         return found

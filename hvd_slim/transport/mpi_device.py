@@ -64,6 +64,12 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _device_buffer(n: int, dev: torch.device) -> torch.Tensor:
+    """A receive buffer MPI writes on ``dev``: the caching allocator may hand back a block that a
+    kernel still queued on the stream reads, and MPI writes outside torch's streams."""
+    return _ready(torch.empty(n, dtype=torch.uint8, device=dev))
+
+
 def _check(payload: torch.Tensor, op: str) -> None:
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 \
             or payload.dim() != 1:
@@ -80,7 +86,7 @@ def gather_tensor(tr, payload: torch.Tensor, root: int, bound: Optional[int] = N
     if _direct(dev):
         send = _ready(payload)
         out = tr.gather_buffers(send, root, bound, own=payload.clone,
-                                alloc=lambda n: torch.empty(n, dtype=torch.uint8, device=dev))
+                                alloc=lambda n: _device_buffer(n, dev))
         return out
     # Pinned host buffers, handed to MPI as numpy views (plain host memory to every mpi4py);
     # the copy in is synchronous, so MPI may read it at once.
@@ -104,7 +110,7 @@ def broadcast_tensor(tr, payload: Optional[torch.Tensor], root: int, bound: Opti
     if _direct(dev):
         send = _ready(payload.to(dev)) if is_root else None
         return tr.broadcast_buffer(send, root, bound,
-                                   alloc=lambda n: torch.empty(n, dtype=torch.uint8, device=dev))
+                                   alloc=lambda n: _device_buffer(n, dev))
     send = to_host(payload).numpy() if is_root else None
     out = tr.broadcast_buffer(send, root, bound,
                               alloc=lambda n: host_buffer(n, pinned=True).numpy())
@@ -125,7 +131,7 @@ def gather_many_tensor(tr, payloads: Sequence[torch.Tensor], roots: Sequence[int
     mine = payloads[list(roots).index(tr.rank)] if tr.rank in roots else None
     dev = None if mine is None else mine.device
     direct = dev is not None and _direct(dev)
-    alloc = (lambda n: torch.empty(n, dtype=torch.uint8, device=dev)) if direct else \
+    alloc = (lambda n: _device_buffer(n, dev)) if direct else \
         (lambda n: host_buffer(n, pinned=True).numpy())
     out = gather_many_buffers(tr, sends, roots, bounds, own=lambda: mine.clone(), alloc=alloc)
     if out is None or direct:
@@ -149,7 +155,7 @@ def broadcast_many_tensor(tr, payload: Optional[torch.Tensor], roots: Sequence[i
         send = _ready(payload.to(dev)) if is_root else None
         return broadcast_many_buffers(
             tr, send, roots, bounds,
-            alloc=lambda n: torch.empty(n, dtype=torch.uint8, device=dev))
+            alloc=lambda n: _device_buffer(n, dev))
     send = to_host(payload).numpy() if is_root else None
     out = broadcast_many_buffers(tr, send, roots, bounds,
                                  alloc=lambda n: host_buffer(n, pinned=True).numpy())

@@ -66,6 +66,19 @@ between Rabenseifner's steps and Gloo each received ring chunk before forwarding
 PowerSGD's products separate its allreduces. With 4 or 8 ranks on 2 cores there is no spare
 core to hide one behind the other.
 
+The sum is an upper bound where the ranks outnumber the cores and a wire phase leaves some
+ranks waiting while others still have work: the calibrated local work is every rank's work
+time-shared on the cores, and while one rank waits on the wire (hvd_slim's pushes into the one
+server NIC, its binomial pull) the others' work fills the cores. ``cluster_rerun``'s per-rank
+``exchange_s`` shows it: the slowest rank's exchange was shorter than the modelled wire plus
+the calibration's exchange (scaled by the job's own selection ratio) by 3-14 ms at 4 hosts and
+12-18 ms at 8 (single server, cnn1m, 100 Mbit/s; union's 35 ms there includes its pull's
+upper-bound size), by 0 to 2 ms at 2 hosts (a core per rank) and for the sharded peer (no long
+wire phase). So every single-server cnn1m step at 4 and 8 hosts is predicted slow (+11% to
++34%). How much hides depends on when each rank's pre-push and post-pull work runs, which the
+results do not record (only the selection and the whole exchange are timed per rank), so it is
+not modelled; with a core per rank it does not arise.
+
 A peer whose ``|error|`` exceeds the tolerance makes the command exit 1 (exit 2: a file without
 a calibration under --local-from).
 """

@@ -282,9 +282,6 @@ class SlimConfig:
                               "hierarchical")
         norm["hierarchical"] = bool(self.hierarchical)
         norm["overlap"] = _check_overlap(self.overlap)
-        if norm["overlap"] > 1 and norm["hierarchical"]:
-            raise ConfigError("overlap > 1 cannot be combined with hierarchical=True yet: pass "
-                              "one of them", "overlap")
         norm["overlap_forward"] = _check_overlap_forward(self.overlap_forward, norm["overlap"])
         norm["local_steps"] = _check_int("local_steps", self.local_steps, 1)
         if norm["local_steps"] > 1:

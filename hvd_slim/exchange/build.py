@@ -1,8 +1,9 @@
 """Which exchange an optimizer gets: :class:`SlimExchange`, or with ``hierarchical=True`` the
-host-first :class:`~hvd_slim.exchange.hierarchy.HierarchicalExchange`."""
+host-first :class:`~hvd_slim.exchange.hierarchy.HierarchicalExchange`, and with ``overlap > 1``
+a :class:`~hvd_slim.exchange.overlap.StagedExchange` of either kind."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from ..config import ConfigError, SlimConfig
 from ..transport.base import Transport
@@ -20,14 +21,22 @@ def build_exchange(layout: Layout, config: SlimConfig, transport: Transport,
     shared memory), or a Gloo/NCCL one (``HVD_SLIM_HOST_KEY``, else the host name). With one
     rank per host it is the flat exchange. ``overlap > 1`` cuts the parameters, in ``order``
     (the names as ``named_parameters`` gave them; None: the layout's), into stages."""
+    make = _hierarchical(config, transport, ranks) if config.hierarchical else None
     if config.overlap > 1:
         from .overlap import StagedExchange
         names = list(order) if order is not None else \
             [s.name for b in layout.buckets for s in b.segments]
         return StagedExchange(layout, config, transport, momentum, ranks, names,
-                              threaded=threads_allowed(transport))
-    if not config.hierarchical:
-        return SlimExchange(layout, config, transport, momentum, ranks=ranks)
+                              threaded=threads_allowed(transport), make_stage=make)
+    if make is not None:
+        return make(layout, momentum)
+    return SlimExchange(layout, config, transport, momentum, ranks=ranks)
+
+
+def _hierarchical(config: SlimConfig, transport: Transport,
+                  ranks: Optional[Sequence[int]]) -> Optional[Callable[..., Exchange]]:
+    """How to make the host-first exchange of a layout (each stage's, with ``overlap``); None
+    with one rank per host, where it is the flat one."""
     note = config.env_note("hierarchical")
     if ranks is not None:
         raise ConfigError("hierarchical=True runs over the whole job; it cannot be combined "
@@ -36,8 +45,11 @@ def build_exchange(layout: Layout, config: SlimConfig, transport: Transport,
     hosts, local, cross = _host_transports(transport, note)
     # The same host list on every rank, so unequal hosts are refused on every rank alike.
     if len(host_table(hosts)[0]) == 1:
-        return SlimExchange(layout, config, transport, momentum)   # a rank per host: flat
-    return HierarchicalExchange(layout, config, transport, local, cross, hosts, momentum)
+        return None
+
+    def make(part: Layout, momentum: Optional[Dict[int, dict]]) -> Exchange:
+        return HierarchicalExchange(part, config, transport, local, cross, hosts, momentum)
+    return make
 
 
 def _host_transports(transport: Transport, note: str) -> tuple:

@@ -21,18 +21,21 @@ verdict, so a rank whose pieces are all empty (tiny buckets) still follows it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..config import ConfigError, SlimConfig
-from ..transport.base import Transport, TransportTimeout
-from . import checkpoint, handshake
-from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
-from .host_wire import FAILED, NONFINITE, OK, SKIPPED, HostFrames
+from ..transport.base import Transport
+from . import handshake, host_state
+from .errors import NonFiniteGradientError
+from .finite import nonfinite_text
+from .host_phases import HostPhases, watch
+from .host_wire import FAILED, NONFINITE, OK, SKIPPED, cuts
 from .layout import SPARSE, Layout
 from .stats import ExchangeStats
-from .step import SlimExchange
+from .step import Pending, SlimExchange
 
 
 def host_table(hosts: Sequence[int]) -> List[List[int]]:
@@ -76,8 +79,7 @@ class HierarchicalExchange:
                              f"{self.local_size} ranks each")
         self.digest = layout.digest() ^ int(config.digest(), 16)
         self.ranks, self.in_set = list(range(self.size)), False
-        self.frames = HostFrames(layout, self.local_size)
-        self.bounds = self.frames.bounds
+        self.bounds = {b.index: cuts(b.numel, self.local_size) for b in layout.buckets}
         self.pieces, self.inner = self._build_inner(momentum or {}, hosts)
         self.servers = self.inner.servers if self.inner is not None else 1
         # The cross exchange's figures (bytes that crossed a NIC), measured against what a
@@ -88,7 +90,8 @@ class HierarchicalExchange:
         self.stats.grad_bytes, self.stats.ring_bytes = whole.grad_bytes, whole.ring_bytes
         self.stats.compressed_grad_bytes = whole.compressed_grad_bytes
         self.table = table
-        self._reduced = (0, 0)   # bytes out and in of this step's host reduction
+        self.host_phases = HostPhases(layout, config, local, self.rank, self.host,
+                                      table[self.host], self.stats)
         self._steps = 0   # steps, when this rank has no pieces (and so no cross exchange)
         self._agreed = False
 
@@ -129,174 +132,186 @@ class HierarchicalExchange:
     def step(self) -> bool:
         """:meth:`SlimExchange.step` for the hierarchy: reduce on the host, exchange between the
         hosts, spread on the host."""
-        t = self.step_count
-        self._handshake(t)
-        self._reduce(t)
-        verdict = self._run_inner(self.inner.step if self.inner is not None else lambda: True)
-        status = self._spread(t, verdict, only_sparse=False)
-        if status == SKIPPED:
+        pending = self.begin()
+        if pending.pulled is None:
+            self.settle(pending, commit=False)
+            self.stats.skipped_steps += 1
             if self.cfg.nonfinite == "flag":
-                for b in self.layout.buckets:
-                    for s in b.segments:
-                        if s.param.grad is not None:
-                            s.param.grad.fill_(float("nan"))
-                        else:
-                            s.param.grad = torch.full_like(s.param, float("nan"))
+                self.flag_grads()
             return False
-        if self.inner is None:
-            self._steps += 1
+        self.settle(pending, commit=True)
         return True
+
+    def begin(self) -> "HostPending":
+        """Every phase of a step but its outcome (:meth:`SlimExchange.begin`): reduce, the cross
+        exchange begun, spread. Nothing of the exchange is committed until :meth:`settle`."""
+        return self.communicate(self.prepare())
+
+    def prepare(self) -> "HostPrepared":
+        """The local phase: this rank's gradient copied into its host reduction's messages
+        (so ``p.grad`` may change afterwards), and whether it holds a NaN/Inf (which
+        ``overlap_forward`` asks before its schedule round)."""
+        payloads, bad = self.host_phases.encode()
+        report = None
+        if bad:
+            names = [s.name for b in self.layout.buckets for s in b.segments
+                     if s.param.grad is not None and not bool(torch.isfinite(s.param.grad).all())]
+            report = nonfinite_text(names or ["a carried gradient"], False)
+        return HostPrepared(self.step_count, report, payloads)
+
+    def communicate(self, prep: "HostPrepared") -> "HostPending":
+        """The collective phases of :meth:`begin`. A failure before the host took this rank's
+        gradient in keeps it in the carry; one after, in the host's residual pieces."""
+        t, host = prep.t, self.host_phases
+        try:
+            self._handshake(t)
+            host.reduce(t, self.pieces, prep.payloads)
+        except BaseException:
+            host.keep_own(prep.payloads)
+            raise
+        status, error, values, inner = self._begin_inner()
+        try:
+            pulled = host.spread(t, status, error, values)
+        except BaseException as exc:
+            if inner is not None and status in (OK, SKIPPED):   # a host-mate's verdict
+                if status == OK and not isinstance(exc, NonFiniteGradientError):
+                    self.inner.absorb(inner)
+                else:
+                    self.inner.settle(inner, commit=False)
+            raise
+        return HostPending(t, inner, pulled)
+
+    def settle(self, pending: "HostPending", commit: bool) -> None:
+        """The outcome of :meth:`begin`: ``commit`` (the cross exchange, and the host's pieces
+        into every ``p.grad``), else drop it exactly."""
+        ok = commit and pending.pulled is not None
+        if pending.inner is not None:
+            self.inner.settle(pending.inner, ok)
+        if ok:
+            if self.inner is None:
+                self._steps += 1
+            self.host_phases.write(pending.pulled, only_sparse=False)
+
+    def drop(self, what: Union["HostPending", "HostPrepared"]) -> None:
+        """:meth:`SlimExchange.drop`."""
+        if isinstance(what, HostPending):
+            self.settle(what, commit=False)
+
+    def absorb(self, what: Union["HostPending", "HostPrepared", None]) -> None:
+        """:meth:`SlimExchange.absorb`: a step begun keeps the host's gradient in its residual
+        pieces; one the host never reduced keeps this rank's own gradient in its carry."""
+        if isinstance(what, HostPending):
+            if what.inner is not None:
+                self.inner.absorb(what.inner)
+        else:   # only prepared: what it read; never begun: the gradient as it is
+            self.host_phases.keep_own(what.payloads if what is not None else None)
+
+    def flag_grads(self) -> None:
+        """A step every rank skipped under ``nonfinite="flag"``: every gradient NaN."""
+        for b in self.layout.buckets:
+            for s in b.segments:
+                if s.param.grad is not None:
+                    s.param.grad.fill_(float("nan"))
+                else:
+                    s.param.grad = torch.full_like(s.param, float("nan"))
 
     def flush(self) -> None:
         """:meth:`SlimExchange.flush`: every residual of every host sent densely into the
-        compressed ``p.grad``; dense-bucket grads are untouched."""
+        compressed ``p.grad``; dense-bucket grads are untouched. A carry waits for the next
+        step's host reduction."""
         t = self.step_count
         self._handshake(t)
         for name, p in self.pieces.values():
             p.grad = None   # the flush fills the compressed pieces only
-        verdict = self._run_inner(self.inner.flush if self.inner is not None else lambda: True)
-        self._spread(t, verdict, only_sparse=True)
+        status, error = OK, None
+        try:
+            if self.inner is not None:
+                self.inner.flush()
+        except NonFiniteGradientError as exc:
+            status, error = NONFINITE, exc
+        except Exception as exc:  # noqa: BLE001 - the host must learn of it, then it is raised
+            status, error = FAILED, exc
+        mine = [self.pieces[i][1] for i in self.host_phases.frames.pieces_of(self.local_rank)]
+        read = self.host_phases.spread(t, status, error, [
+            torch.zeros_like(p) if p.grad is None else p.grad for p in mine])
+        if read is not None:
+            self.host_phases.write(read, only_sparse=True)
+
+    def _collective(self, fn: Any, what: str) -> Any:
+        """Collectives of the whole job under the exchange timeout (an overlapped step's
+        handshake, exchange/overlap.py)."""
+        return watch(self.transport, self.cfg.timeout, fn, what)
 
     def _handshake(self, t: int) -> None:
         """Once (and after a load): all ranks of the job agree on the model and settings (the
         same collective as a flat exchange's, so a rank without ``hierarchical`` is named)."""
         if not self._agreed:
-            self._watch(self.transport, lambda: handshake.check_agreement(self, t),
-                        f"the handshake of step {t}")
+            self._collective(lambda: handshake.check_agreement(self, t),
+                             f"the handshake of step {t}")
             self._agreed = True
 
-    def _reduce(self, t: int) -> None:
-        """Step 1: this rank's pieces' ``.grad`` become the host's sum (or mean) of them."""
-        L, f = self.local_size, self.frames
-        check = self.cfg.nonfinite != "propagate"
-        encoded = [f.encode_reduce(j, check) for j in range(L)]
-        bad = any(flag for _, flag in encoded)
-        payloads = [f.flag(buf, bad) for buf, _ in encoded]
-        got = self._watch(self.local, lambda: self.local.gather_many(
-            payloads, list(range(L)), f.reduce_sizes), f"the host reduction of step {t}")
-        # Counted with step 3's (the cross exchange starts this step's figures afresh).
-        self._reduced = (sum(len(p) for j, p in enumerate(payloads) if j != self.local_rank),
-                         sum(len(p) for j, p in enumerate(got) if j != self.local_rank))
+    def _begin_inner(self) -> Tuple[int, Optional[BaseException], list, Optional[Pending]]:
+        """Step 2 begun: its verdict and error for the spread, this rank's pulled pieces, and
+        the cross exchange's pending step (None after a failure, which the cross exchange
+        settled itself, or without pieces)."""
+        if self.inner is None:
+            return OK, None, [], None
         try:
-            mine = [f.decode_reduce(buf, self.local_rank) for buf in got]
-        except ValueError as exc:
-            raise ExchangeError(f"rank {self.rank}: {exc}") from None
-        poisoned = check and any(flag for _, flag in mine)
-        for k, i in enumerate(f.pieces_of(self.local_rank)):
-            acc = mine[0][0][k].clone()   # in local-rank order, the same on every run
-            for parts, _ in mine[1:]:
-                acc += parts[k]
-            if self.cfg.op == "average":
-                acc /= L
-            if poisoned:   # every host piece reports it: every cross exchange skips alike
-                acc.fill_(float("nan"))
-            self.pieces[i][1].grad = acc.to(self.layout.buckets[i].device)
-
-    def _run_inner(self, fn: Any) -> tuple:
-        """Step 2, with its outcome as the verdict step 3 sends (an error is raised after it)."""
-        try:
-            return (OK if fn() is not False else SKIPPED), None
+            pending = self.inner.begin()
         except NonFiniteGradientError as exc:
-            return NONFINITE, exc
+            return NONFINITE, exc, [], None
         except Exception as exc:  # noqa: BLE001 - the host must learn of it, then it is raised
-            return FAILED, exc
-
-    def _spread(self, t: int, verdict: tuple, only_sparse: bool) -> int:
-        """Step 3: every local rank sends its pulled pieces (or its verdict) to the host; every
-        rank writes the whole update. Returns the host's verdict; raises a shared error."""
-        status, exc = verdict
-        L, f, me = self.local_size, self.frames, self.local_rank
-        if status == OK:
-            mine = [self.pieces[i][1] for i in f.pieces_of(me)]
-            payload = f.encode_spread(me, [torch.zeros_like(p) if p.grad is None else p.grad
-                                           for p in mine])
-        else:
-            payload = f.encode_status(status, f"{type(exc).__name__}: {exc}" if exc else "")
-        got = self._watch(self.local, lambda: self.local.broadcast_many(
-            payload, list(range(L)), [f.spread_bound(j) for j in range(L)]),
-            f"the host spread of step {t}")
-        before, self._reduced = self._reduced, (0, 0)
-        self._count_local(before[0] + len(payload) * (L - 1),
-                          before[1] + sum(len(p) for j, p in enumerate(got) if j != me))
-        try:
-            read = [f.decode_spread(buf, j) for j, buf in enumerate(got)]
-        except ValueError as exc:
-            raise ExchangeError(f"rank {self.rank}: {exc}") from None
-        for j, (head, body) in enumerate(read):
-            if head in (FAILED, NONFINITE):
-                if exc is not None:
-                    raise exc
-                cls = NonFiniteGradientError if head == NONFINITE else ExchangeError
-                raise cls(f"rank {self.rank}: local rank {j} of host {self.host} failed: {body}")
-        if any(head == SKIPPED for head, _ in read):
-            return SKIPPED
-        for b in self.layout.buckets:
-            if only_sparse and b.kind != SPARSE:
-                continue
-            parts = [body[b.index] for _, body in read if b.index in body]
-            Layout.write_grads(b, torch.cat(parts).to(b.device))
-        return OK
-
-    def _count_local(self, out: int, into: int) -> None:
-        """Bytes this rank's host phases sent to and received from its host's other ranks."""
-        self.stats._add(local_bytes_sent=out, local_bytes_received=into)
-
-    def _watch(self, transport: Transport, fn: Any, what: str) -> Any:
-        """Run collectives under the exchange timeout; a timeout on the host's transport says
-        which job ranks its local ranks are."""
-        try:
-            with transport.watch(self.cfg.timeout, what):
-                return fn()
-        except TransportTimeout as exc:
-            where = "" if transport is self.transport else (
-                f" (on host {self.host}'s transport, local rank j is job rank "
-                f"{self.table[self.host]}[j])")
-            raise TransportTimeout(f"{exc}{where}. {TIMEOUT_ADVICE} (now {self.cfg.timeout:g} s)"
-                                   ) from None
+            return FAILED, exc, [], None
+        if pending.pulled is None:
+            return SKIPPED, None, [], pending
+        # The values the pull delivers, before the commit (the render is kept for it).
+        pending.rendered = self.inner.worker.puller.render(pending.pulled, pending.t)
+        values, _ = pending.rendered
+        by_name: Dict[str, torch.Tensor] = {}
+        for ib in self.inner.layout.buckets:
+            got = values.get(ib.index)
+            for seg in ib.segments:
+                by_name[seg.name] = got[0][seg.offset:seg.offset + seg.numel] if got \
+                    is not None else torch.zeros(seg.numel, dtype=ib.dtype)
+        mine = self.host_phases.frames.pieces_of(self.local_rank)
+        return OK, None, [by_name[self.pieces[i][0]] for i in mine], pending
 
     # --- state -------------------------------------------------------------------------------
     def held_residuals(self) -> Dict[int, torch.Tensor]:
-        """:meth:`SlimExchange.held_residuals` in the units of a flat exchange: this rank's
-        pieces of its host's residuals (and of the server's), times the host's ranks under
-        ``op="average"`` (a host residual is of the host's mean)."""
-        out = {b.index: torch.zeros(b.numel, dtype=torch.float64) for b in self.layout.sparse}
-        if self.inner is None:
-            return out
-        scale = self.local_size if self.cfg.op == "average" else 1
-        name_of = {name: i for i, (name, _) in self.pieces.items()}
-        held = self.inner.held_residuals()
-        for ib in self.inner.layout.sparse:
-            i = name_of[ib.segments[0].name]
-            lo, hi = self.bounds[i][self.local_rank:self.local_rank + 2]
-            out[i][lo:hi] = held[ib.index].cpu() * scale
-        return out
+        """:func:`host_state.held_residuals`."""
+        return host_state.held_residuals(self)
 
     def residual_norm(self) -> float:
-        return self.inner.residual_norm() if self.inner is not None else 0.0
+        own = sum(float(c.double().pow(2).sum()) for c in self.host_phases.carry.values())
+        return own + (self.inner.residual_norm() if self.inner is not None else 0.0)
 
     def state_dict(self) -> dict:
-        """This rank's piece of its host's exchange state, and where it sits."""
-        return {"version": checkpoint.VERSION, "rank": self.rank, "size": self.size,
-                "hierarchical": {"hosts": self.hosts, "local_size": self.local_size,
-                                 "local_rank": self.local_rank},
-                "inner": self.inner.state_dict() if self.inner is not None else None}
+        """This rank's piece of its host's exchange state, where it sits, and its carry."""
+        return host_state.state_of(self)
 
     def validate_state_dict(self, state: dict) -> None:
-        where = {"hosts": self.hosts, "local_size": self.local_size,
-                 "local_rank": self.local_rank}
-        if not isinstance(state, dict) or "hierarchical" not in state:
-            raise ValueError("hvd_slim checkpoint was made without hierarchical=True (a flat "
-                             "exchange's state); resume with the keywords it was saved with")
-        if state.get("rank") != self.rank or state.get("size") != self.size \
-                or state["hierarchical"] != where:
-            raise ValueError(f"hvd_slim checkpoint holds rank {state.get('rank')} of "
-                             f"{state.get('size')} at {state['hierarchical']}; this is rank "
-                             f"{self.rank} of {self.size} at {where}. {checkpoint.FIX_RANK}")
-        if self.inner is not None:
-            self.inner.validate_state_dict(state.get("inner"))
+        host_state.validate(self, state)
 
     def load_state_dict(self, state: dict) -> None:
-        self.validate_state_dict(state)
-        if self.inner is not None:
-            self.inner.load_state_dict(state["inner"])
-        self._agreed = False
+        host_state.load(self, state)
+
+
+@dataclass
+class HostPrepared:
+    """:meth:`HierarchicalExchange.prepare`: step ``t``, this rank's own NaN/Inf report, and
+    its host reduction's messages."""
+
+    t: int
+    report: Optional[str]
+    payloads: List[Any]
+
+
+@dataclass
+class HostPending:
+    """A step :meth:`HierarchicalExchange.begin` has exchanged but not settled: the cross
+    exchange's (None: this rank has no pieces, or it failed), and every local rank's pulled
+    pieces (None: every rank skips it)."""
+
+    t: int
+    inner: Optional[Pending]
+    pulled: Optional[List[tuple]]

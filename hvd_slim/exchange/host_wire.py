@@ -12,7 +12,7 @@ and is read in place.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -62,9 +62,11 @@ class HostFrames:
         return max(dense, TEXT_BYTES) + 1
 
     # --- reduction ---------------------------------------------------------------------------
-    def encode_reduce(self, j: int, check: bool) -> Tuple[np.ndarray, bool]:
-        """Piece j of every bucket of this rank's gradients, and whether they hold a NaN/Inf
-        (``check``); the flag byte is set by :meth:`flag`."""
+    def encode_reduce(self, j: int, check: bool,
+                      carry: Optional[Dict[int, torch.Tensor]] = None
+                      ) -> Tuple[np.ndarray, bool]:
+        """Piece j of every bucket of this rank's gradients (plus its ``carry``, by bucket),
+        and whether they hold a NaN/Inf (``check``); the flag byte is set by :meth:`flag`."""
         buf = np.zeros(self.reduce_sizes[j], np.uint8)
         bad = False
         for i, at, n in self.places[j]:
@@ -75,6 +77,8 @@ class HostFrames:
                 a, z = max(off, lo), min(off + numel, lo + n)
                 if a < z and g is not None:
                     out[a - lo:z - lo].copy_(g.reshape(-1)[a - off:z - off])
+            if carry and i in carry:
+                out.add_(carry[i][lo:lo + n])
             bad = bad or (check and not bool(torch.isfinite(out).all()))
         return buf, bad
 

@@ -66,7 +66,11 @@ class StagedExchange:
 
     def __init__(self, layout: Layout, config: SlimConfig, transport: Transport,
                  momentum: Optional[Dict[int, dict]], ranks: Optional[Sequence[int]],
-                 order: Sequence[str], threaded: bool) -> None:
+                 order: Sequence[str], threaded: bool,
+                 make_stage: Optional[Callable[[Layout, Dict[int, dict]], Any]] = None
+                 ) -> None:
+        """``make_stage(layout, momentum)``: each stage's exchange (``hierarchical=True``'s);
+        None: a :class:`SlimExchange` over ``transport``."""
         by_name = {s.name: s.param for b in layout.buckets for s in b.segments}
         named = [(n, by_name[n]) for n in order if n in by_name]
         comm_dtype = {b.dtype: b.comm_dtype for b in layout.buckets}
@@ -81,7 +85,8 @@ class StagedExchange:
             # its parameters come from (one per dtype).
             whole = {sb.index: bucket_of[id(sb.segments[0].param)] for sb in sl.sparse}
             plan = {i: momentum[w] for i, w in whole.items() if w in momentum}
-            self.stages.append(SlimExchange(sl, config, transport, plan, ranks=ranks))
+            self.stages.append(make_stage(sl, plan) if make_stage is not None else
+                               SlimExchange(sl, config, transport, plan, ranks=ranks))
         first = self.stages[0]
         self.cfg = first.cfg   # a process set's: server_rank in its numbering
         self.rank, self.size, self.ranks, self.in_set = first.rank, first.size, first.ranks, \
@@ -168,7 +173,7 @@ class StagedExchange:
             self.stats.last_skip = self.stages[skipped[0]].stats.last_skip
             if self.cfg.nonfinite == "flag":
                 for st in self.stages:
-                    st.worker.flag_grads()
+                    st.flag_grads()
             return False
         for k in sorted(begun):
             self.stages[k].settle(begun[k], commit=True)
@@ -177,9 +182,9 @@ class StagedExchange:
     def _drop(self, begun: Dict[int, Pending], prepared: Dict[int, Any]) -> None:
         """Every stage of the step dropped exactly (selectors as they were)."""
         for k, pending in begun.items():
-            self.stages[k].settle(pending, commit=False)
+            self.stages[k].drop(pending)
         for k, prep in prepared.items():
-            self.stages[k].worker.rollback(prep.selectors)
+            self.stages[k].drop(prep)
 
     def drop(self, which: Sequence[int], job: Job) -> None:
         """:meth:`_drop` for the stages ``which`` of ``job`` only."""
@@ -196,7 +201,7 @@ class StagedExchange:
             if k in begun:
                 st.absorb(begun[k])
             elif k in prepared:
-                st.worker.absorb()
+                st.absorb(prepared[k])
             elif k != failed:
                 st.absorb(None)
 

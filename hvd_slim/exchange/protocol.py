@@ -1,7 +1,8 @@
 """What the optimizer asks of an exchange: the contract :class:`SlimExchange` (flat),
 :class:`~hvd_slim.exchange.hierarchy.HierarchicalExchange` (hosts first) and
 :class:`~hvd_slim.exchange.overlap.StagedExchange` (overlap with backward) all meet, so that
-``build_exchange`` can hand out any of them."""
+``build_exchange`` can hand out any of them; and what a staged exchange asks of each stage
+(:class:`Stage`: the first two meet it)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Protocol, runtime_checkable
@@ -57,3 +58,32 @@ class OverlappedExchange(Exchange, Protocol):
     def step(self, opener: Optional[Callable[[], Optional[Callable[[], Any]]]] = None
              ) -> bool:  # type: ignore[override]
         """As :meth:`Exchange.step`; ``opener`` queues the step's join round."""
+
+
+@runtime_checkable
+class Stage(Exchange, Protocol):
+    """An exchange whose step comes apart, so that several make one step (exchange/overlap.py):
+    the local phases, the collective ones, and an outcome that commits, drops or keeps. What
+    :meth:`prepare` returns has ``report`` (a NaN/Inf this rank found, or None); what
+    :meth:`communicate` returns has ``pulled`` (None: every rank skips the step)."""
+
+    def prepare(self) -> Any:
+        """The local phases: no collective, so a rank may run them ahead of the others."""
+
+    def communicate(self, prep: Any) -> Any:
+        """The collective phases; on a failure, this rank's gradient is kept, then raised."""
+
+    def begin(self) -> Any:
+        """``communicate(prepare())``."""
+
+    def settle(self, pending: Any, commit: bool) -> None:
+        """Commit a pulled step (its values into ``p.grad``), else drop it exactly."""
+
+    def drop(self, what: Any) -> None:
+        """Every rank drops the step, begun or only prepared: nothing changes."""
+
+    def absorb(self, what: Any) -> None:
+        """Another stage failed: keep this rank's gradient (begun, prepared or None)."""
+
+    def flag_grads(self) -> None:
+        """A step skipped under ``nonfinite="flag"``: every gradient NaN."""

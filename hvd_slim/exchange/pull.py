@@ -23,6 +23,10 @@ from .shards import Piece, ShardPlan
 from .stats import ExchangeStats
 from .wirepath import WirePath
 
+# Puller.render's result: per bucket index, the delivered values and whether p.grad may view
+# them; and the pull cores after this pull.
+Rendered = Tuple[Dict[int, Tuple[torch.Tensor, bool]], Dict[int, torch.Tensor]]
+
 
 class Puller:
     """Reads the replies of a plan's servers and applies the pulled sections."""
@@ -71,26 +75,47 @@ class Puller:
         except wm.WireError as exc:
             raise ExchangeError(f"rank {self.rank}: {exc}") from None
 
-    def write(self, pulled: List[List[wm.Section]], t: int) -> None:
+    def write(self, pulled: List[List[wm.Section]], t: int,
+              rendered: Optional["Rendered"] = None) -> None:
         """Write the pulled values (per shard) into ``p.grad``: zeros where nothing was
-        delivered, dense sections straight in."""
+        delivered, dense sections straight in. ``rendered``: what :meth:`render` already made
+        of the same pull."""
+        values, cores = rendered if rendered is not None else self.render(pulled, t)
+        self.pull_core = cores
+        for b in self.layout.at_step(t):
+            got = values.get(b.index)
+            if got is None:
+                continue
+            flat, view = got
+            if view:   # each p.grad becomes a view of the kept buffer (DDP's bucket views)
+                self.layout.point_grads(b, flat)
+            else:
+                self.layout.write_grads(b, flat)
+
+    def render(self, pulled: List[List[wm.Section]], t: int) -> "Rendered":
+        """What the pull delivers, per bucket of step ``t`` (absent: nothing), as one flat
+        tensor and whether ``p.grad`` may view it, with the pull cores it carries; nothing of
+        this rank's state changes, so a step that is then dropped leaves the cores as they
+        were (a host's spread, exchange/hierarchy.py, needs the values before the commit)."""
         parts: List[List[Tuple[Piece, wm.Section]]] = [[] for _ in self.layout.buckets]
         for pieces, sections in zip(self.shards.by_shard(t), pulled):
             for p, sec in zip(pieces, sections):
                 parts[p.bucket].append((p, sec))
+        cores = dict(self.pull_core)
+        values: Dict[int, Tuple[torch.Tensor, bool]] = {}
         for b, got in zip(self.layout.at_step(t), parts):
             got.sort(key=lambda ps: ps[0].lo)
             if all(sec.mode == wm.M_EMPTY for _, sec in got):
                 continue
             if len(got) == 1 and got[0][1].mode == wm.M_DENSE:
-                self.layout.write_grads(b, section_values(got[0][1], got[0][0].b))
+                values[b.index] = (section_values(got[0][1], got[0][0].b), False)
                 continue
             if b.kind == DENSE:   # a dense bucket cut into pieces: put it back together
-                self.layout.write_grads(b, torch.cat([section_values(sec, p.b)
-                                                      for p, sec in got]))
+                values[b.index] = (torch.cat([section_values(sec, p.b) for p, sec in got]),
+                                   False)
                 continue
-            # The pull is scattered into a buffer this rank keeps, and each p.grad becomes a view
-            # of it (as DDP's gradient_as_bucket_view): no copy into separate .grad tensors.
+            # The pull is scattered into a buffer this rank keeps: no copy into separate .grad
+            # tensors.
             flat = self._pulled.get(b.index)
             if flat is None:
                 flat = self._pulled[b.index] = torch.zeros(b.numel, dtype=b.dtype,
@@ -102,22 +127,24 @@ class Puller:
                 if sec.mode == wm.M_DENSE:
                     part.copy_(section_values(sec, p.b))
                 else:
-                    idx = self._indices(p, sec, t)
+                    idx = self._indices(p, sec, t, cores)
                     try:
                         part[idx] = section_values(sec, p.b, idx.numel())
                     except wm.WireError as exc:
                         raise ExchangeError(f"rank {self.rank}: {exc}") from None
-            self.layout.point_grads(b, flat)
+            values[b.index] = (flat, True)
+        return values, cores
 
-    def _indices(self, p: Piece, sec: wm.Section, t: int) -> torch.Tensor:
-        """The coordinates of a pulled slice in its piece: explicit, or the server's core plus
-        exploration."""
+    def _indices(self, p: Piece, sec: wm.Section, t: int, cores: Dict[int, torch.Tensor]
+                 ) -> torch.Tensor:
+        """The coordinates of a pulled slice in its piece: explicit, or the server's core
+        (fresh ones go into ``cores``) plus exploration."""
         pb = p.b
         if sec.mode == wm.M_EXPLICIT:
             return indices_on(sec.indices, pb)
         if sec.mode == wm.M_SLICE:
-            self.pull_core[pb.index] = indices_on(sec.indices, pb)
-        core = self.pull_core.get(pb.index)
+            cores[pb.index] = indices_on(sec.indices, pb)
+        core = cores.get(pb.index)
         if core is None:
             raise ExchangeError(f"rank {self.rank}: the server reused a cached pull core this "
                                 "rank does not have")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -52,6 +52,7 @@ class Pending:
     t0: float
     selectors: Dict[int, dict]
     pulled: Optional[List[List[wm.Section]]]
+    rendered: Any = None   # Puller.render of the pull, when a caller needed it before settle
 
 
 @dataclass
@@ -119,7 +120,7 @@ class SlimExchange:
             self.settle(pending, commit=False)
             self.stats.skipped_steps += 1
             if self.cfg.nonfinite == "flag":
-                self.worker.flag_grads()
+                self.flag_grads()
             return False
         self.settle(pending, commit=True)
         return True
@@ -181,21 +182,34 @@ class SlimExchange:
         if not ok:
             self.worker.rollback(pending.selectors)
             return
-        self.worker.apply(pending.pulled, pending.t)
+        self.worker.apply(pending.pulled, pending.t, pending.rendered)
         self.step_count += 1
         self.stats.finish_step(time.perf_counter() - pending.t0)
 
-    def absorb(self, pending: Optional["Pending"]) -> None:
-        """A step that another exchange of the same step failed: keep what :meth:`begin`
-        computed in the residual (the server's plan undone), as a failure of this one would.
-        With ``pending`` None (never begun), compute this rank's proposals first."""
-        if pending is None:
+    def drop(self, what: Union["Pending", "Prepared"]) -> None:
+        """Every rank drops the step (another exchange of it skipped), begun or only prepared:
+        nothing of the exchange changes."""
+        if isinstance(what, Pending):
+            self.settle(what, commit=False)
+        else:
+            self.worker.rollback(what.selectors)
+
+    def absorb(self, what: Union["Pending", "Prepared", None]) -> None:
+        """A step that another exchange of the same step failed: keep what this one computed
+        in the residual (the server's plan undone), as a failure of this one would. ``what``:
+        its :meth:`begin`, its :meth:`prepare` only, or None (never begun: compute this rank's
+        proposals first)."""
+        if what is None:
             t = self.step_count
             compensated = self.worker.compensate(t)
             self.worker.select(t, compensated)
-        elif self.server is not None:
+        elif isinstance(what, Pending) and self.server is not None:
             self.server.settle(False)
         self.worker.absorb()
+
+    def flag_grads(self) -> None:
+        """A step every rank skipped under ``nonfinite="flag"``: every gradient NaN."""
+        self.worker.flag_grads()
 
     def flush(self) -> None:
         """Send every residual (workers' and server's) densely; compressed ``p.grad`` then hold

@@ -234,11 +234,11 @@ class Worker:
         shard, or None for a step every rank skips; an ERROR reply raises."""
         return self.puller.read(bufs, t, flush)
 
-    def apply(self, pulled: List[List[wm.Section]], t: int) -> None:
+    def apply(self, pulled: List[List[wm.Section]], t: int, rendered: Any = None) -> None:
         """The step went through: commit this rank's proposals, then write the pulled values
-        into ``p.grad`` (:meth:`Puller.write`)."""
+        into ``p.grad`` (:meth:`Puller.write`; ``rendered``: its render of them)."""
         self._commit()
-        self.puller.write(pulled, t)
+        self.puller.write(pulled, t, rendered)
 
     @property
     def pull_core(self) -> Dict[int, torch.Tensor]:

@@ -117,16 +117,19 @@ def variant(name):
     """The exchange's shape: flat, hosts first (``hierarchical=True``: the ranks of this
     machine are one host, MPI's shared-memory split, so the host phases carry everything and
     each cross exchange has one rank), or overlapped with backward in 3 stages (and with the
-    next forward: ``overlap_forward``)."""
+    next forward: ``overlap_forward``), or both (each stage hosts first)."""
     return {"flat": {}, "hier": {"hierarchical": True}, "overlap": {"overlap": 3},
             "forward": {"overlap": 3, "overlap_forward": True},
+            "hier-overlap": {"hierarchical": True, "overlap": 3},
+            "hier-forward": {"hierarchical": True, "overlap": 3, "overlap_forward": True},
             "4-bit": {"value_bits": 4}, "2-bit": {"value_bits": 2}}[name]
 
 
 @pytest.mark.parametrize("pull, servers, shape", [
     ("slim", 1, "flat"), ("union", 1, "flat"), ("slim", "all", "flat"), ("union", "all", "flat"),
     ("slim", 1, "hier"), ("union", 1, "hier"), ("slim", 1, "overlap"), ("slim", "all", "overlap"),
-    ("slim", "all", "forward"), ("slim", "all", "4-bit"), ("union", 1, "2-bit")])
+    ("slim", "all", "forward"), ("slim", "all", "4-bit"), ("union", 1, "2-bit"),
+    ("slim", 1, "hier-overlap"), ("slim", 1, "hier-forward")])
 def test_fifty_steps_keep_replicas_identical(pull, servers, shape):
     model = Net()
     opt = wrap(model, density=0.01, pull=pull, servers=servers_of(servers), **variant(shape))
@@ -141,7 +144,7 @@ INNER = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
 
 
 @pytest.mark.parametrize("servers, shape", [(1, "flat"), ("all", "flat"), (1, "hier"),
-                                           (1, "overlap"), (1, "forward")])
+                                           (1, "overlap"), (1, "forward"), (1, "hier-forward")])
 @pytest.mark.parametrize("inner", sorted(INNER))
 def test_density_one_matches_mpi_allreduce_averaging(inner, servers, shape):
     """The parity test: density 1.0 sends every bucket dense, so the wrapped optimizer's own
@@ -174,7 +177,8 @@ def test_adam_at_one_percent_keeps_replicas_identical():
 
 
 @pytest.mark.parametrize("servers, shape", [(1, "flat"), ("all", "flat"), (1, "hier"),
-                                           ("all", "overlap"), (1, "2-bit")])
+                                           ("all", "overlap"), (1, "2-bit"),
+                                           (1, "hier-overlap")])
 def test_conservation_at_one_percent(servers, shape):
     """op=Sum: everything pulled + the servers' residuals + every worker's residual equals the
     sum over ranks and steps of every gradient computed."""
@@ -235,7 +239,7 @@ def test_wire_size_per_step(q, bits):
         assert last["bytes_pushed"] == parts + 8
 
 
-@pytest.mark.parametrize("shape", ["flat", "hier", "overlap", "forward"])
+@pytest.mark.parametrize("shape", ["flat", "hier", "overlap", "forward", "hier-overlap"])
 def test_unused_parameters_on_one_rank(shape):
     model = Net()
     opt = wrap(model, density=0.05, **variant(shape))
@@ -296,7 +300,7 @@ def test_backward_passes_per_step_two_matches_dense_reference():
     assert torch.allclose(flat(model), flat(ref), atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", ["flat", "hier", "overlap"])
+@pytest.mark.parametrize("shape", ["flat", "hier", "overlap", "hier-overlap"])
 def test_flush_zeroes_every_residual_and_applies_everything(shape):
     """loss = sum(p * c): gradients do not depend on p, so the flushed model has a closed form."""
     model = Net()
@@ -322,7 +326,7 @@ def flat_params_dot(model, c):
     return (torch.cat([p.reshape(-1) for p in model.parameters()]) * c).sum()
 
 
-@pytest.mark.parametrize("shape", ["flat", "hier", "overlap", "forward"])
+@pytest.mark.parametrize("shape", ["flat", "hier", "overlap", "forward", "hier-forward"])
 def test_state_dict_round_trip_continues_bitwise(shape):
     def run(split):
         model = Net()

@@ -288,5 +288,3 @@ def test_bad_overlap_values_are_refused_naming_the_keyword():
     for bad in (0, -2, 1.5, "3"):
         with pytest.raises(ConfigError, match="overlap"):
             SlimConfig(overlap=bad)
-    with pytest.raises(ConfigError, match="hierarchical"):
-        SlimConfig(overlap=2, hierarchical=True)

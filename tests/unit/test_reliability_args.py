@@ -70,8 +70,8 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
     (dict(overlap=0), r"^overlap must be >= 1, got 0"),
     (dict(overlap="on"), r"^overlap must be True, False or an integer number of stages >= 1, "
                          r"got 'on'"),
-    (dict(overlap=2, hierarchical=True), r"^overlap > 1 cannot be combined with "
-                                         r"hierarchical=True"),
+    (dict(overlap=2, hierarchical=True), r"^hierarchical=True needs the job's own "
+                                         r"transport \('mpi', 'gloo' or 'nccl'\), not 'fake'"),
     (dict(overlap_forward="yes"), r"^overlap_forward must be True or False, got 'yes'"),
     (dict(overlap_forward=True), r"^overlap_forward=True needs overlap > 1 \(overlap=1\)"),
     (dict(local_steps=0), r"^local_steps must be >= 1, got 0"),

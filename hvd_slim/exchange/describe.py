@@ -103,3 +103,12 @@ def param_difference(params: Dict[Hashable, Dict[str, list]],
         text += (f" (and {len(differing) - 1} more parameter(s) differ: {others}"
                  + (", ..." if len(differing) > 4 else "") + ")")
     return text
+
+
+def stages_text(cuts: Any) -> str:
+    """``(first..last; ...)``: the first and last parameter of each stage of ``overlap``'s cut
+    (a checkpoint's, which may be malformed: then ``?``)."""
+    if not isinstance(cuts, list):
+        return ""
+    return "(" + "; ".join(f"{c[0]}..{c[-1]}" if isinstance(c, list) and c else "?"
+                           for c in cuts) + ")"

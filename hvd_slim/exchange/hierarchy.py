@@ -21,7 +21,6 @@ verdict, so a rank whose pieces are all empty (tiny buckets) still follows it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -31,7 +30,7 @@ from ..transport.base import Transport
 from . import handshake, host_state
 from .errors import NonFiniteGradientError
 from .finite import nonfinite_text
-from .host_phases import HostPhases, watch
+from .host_phases import HostPending, HostPhases, HostPrepared, watch
 from .host_wire import FAILED, NONFINITE, OK, SKIPPED, cuts
 from .layout import SPARSE, Layout
 from .stats import ExchangeStats
@@ -89,7 +88,6 @@ class HierarchicalExchange:
         whole = ExchangeStats(layout, self.size)
         self.stats.grad_bytes, self.stats.ring_bytes = whole.grad_bytes, whole.ring_bytes
         self.stats.compressed_grad_bytes = whole.compressed_grad_bytes
-        self.table = table
         self.host_phases = HostPhases(layout, config, local, self.rank, self.host,
                                       table[self.host], self.stats)
         self._steps = 0   # steps, when this rank has no pieces (and so no cross exchange)
@@ -142,12 +140,12 @@ class HierarchicalExchange:
         self.settle(pending, commit=True)
         return True
 
-    def begin(self) -> "HostPending":
+    def begin(self) -> HostPending:
         """Every phase of a step but its outcome (:meth:`SlimExchange.begin`): reduce, the cross
         exchange begun, spread. Nothing of the exchange is committed until :meth:`settle`."""
         return self.communicate(self.prepare())
 
-    def prepare(self) -> "HostPrepared":
+    def prepare(self) -> HostPrepared:
         """The local phase: this rank's gradient copied into its host reduction's messages
         (so ``p.grad`` may change afterwards), and whether it holds a NaN/Inf (which
         ``overlap_forward`` asks before its schedule round)."""
@@ -159,7 +157,7 @@ class HierarchicalExchange:
             report = nonfinite_text(names or ["a carried gradient"], False)
         return HostPrepared(self.step_count, report, payloads)
 
-    def communicate(self, prep: "HostPrepared") -> "HostPending":
+    def communicate(self, prep: HostPrepared) -> HostPending:
         """The collective phases of :meth:`begin`. A failure before the host took this rank's
         gradient in keeps it in the carry; one after, in the host's residual pieces."""
         t, host = prep.t, self.host_phases
@@ -181,7 +179,7 @@ class HierarchicalExchange:
             raise
         return HostPending(t, inner, pulled)
 
-    def settle(self, pending: "HostPending", commit: bool) -> None:
+    def settle(self, pending: HostPending, commit: bool) -> None:
         """The outcome of :meth:`begin`: ``commit`` (the cross exchange, and the host's pieces
         into every ``p.grad``), else drop it exactly."""
         ok = commit and pending.pulled is not None
@@ -192,12 +190,12 @@ class HierarchicalExchange:
                 self._steps += 1
             self.host_phases.write(pending.pulled, only_sparse=False)
 
-    def drop(self, what: Union["HostPending", "HostPrepared"]) -> None:
+    def drop(self, what: Union[HostPending, HostPrepared]) -> None:
         """:meth:`SlimExchange.drop`."""
         if isinstance(what, HostPending):
             self.settle(what, commit=False)
 
-    def absorb(self, what: Union["HostPending", "HostPrepared", None]) -> None:
+    def absorb(self, what: Union[HostPending, HostPrepared, None]) -> None:
         """:meth:`SlimExchange.absorb`: a step begun keeps the host's gradient in its residual
         pieces; one the host never reduced keeps this rank's own gradient in its carry."""
         if isinstance(what, HostPending):
@@ -208,12 +206,7 @@ class HierarchicalExchange:
 
     def flag_grads(self) -> None:
         """A step every rank skipped under ``nonfinite="flag"``: every gradient NaN."""
-        for b in self.layout.buckets:
-            for s in b.segments:
-                if s.param.grad is not None:
-                    s.param.grad.fill_(float("nan"))
-                else:
-                    s.param.grad = torch.full_like(s.param, float("nan"))
+        self.host_phases.flag_grads()
 
     def flush(self) -> None:
         """:meth:`SlimExchange.flush`: every residual of every host sent densely into the
@@ -295,23 +288,3 @@ class HierarchicalExchange:
     def load_state_dict(self, state: dict) -> None:
         host_state.load(self, state)
 
-
-@dataclass
-class HostPrepared:
-    """:meth:`HierarchicalExchange.prepare`: step ``t``, this rank's own NaN/Inf report, and
-    its host reduction's messages."""
-
-    t: int
-    report: Optional[str]
-    payloads: List[Any]
-
-
-@dataclass
-class HostPending:
-    """A step :meth:`HierarchicalExchange.begin` has exchanged but not settled: the cross
-    exchange's (None: this rank has no pieces, or it failed), and every local rank's pulled
-    pieces (None: every rank skips it)."""
-
-    t: int
-    inner: Optional[Pending]
-    pulled: Optional[List[tuple]]

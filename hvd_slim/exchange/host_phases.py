@@ -9,6 +9,7 @@ L ranks of one host, over its local transport, in the byte layouts of host_wire.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -19,6 +20,7 @@ from ..transport.base import Transport, TransportTimeout
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
 from .host_wire import FAILED, NONFINITE, OK, SKIPPED, HostFrames
 from .layout import SPARSE, Layout
+from .step import Pending
 
 
 def watch(transport: Transport, timeout: float, fn: Callable[[], Any], what: str,
@@ -30,6 +32,27 @@ def watch(transport: Transport, timeout: float, fn: Callable[[], Any], what: str
             return fn()
     except TransportTimeout as exc:
         raise TransportTimeout(f"{exc}{where}. {TIMEOUT_ADVICE} (now {timeout:g} s)") from None
+
+
+@dataclass
+class HostPrepared:
+    """What ``HierarchicalExchange.prepare`` (exchange/hierarchy.py) read: step ``t``, this
+    rank's own NaN/Inf report, and its host reduction's messages."""
+
+    t: int
+    report: Optional[str]
+    payloads: List[Any]
+
+
+@dataclass
+class HostPending:
+    """A step ``HierarchicalExchange.begin`` has exchanged but not settled: the cross
+    exchange's (None: this rank has no pieces, or it failed), and every local rank's pulled
+    pieces (None: every rank skips it)."""
+
+    t: int
+    inner: Optional[Pending]
+    pulled: Optional[List[tuple]]
 
 
 class HostPhases:
@@ -148,3 +171,13 @@ class HostPhases:
             for off, numel, g in Layout.grad_parts(b):
                 if g is not None:
                     c[off:off + numel] += g.detach().reshape(-1).cpu()
+
+    def flag_grads(self) -> None:
+        """A step every rank skipped under ``nonfinite="flag"``: every gradient NaN (also
+        of a parameter without one, as every rank's must be alike)."""
+        for b in self.layout.buckets:
+            for s in b.segments:
+                if s.param.grad is not None:
+                    s.param.grad.fill_(float("nan"))
+                else:
+                    s.param.grad = torch.full_like(s.param, float("nan"))

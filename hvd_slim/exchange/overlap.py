@@ -26,9 +26,10 @@ import torch
 from ..config import SlimConfig
 from ..transport.base import Transport
 from . import checkpoint, handshake
+from .describe import stages_text
 from .errors import NonFiniteGradientError
 from .layout import Layout
-from .overlap_order import Deferred, OrderedJob
+from .overlap_order import Deferred, OrderedJob, late_verdict
 from .overlap_runner import Job, ends_step, runner_for
 from .overlap_stats import StagedStats
 from .step import Pending, SlimExchange
@@ -270,8 +271,8 @@ class StagedExchange:
             got = state["overlap"].get("stages") if isinstance(state["overlap"], dict) else None
             raise ValueError(f"hvd_slim checkpoint cuts the model into "
                              f"{len(got) if isinstance(got, list) else got!r} stages "
-                             f"{_stage_text(got)}; this optimizer into {len(cuts)} "
-                             f"{_stage_text(cuts)}. Resume with the same overlap and model")
+                             f"{stages_text(got)}; this optimizer into {len(cuts)} "
+                             f"{stages_text(cuts)}. Resume with the same overlap and model")
         if state.get("rank") != self.rank or state.get("size") != self.size:
             raise ValueError(f"hvd_slim checkpoint holds rank {state.get('rank')} of "
                              f"{state.get('size')}; this is rank {self.rank} of {self.size}. "
@@ -289,31 +290,9 @@ class StagedExchange:
         self._agreed = False
 
 
-def late_verdict(layout: Layout, config: SlimConfig) -> bool:
-    """Whether a server can refuse a step whose pushes were all finite: its sum overflowing a
-    16-bit wire (fp16, or bf16 at the edge of float32) is found only once the stage is
-    aggregated, after the schedule round, so ``overlap_forward`` must not hand such a step
-    over before every stage is back. FP8 and packed values are scaled to fit, and
-    ``nonfinite="propagate"`` refuses nothing."""
-    if config.nonfinite == "propagate":
-        return False
-    def narrowed(dt: torch.dtype, b: Any) -> bool:
-        return dt in (torch.float16, torch.bfloat16) and dt != b.dtype
-
-    return any(narrowed(b.comm_dtype, b) or (not b.slice_bits and narrowed(b.slice_dtype, b))
-               for b in layout.buckets)
-
-
 def _flush_stage(st: SlimExchange) -> Callable[[], Any]:
     def run() -> Any:
         st.flush()
         return True
     return run
-
-
-def _stage_text(cuts: Any) -> str:
-    if not isinstance(cuts, list):
-        return ""
-    return "(" + "; ".join(f"{c[0]}..{c[-1]}" if isinstance(c, list) and c else "?"
-                           for c in cuts) + ")"
 

@@ -22,12 +22,16 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set
 
 import threading
 
+import torch
+
 from ..wire import control
 from ..wire import message as wm
 from .handshake import ROOT
 from .overlap_runner import Job, ends_step
 
 if TYPE_CHECKING:   # pragma: no cover
+    from ..config import SlimConfig
+    from .layout import Layout
     from .step import SlimExchange
 
 # ORDER flags: this rank's gradients are all in; none of its stages not begun found NaN/Inf.
@@ -64,6 +68,21 @@ def order_round(ex: "SlimExchange", t: int, digest: int, flags: int) -> int:
                                     who=f"schedule round of step {t} from rank {ROOT}")
 
     return ex._collective(run, f"the schedule round of step {t}")
+
+
+def late_verdict(layout: "Layout", config: "SlimConfig") -> bool:
+    """Whether a server can refuse a step whose pushes were all finite: its sum overflowing a
+    16-bit wire (fp16, or bf16 at the edge of float32) is found only once the stage is
+    aggregated, after the schedule round, so ``overlap_forward`` must not hand such a step
+    over before every stage is back. FP8 and packed values are scaled to fit, and
+    ``nonfinite="propagate"`` refuses nothing."""
+    if config.nonfinite == "propagate":
+        return False
+    def narrowed(dt: torch.dtype, b: Any) -> bool:
+        return dt in (torch.float16, torch.bfloat16) and dt != b.dtype
+
+    return any(narrowed(b.comm_dtype, b) or (not b.slice_bits and narrowed(b.slice_dtype, b))
+               for b in layout.buckets)
 
 
 class OrderedJob(Job):

@@ -171,11 +171,14 @@ class HierarchicalExchange:
         try:
             pulled = host.spread(t, status, error, values)
         except BaseException as exc:
+            kept = not isinstance(exc, NonFiniteGradientError)   # else nothing changes
             if inner is not None and status in (OK, SKIPPED):   # a host-mate's verdict
-                if status == OK and not isinstance(exc, NonFiniteGradientError):
+                if status == OK and kept:
                     self.inner.absorb(inner)
                 else:
                     self.inner.settle(inner, commit=False)
+            if kept:   # every piece's residual holds the host's gradient, the carry with it
+                host.taken()
             raise
         return HostPending(t, inner, pulled)
 
@@ -188,6 +191,7 @@ class HierarchicalExchange:
         if ok:
             if self.inner is None:
                 self._steps += 1
+            self.host_phases.taken()
             self.host_phases.write(pending.pulled, only_sparse=False)
 
     def drop(self, what: Union[HostPending, HostPrepared]) -> None:
@@ -201,6 +205,9 @@ class HierarchicalExchange:
         if isinstance(what, HostPending):
             if what.inner is not None:
                 self.inner.absorb(what.inner)
+            # Every local rank absorbs the same stage, so the host's residual pieces hold
+            # every carry, this rank's too (also when it holds no piece of its own).
+            self.host_phases.taken()
         else:   # only prepared: what it read; never begun: the gradient as it is
             self.host_phases.keep_own(what.payloads if what is not None else None)
 

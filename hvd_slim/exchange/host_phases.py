@@ -5,7 +5,11 @@ L ranks of one host, over its local transport, in the byte layouts of host_wire.
   of them, every local rank's carry added;
 * :meth:`HostPhases.spread`: every local rank's pulled pieces (or verdict) to the host;
 * :meth:`HostPhases.keep_own`: a step that failed before the host took this rank's gradient
-  in keeps it in the carry, which the next reduction adds.
+  in keeps it in the carry, which the next reduction adds. The carry is forgotten
+  (:meth:`HostPhases.taken`) only once the host's residuals hold it for good: its step
+  committed, or failed after the reduction (absorbed there). A step dropped (a skip, a NaN/Inf
+  under "raise") changes no residual, so its reduction of the carry is dropped too, and the
+  carry stays for the next step.
 """
 from __future__ import annotations
 
@@ -89,7 +93,6 @@ class HostPhases:
         got = self._watch(lambda: self.local.gather_many(payloads, list(range(L)),
                                                          f.reduce_sizes),
                           f"the host reduction of step {t}")
-        self.carry = {}   # the host has it now
         # Counted with the spread's (the cross exchange starts this step's figures afresh).
         self._reduced = (sum(len(p) for j, p in enumerate(payloads) if j != self.me),
                          sum(len(p) for j, p in enumerate(got) if j != self.me))
@@ -147,6 +150,11 @@ class HostPhases:
                 continue
             parts = [body[b.index] for _, body in read if b.index in body]
             Layout.write_grads(b, torch.cat(parts).to(b.device))
+
+    def taken(self) -> None:
+        """The host's residuals now hold this rank's carry (the step that reduced it committed,
+        or kept the host's gradient in its residual pieces): forget it."""
+        self.carry = {}
 
     def keep_own(self, payloads: Optional[List[np.ndarray]] = None) -> None:
         """This rank's gradient of the compressed buckets into its carry (checkpointed), so a

@@ -1,0 +1,107 @@
+"""``overlap`` with ``hierarchical=True`` through failed and skipped steps, on simulated hosts:
+what a failed step leaves in a rank's carry (its own gradient that no host reduction took in)
+is never lost, whatever follows (a skip, a NaN/Inf under "raise", a checkpoint, a flush)."""
+import pytest
+import torch
+
+from hvd_slim.exchange.errors import ExchangeError, NonFiniteGradientError
+
+from test_exchange import SHAPES, grad_for, make_params, total
+from test_hierarchy import held_by_name, host_numbers, run_hosts
+from test_overlap_hosts import config_of, staged
+
+HOSTS = host_numbers(2, 2)
+
+
+def break_server(ex, rank):
+    """Stage 1's cross exchange fails at its server (host 0, local rank 0, which is rank 0):
+    every rank raises at stage 1; stage 2, never begun, goes to each rank's carry."""
+    if rank == 0:
+        def broken(*a, **kw):
+            raise RuntimeError("injected")
+        ex.stages[1].inner.server.serve = broken
+
+
+def mend_server(ex, rank):
+    if rank == 0:
+        del ex.stages[1].inner.server.serve
+
+
+def feed(named, rank, t, inf=False):
+    """Rank ``rank``'s gradients of step ``t`` (with an Inf in stage 2's conv.weight on rank 3
+    when ``inf``); a copy of them."""
+    for name, p in named:
+        p.grad = grad_for(rank, t, name, p.shape)
+        if inf and rank == 3 and name == "conv.weight":
+            p.grad.view(-1)[7] = float("inf")
+    return {name: p.grad.clone() for name, p in named}
+
+
+def assert_conserved(res):
+    """Everything pulled plus every residual and carry held equals every gradient of every
+    step that was not dropped (op="sum"), for the compressed tensors."""
+    fed = total(d for r in res for d in r[1])
+    pulled, held = total(res[0][0]), total(r[2] for r in res)
+    assert sorted(held) == ["conv.weight", "fc.weight"]
+    for name in held:
+        assert torch.allclose(pulled[name] + held[name], fed[name], rtol=1e-4, atol=1e-3), name
+
+
+@pytest.mark.parametrize("mode", ["skip", "flag", "raise"])
+def test_a_step_dropped_after_a_failed_one_keeps_the_carry(mode):
+    """Step 0 fails at stage 1 (stage 2's gradient goes to the carry); step 1 is dropped for an
+    Inf in stage 2 (skipped, or raised): the carry must outlive it and reach step 2."""
+    config = config_of(op="sum", density=0.02, seed=2, nonfinite=mode)
+
+    def fn(rank, world, local, cross):
+        named = make_params()
+        ex = staged(config, HOSTS, world, local, cross, named, threaded=False)
+        fed, pulled, kept = [], [], []
+        for t in range(4):
+            grads = feed(named, rank, t, inf=(t == 1))
+            if t == 0:
+                break_server(ex, rank)
+            try:
+                ok = ex.step()
+            except (ExchangeError, NonFiniteGradientError) as exc:
+                ok = type(exc).__name__
+            mend_server(ex, rank) if t == 0 else None
+            kept.append(bool(ex.stages[2].host_phases.carry))
+            if t != 1:   # a dropped step's gradient is dropped, by design
+                fed.append(grads)
+            if ok is True:
+                pulled.append({name: p.grad.clone() for name, p in named})
+        return pulled, fed, held_by_name(ex), kept
+
+    res = run_hosts(HOSTS, fn)
+    assert all(r[3] == [True, True, False, False] for r in res), [r[3] for r in res]
+    assert_conserved(res)
+
+
+def test_a_checkpoint_taken_while_a_step_is_on_the_wire_holds_the_carry():
+    """The communication thread has run every stage of step 1 (the host reductions read the
+    carry) but step() has not settled it: a checkpoint then holds the carry as the failed
+    step 0 left it, and step 1 then takes it in."""
+    config = config_of(op="sum", density=0.02, seed=2)
+
+    def fn(rank, world, local, cross):
+        named = make_params()
+        ex = staged(config, HOSTS, world, local, cross, named)
+        feed(named, rank, 0)
+        break_server(ex, rank)
+        with pytest.raises(ExchangeError):
+            ex.step()
+        mend_server(ex, rank)
+        left = {i: c.clone() for i, c in ex.stages[2].host_phases.carry.items()}
+        feed(named, rank, 1)
+        for _, p in reversed(named):   # backward's hooks, in backward order
+            ex.grad_ready(p, None)
+        ex._job.done.wait()
+        saved = ex.state_dict()["stages"][2]["carry"]
+        ex.step()
+        return left, saved, ex.stages[2].host_phases.carry
+
+    for left, saved, after in run_hosts(HOSTS, fn):
+        assert left and sorted(saved) == sorted(left), (sorted(left), sorted(saved))
+        assert all(torch.equal(saved[i], left[i]) for i in left)
+        assert after == {}

@@ -101,7 +101,7 @@ class StagedExchange:
         self._runner = runner_for(transport, threaded)
         self._job: Optional[Job] = None
         self._agreed = False
-        self._late_verdict = late_verdict(layout, config)
+        self._late_verdict = late_verdict(layout, config, host_sums=make_stage is not None)
 
     @property
     def step_count(self) -> int:

@@ -70,19 +70,24 @@ def order_round(ex: "SlimExchange", t: int, digest: int, flags: int) -> int:
     return ex._collective(run, f"the schedule round of step {t}")
 
 
-def late_verdict(layout: "Layout", config: "SlimConfig") -> bool:
+def late_verdict(layout: "Layout", config: "SlimConfig", host_sums: bool = False) -> bool:
     """Whether a server can refuse a step whose pushes were all finite: its sum overflowing a
     16-bit wire (fp16, or bf16 at the edge of float32) is found only once the stage is
     aggregated, after the schedule round, so ``overlap_forward`` must not hand such a step
     over before every stage is back. FP8 and packed values are scaled to fit, and
-    ``nonfinite="propagate"`` refuses nothing."""
+    ``nonfinite="propagate"`` refuses nothing. ``host_sums``: each stage is hosts first
+    (exchange/hierarchy.py), whose host reduction adds the local ranks' gradients in the
+    bucket's own dtype, so a 16-bit bucket's finite gradients can sum to an Inf that only
+    that stage's cross exchange finds."""
     if config.nonfinite == "propagate":
         return False
-    def narrowed(dt: torch.dtype, b: Any) -> bool:
-        return dt in (torch.float16, torch.bfloat16) and dt != b.dtype
+    sixteen = (torch.float16, torch.bfloat16)
 
-    return any(narrowed(b.comm_dtype, b) or (not b.slice_bits and narrowed(b.slice_dtype, b))
-               for b in layout.buckets)
+    def narrowed(dt: torch.dtype, b: Any) -> bool:
+        return dt in sixteen and dt != b.dtype
+
+    return any((host_sums and b.dtype in sixteen) or narrowed(b.comm_dtype, b)
+               or (not b.slice_bits and narrowed(b.slice_dtype, b)) for b in layout.buckets)
 
 
 class OrderedJob(Job):

@@ -219,3 +219,31 @@ def test_overlap_forward_hands_the_step_over_and_lands_it_bitwise():
     for (a, _), (b, _) in zip(plain, fwd):
         for x, y in zip(a, b):
             assert all(torch.equal(u, v) for u, v in zip(x, y))
+
+
+@pytest.mark.parametrize("mode", ["skip", "flag", "raise"])
+def test_a_host_sum_that_overflows_float16_is_refused_in_step_not_later(mode):
+    """float16 parameters: every rank's gradient is finite, so the schedule round is clear, but
+    host 0's sum of fc.weight overflows (the host reduction adds in the bucket's dtype), found
+    only by that stage's cross exchange: step() must wait for every stage and refuse the step
+    there, with nothing of the exchange changed."""
+    hosts_of = host_numbers(2, 2)
+    config = config_of(density=0.02, seed=6, overlap_forward=True, nonfinite=mode)
+
+    def fn(rank, world, local, cross):
+        named = make_params(torch.float16)
+        ex = staged(config, hosts_of, world, local, cross, named)
+        for name, p in named:
+            p.grad = grad_for(rank, 0, name, p.shape, torch.float16)
+            if name == "fc.weight" and rank in (0, 1):
+                p.grad[0, 0] = 40000.0   # fits float16; the sum of two does not
+        try:
+            got = ex.step(defer=True)
+        except NonFiniteGradientError:
+            got = "raised"
+        nan = all(torch.isnan(p.grad).all() for _, p in named)
+        return got, nan, ex.residual_norm(), ex.step_count
+
+    res = run_hosts(hosts_of, fn)
+    want = "raised" if mode == "raise" else False
+    assert all(r == (want, mode == "flag", 0.0, 0) for r in res), res

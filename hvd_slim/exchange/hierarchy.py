@@ -21,6 +21,7 @@ verdict, so a rank whose pieces are all empty (tiny buckets) still follows it.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -90,7 +91,9 @@ class HierarchicalExchange:
         self.stats.compressed_grad_bytes = whole.compressed_grad_bytes
         self.host_phases = HostPhases(layout, config, local, self.rank, self.host,
                                       table[self.host], self.stats)
-        self._steps = 0   # steps, when this rank has no pieces (and so no cross exchange)
+        # Steps, when this rank has no pieces (and so no cross exchange to count them); in the
+        # checkpoint, as a staged exchange's count can be its first stage's (exchange/overlap.py).
+        self._steps = 0
         self._agreed = False
 
     def _build_inner(self, momentum: Dict[int, dict], hosts: Sequence[int]) -> tuple:
@@ -149,13 +152,14 @@ class HierarchicalExchange:
         """The local phase: this rank's gradient copied into its host reduction's messages
         (so ``p.grad`` may change afterwards), and whether it holds a NaN/Inf (which
         ``overlap_forward`` asks before its schedule round)."""
+        t0 = time.perf_counter()
         payloads, bad = self.host_phases.encode()
         report = None
         if bad:
             names = [s.name for b in self.layout.buckets for s in b.segments
                      if s.param.grad is not None and not bool(torch.isfinite(s.param.grad).all())]
             report = nonfinite_text(names or ["a carried gradient"], False)
-        return HostPrepared(self.step_count, report, payloads)
+        return HostPrepared(self.step_count, report, payloads, t0)
 
     def communicate(self, prep: HostPrepared) -> HostPending:
         """The collective phases of :meth:`begin`. A failure before the host took this rank's
@@ -180,7 +184,7 @@ class HierarchicalExchange:
             if kept:   # every piece's residual holds the host's gradient, the carry with it
                 host.taken()
             raise
-        return HostPending(t, inner, pulled)
+        return HostPending(t, inner, pulled, prep.t0)
 
     def settle(self, pending: HostPending, commit: bool) -> None:
         """The outcome of :meth:`begin`: ``commit`` (the cross exchange, and the host's pieces
@@ -189,8 +193,9 @@ class HierarchicalExchange:
         if pending.inner is not None:
             self.inner.settle(pending.inner, ok)
         if ok:
-            if self.inner is None:
+            if self.inner is None:   # counted as a cross exchange counts, so every rank agrees
                 self._steps += 1
+                self.stats.finish_step(time.perf_counter() - pending.t0)
             self.host_phases.taken()
             self.host_phases.write(pending.pulled, only_sparse=False)
 
@@ -235,6 +240,8 @@ class HierarchicalExchange:
         read = self.host_phases.spread(t, status, error, [
             torch.zeros_like(p) if p.grad is None else p.grad for p in mine])
         if read is not None:
+            if self.inner is None:
+                self.stats.flushes += 1   # as the cross exchange counts its own
             self.host_phases.write(read, only_sparse=True)
 
     def _collective(self, fn: Any, what: str) -> Any:

@@ -46,6 +46,7 @@ class HostPrepared:
     t: int
     report: Optional[str]
     payloads: List[Any]
+    t0: float = 0.0   # when it began (a rank without pieces times its steps itself)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class HostPending:
     t: int
     inner: Optional[Pending]
     pulled: Optional[List[tuple]]
+    t0: float = 0.0
 
 
 class HostPhases:

@@ -1,6 +1,9 @@
 """The checkpointed state of ``hierarchical=True`` (exchange/hierarchy.py): this rank's piece of
-its host's exchange, and its carry (its own gradient of a failed step that no host reduction
-took in yet, added to the next one)."""
+its host's exchange, its carry (its own gradient of a failed step that no host reduction
+took in yet, added to the next one), and its step count: a rank whose pieces are all empty has
+no cross exchange to hold it, yet its count must agree with the others' (the handshake compares
+them, and ``overlap`` takes its count from the first stage, where a small stage leaves some
+ranks without a piece)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict
@@ -40,8 +43,10 @@ def where(ex: "HierarchicalExchange") -> dict:
 def state_of(ex: "HierarchicalExchange") -> dict:
     """This rank's piece of its host's exchange state, where it sits, and its carry."""
     return {"version": checkpoint.VERSION, "rank": ex.rank, "size": ex.size,
-            "hierarchical": where(ex),
+            "hierarchical": where(ex), "step": ex.step_count,
             "inner": ex.inner.state_dict() if ex.inner is not None else None,
+            # Without pieces the figures are this rank's own (else in the inner's state).
+            "stats": ex.stats.state_dict() if ex.inner is None else None,
             "carry": {i: c.clone() for i, c in ex.host_phases.carry.items()}}
 
 
@@ -66,8 +71,16 @@ def validate(ex: "HierarchicalExchange", state: dict) -> None:
                 or c.shape != (b.numel,):
             raise ValueError(f"hvd_slim checkpoint: the carry of bucket {i!r} does not fit "
                              "this model's compressed buckets; resume with the same model")
+    step = state.get("step", 0)   # absent in checkpoints of before it was saved: 0, as then
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"hvd_slim checkpoint: step must be an integer >= 0, got {step!r}")
     if ex.inner is not None:
         ex.inner.validate_state_dict(state.get("inner"))
+        if "step" in state and state["inner"].get("step") != step:
+            raise ValueError(f"hvd_slim checkpoint: step {step} but its cross exchange's "
+                             f"step {state['inner'].get('step')!r}; the checkpoint is damaged")
+    elif not isinstance(state.get("stats") or {}, dict):
+        raise ValueError("hvd_slim checkpoint: 'stats' must be a dict of figures")
 
 
 def load(ex: "HierarchicalExchange", state: dict) -> None:
@@ -75,6 +88,9 @@ def load(ex: "HierarchicalExchange", state: dict) -> None:
     validate(ex, state)
     if ex.inner is not None:
         ex.inner.load_state_dict(state["inner"])
+    else:
+        ex._steps = state.get("step", 0)
+        ex.stats.load_state_dict(state.get("stats") or {})
     ex.host_phases.carry = {i: c.detach().cpu().clone()
                             for i, c in state.get("carry", {}).items()}
     ex._agreed = False

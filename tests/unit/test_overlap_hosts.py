@@ -247,3 +247,39 @@ def test_a_host_sum_that_overflows_float16_is_refused_in_step_not_later(mode):
     res = run_hosts(hosts_of, fn)
     want = "raised" if mode == "raise" else False
     assert all(r == (want, mode == "flag", 0.0, 0) for r in res), res
+
+
+def test_a_rank_with_no_piece_in_the_first_stage_resumes_bitwise_and_counts_every_step():
+    """Stage 0 is b (one coordinate) alone: local rank 0 of each host has no piece of it, so
+    no cross exchange there, yet its step count (which the staged exchange takes from stage
+    0) must survive a checkpoint, and comm_stats()["steps"] is the same on every rank."""
+    hosts_of = host_numbers(2, 2)
+    config = SlimConfig(min_compress_numel=100, overlap=2, density=0.05, seed=3)
+
+    def fn(rank, world, local, cross, split):
+        def build():
+            named = [("w", torch.nn.Parameter(torch.zeros(200))),
+                     ("b", torch.nn.Parameter(torch.zeros(1)))]
+            return named, staged(config, hosts_of, world, local, cross, named)
+        named, ex = build()
+        assert [[n for n, _ in c] for c in ex.cuts] == [["b"], ["w"]]
+        out = []
+        for t in range(4):
+            if t == split:
+                state = ex.state_dict()
+                named, ex = build()
+                ex.load_state_dict(state)
+            for name, p in named:
+                p.grad = grad_for(rank, t, name, p.shape)
+            ex.step()
+            out.append([p.grad.clone() for _, p in named])
+        return out, ex.stages[0].inner is None, ex.step_count, ex.stats.as_dict()["steps"]
+
+    plain = run_hosts(hosts_of, lambda *a: fn(*a, split=-1))
+    resumed = run_hosts(hosts_of, lambda *a: fn(*a, split=2))
+    assert [r[1] for r in plain] == [True, False, True, False]
+    for run in (plain, resumed):
+        assert all(r[2:] == (4, 4) for r in run), [r[2:] for r in run]
+    for a, b in zip(plain, resumed):
+        for x, y in zip(a[0], b[0]):
+            assert all(torch.equal(u, v) for u, v in zip(x, y))

@@ -221,11 +221,11 @@ class HierarchicalExchange:
         self.host_phases.flag_grads()
 
     def flush(self) -> None:
-        """:meth:`SlimExchange.flush`: every residual of every host sent densely into the
-        compressed ``p.grad``; dense-bucket grads are untouched. A carry waits for the next
-        step's host reduction."""
+        """:meth:`SlimExchange.flush`: every residual of every host, and every rank's carry,
+        sent densely into the compressed ``p.grad``; dense-bucket grads are untouched."""
         t = self.step_count
         self._handshake(t)
+        self._flush_carry(t)
         for name, p in self.pieces.values():
             p.grad = None   # the flush fills the compressed pieces only
         status, error = OK, None
@@ -243,6 +243,16 @@ class HierarchicalExchange:
             if self.inner is None:
                 self.stats.flushes += 1   # as the cross exchange counts its own
             self.host_phases.write(read, only_sparse=True)
+
+    def _flush_carry(self, t: int) -> None:
+        """Every rank's carry into its host's residual pieces, as a step failing after its host
+        reduction keeps it, so the flush sends it with them. Every rank reduces, carry or not
+        (the same collectives on every rank); the pieces absorb only when a rank of the host
+        had a carry, since absorbing nothing still moves a momentum-corrected residual."""
+        carried = self.host_phases.reduce(t, self.pieces, self.host_phases.encode_carry())
+        if carried and self.inner is not None:
+            self.inner.absorb(None)
+        self.host_phases.taken()
 
     def _collective(self, fn: Any, what: str) -> Any:
         """Collectives of the whole job under the exchange timeout (an overlapped step's

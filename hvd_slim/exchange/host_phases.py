@@ -22,7 +22,7 @@ import torch
 from ..config import SlimConfig
 from ..transport.base import Transport, TransportTimeout
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
-from .host_wire import FAILED, NONFINITE, OK, SKIPPED, HostFrames
+from .host_wire import BAD, CARRIED, FAILED, NONFINITE, OK, SKIPPED, HostFrames
 from .layout import SPARSE, Layout
 from .step import Pending
 
@@ -86,11 +86,17 @@ class HostPhases:
         bad = any(flag for _, flag in encoded)
         return [self.frames.flag(buf, bad) for buf, _ in encoded], bad
 
-    def reduce(self, t: int, pieces: Dict[int, tuple], payloads: List[np.ndarray]) -> None:
+    def encode_carry(self) -> List[np.ndarray]:
+        """:meth:`encode` of this rank's carry alone (a flush's), flagged when it has one."""
+        return [self.frames.flag(self.frames.encode_reduce(j, False, self.carry, grads=False)[0],
+                                 False, bool(self.carry)) for j in range(self.size)]
+
+    def reduce(self, t: int, pieces: Dict[int, tuple], payloads: List[np.ndarray]) -> bool:
         """Every piece of this rank (``pieces``: bucket index to (name, stand-in parameter))
         gets the host's sum (or mean) of it as its ``.grad``, from every local rank's
         :meth:`encode`. A NaN/Inf on any rank of the host poisons every piece, so every cross
-        exchange sees it."""
+        exchange sees it. Returns whether any local rank flagged a carry (:meth:`encode_carry`),
+        the same on every rank of the host."""
         L, f = self.size, self.frames
         got = self._watch(lambda: self.local.gather_many(payloads, list(range(L)),
                                                          f.reduce_sizes),
@@ -102,7 +108,7 @@ class HostPhases:
             mine = [f.decode_reduce(buf, self.me) for buf in got]
         except ValueError as exc:
             raise ExchangeError(f"rank {self.rank}: {exc}") from None
-        poisoned = self.cfg.nonfinite != "propagate" and any(flag for _, flag in mine)
+        poisoned = self.cfg.nonfinite != "propagate" and any(fl & BAD for _, fl in mine)
         for k, i in enumerate(f.pieces_of(self.me)):
             acc = mine[0][0][k].clone()   # in local-rank order, the same on every run
             for parts, _ in mine[1:]:
@@ -112,6 +118,7 @@ class HostPhases:
             if poisoned:
                 acc.fill_(float("nan"))
             pieces[i][1].grad = acc.to(self.layout.buckets[i].device)
+        return any(fl & CARRIED for _, fl in mine)
 
     def spread(self, t: int, status: int, error: Optional[BaseException],
                values: Sequence[torch.Tensor]) -> Optional[List[tuple]]:

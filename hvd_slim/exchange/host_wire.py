@@ -3,8 +3,9 @@ of one host. Both end in one byte (a flag, or a verdict), so every piece starts 
 and is read in place.
 
 * **Reduction** (to local rank j): piece j of every bucket of this rank's gradient, read
-  straight from the parameters' ``.grad``, then a byte saying whether this rank's gradient had
-  a NaN/Inf anywhere.
+  straight from the parameters' ``.grad``, then a flag byte: whether this rank's gradient had
+  a NaN/Inf anywhere (:data:`BAD`), whether it holds a carry (:data:`CARRIED`, which a flush
+  asks).
 * **Spread** (from local rank j): its pulled pieces, each an int64 count and then either the
   piece dense (count -1) or its nonzero coordinates (int32 indices, then values): a pulled
   slice is mostly zeros, so the host's memory bus carries about the pull, not the model. Then
@@ -20,6 +21,7 @@ import torch
 from .layout import SPARSE, Layout
 
 OK, SKIPPED, FAILED, NONFINITE = 0, 1, 2, 3   # the spread's verdict byte
+BAD, CARRIED = 1, 2   # the reduction's flag bits
 TEXT_BYTES = 1 << 12   # room for an error's text in the spread
 
 
@@ -63,10 +65,11 @@ class HostFrames:
 
     # --- reduction ---------------------------------------------------------------------------
     def encode_reduce(self, j: int, check: bool,
-                      carry: Optional[Dict[int, torch.Tensor]] = None
+                      carry: Optional[Dict[int, torch.Tensor]] = None, grads: bool = True
                       ) -> Tuple[np.ndarray, bool]:
-        """Piece j of every bucket of this rank's gradients (plus its ``carry``, by bucket),
-        and whether they hold a NaN/Inf (``check``); the flag byte is set by :meth:`flag`."""
+        """Piece j of every bucket of this rank's gradients (``grads``; else zeros) plus its
+        ``carry`` (by bucket), and whether they hold a NaN/Inf (``check``); the flag byte is
+        set by :meth:`flag`."""
         buf = np.zeros(self.reduce_sizes[j], np.uint8)
         bad = False
         for i, at, n in self.places[j]:
@@ -75,7 +78,7 @@ class HostFrames:
             out = torch.from_numpy(buf[at:at + n * b.dtype.itemsize]).view(b.dtype)
             for off, numel, g in Layout.grad_parts(b):
                 a, z = max(off, lo), min(off + numel, lo + n)
-                if a < z and g is not None:
+                if a < z and g is not None and grads:
                     out[a - lo:z - lo].copy_(g.reshape(-1)[a - off:z - off])
             if carry and i in carry:
                 out.add_(carry[i][lo:lo + n])
@@ -83,12 +86,12 @@ class HostFrames:
         return buf, bad
 
     @staticmethod
-    def flag(buf: np.ndarray, value: bool) -> np.ndarray:
-        buf[-1] = int(value)
+    def flag(buf: np.ndarray, bad: bool, carried: bool = False) -> np.ndarray:
+        buf[-1] = (BAD if bad else 0) | (CARRIED if carried else 0)
         return buf
 
-    def decode_reduce(self, buf: np.ndarray, j: int) -> Tuple[List[torch.Tensor], bool]:
-        """The pieces of a reduction message to local rank ``j``, as views, and its flag."""
+    def decode_reduce(self, buf: np.ndarray, j: int) -> Tuple[List[torch.Tensor], int]:
+        """The pieces of a reduction message to local rank ``j``, as views, and its flags."""
         if len(buf) != self.reduce_sizes[j]:
             raise ValueError(f"a host reduction has {len(buf)} bytes, expected "
                              f"{self.reduce_sizes[j]}")
@@ -96,7 +99,7 @@ class HostFrames:
         for i, at, n in self.places[j]:
             dtype = self.layout.buckets[i].dtype
             out.append(torch.from_numpy(buf[at:at + n * dtype.itemsize]).view(dtype))
-        return out, bool(buf[-1])
+        return out, int(buf[-1])
 
     # --- spread ------------------------------------------------------------------------------
     def encode_spread(self, j: int, pieces: Sequence[torch.Tensor]) -> np.ndarray:

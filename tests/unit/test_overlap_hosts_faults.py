@@ -105,3 +105,36 @@ def test_a_checkpoint_taken_while_a_step_is_on_the_wire_holds_the_carry():
         assert left and sorted(saved) == sorted(left), (sorted(left), sorted(saved))
         assert all(torch.equal(saved[i], left[i]) for i in left)
         assert after == {}
+
+
+def test_a_flush_after_a_failed_step_delivers_the_carry_too():
+    """optimizer.flush() promises that nothing computed is pending afterwards: after a step
+    that failed at stage 1 (stage 2's gradients in every rank's carry), the flush delivers every
+    residual and every carry, so what was pulled plus what was flushed is every gradient fed in
+    (op="sum"; the model p0 - lr * that sum is the closed form), and nothing is held."""
+    config = config_of(op="sum", density=0.02, seed=2)
+
+    def fn(rank, world, local, cross):
+        named = make_params()
+        ex = staged(config, HOSTS, world, local, cross, named, threaded=False)
+        fed, pulled = [feed(named, rank, 0)], []
+        ex.step()
+        pulled.append({name: p.grad.clone() for name, p in named})
+        fed.append(feed(named, rank, 1))
+        break_server(ex, rank)
+        with pytest.raises(ExchangeError):
+            ex.step()
+        mend_server(ex, rank)
+        for _, p in named:
+            p.grad = None
+        ex.flush()
+        flushed = {name: p.grad.clone() for name, p in named if p.grad is not None}
+        return pulled, fed, flushed, ex.residual_norm()
+
+    res = run_hosts(HOSTS, fn)
+    fed, pulled = total(d for r in res for d in r[1]), total(res[0][0])
+    assert all(r[3] == 0.0 for r in res), [r[3] for r in res]
+    for name in ("conv.weight", "fc.weight"):   # the compressed tensors
+        assert all(torch.equal(r[2][name], res[0][2][name]) for r in res), name
+        assert torch.allclose(pulled[name] + res[0][2][name].double(), fed[name], rtol=1e-4,
+                              atol=1e-3), name

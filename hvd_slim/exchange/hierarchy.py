@@ -34,6 +34,7 @@ from .finite import nonfinite_text
 from .host_phases import HostPending, HostPhases, HostPrepared, watch
 from .host_wire import FAILED, NONFINITE, OK, SKIPPED, cuts
 from .layout import SPARSE, Layout
+from .overlap_runner import exclusive
 from .stats import ExchangeStats
 from .step import Pending, SlimExchange
 
@@ -133,7 +134,10 @@ class HierarchicalExchange:
     def step(self) -> bool:
         """:meth:`SlimExchange.step` for the hierarchy: reduce on the host, exchange between the
         hosts, spread on the host."""
-        pending = self.begin()
+        # The host and cross transports are cached per world transport, so a staged
+        # optimizer's communication thread may use them too: after its queued steps, alone.
+        with exclusive(self.transport):
+            pending = self.begin()
         if pending.pulled is None:
             self.settle(pending, commit=False)
             self.stats.skipped_steps += 1
@@ -223,6 +227,10 @@ class HierarchicalExchange:
     def flush(self) -> None:
         """:meth:`SlimExchange.flush`: every residual of every host, and every rank's carry,
         sent densely into the compressed ``p.grad``; dense-bucket grads are untouched."""
+        with exclusive(self.transport):   # as in step(); a no-op on the runner's own thread
+            self._flush()
+
+    def _flush(self) -> None:
         t = self.step_count
         self._handshake(t)
         self._flush_carry(t)

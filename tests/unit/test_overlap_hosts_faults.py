@@ -1,10 +1,15 @@
 """``overlap`` with ``hierarchical=True`` through failed and skipped steps, on simulated hosts:
 what a failed step leaves in a rank's carry (its own gradient that no host reduction took in)
-is never lost, whatever follows (a skip, a NaN/Inf under "raise", a checkpoint, a flush)."""
+is never lost, whatever follows (a skip, a NaN/Inf under "raise", a checkpoint, a flush); a
+failure in a stage's local phase keeps its gradient too; and another optimizer's host-first
+exchange on the same transports waits for the communication thread."""
 import pytest
 import torch
 
+from hvd_slim.config import SlimConfig
+from hvd_slim.exchange import Layout
 from hvd_slim.exchange.errors import ExchangeError, NonFiniteGradientError
+from hvd_slim.exchange.hierarchy import HierarchicalExchange
 
 from test_exchange import SHAPES, grad_for, make_params, total
 from test_hierarchy import held_by_name, host_numbers, run_hosts
@@ -138,3 +143,32 @@ def test_a_flush_after_a_failed_step_delivers_the_carry_too():
         assert all(torch.equal(r[2][name], res[0][2][name]) for r in res), name
         assert torch.allclose(pulled[name] + res[0][2][name].double(), fed[name], rtol=1e-4,
                               atol=1e-3), name
+
+
+def test_a_host_first_step_or_flush_on_the_callers_thread_waits_for_the_queued_steps():
+    """A staged optimizer's communication thread and another optimizer's host-first exchange
+    share the world, host and cross transports (cached per world transport): the other's
+    step() and flush() must run after the queued step, never beside it (their collectives
+    would interleave), as a flat exchange's do (overlap_runner.exclusive)."""
+    config = config_of(op="sum", density=0.02, seed=2)
+    alone = SlimConfig(min_compress_numel=1000, op="sum", density=0.02, seed=3)
+
+    def fn(rank, world, local, cross):
+        named, other = make_params(), make_params()
+        ex = staged(config, HOSTS, world, local, cross, named)
+        solo = HierarchicalExchange(Layout(other, alone, lambda dt: dt), alone, world, local,
+                                    cross, HOSTS)
+        feed(named, rank, 0)
+        ex.step()
+        order = []
+        for t, use in ((1, solo.step), (2, solo.flush)):
+            feed(named, rank, t)
+            feed(other, rank, t)
+            ex.grad_ready(dict(named)["norm.weight"], None)   # stage 0 waits for fc.bias
+            job = ex._job
+            use()
+            order.append(job.done.is_set())
+            ex.step()
+        return order
+
+    assert all(r == [True, True] for r in run_hosts(HOSTS, fn))

@@ -157,12 +157,16 @@ class HierarchicalExchange:
         (so ``p.grad`` may change afterwards), and whether it holds a NaN/Inf (which
         ``overlap_forward`` asks before its schedule round)."""
         t0 = time.perf_counter()
-        payloads, bad = self.host_phases.encode()
-        report = None
-        if bad:
-            names = [s.name for b in self.layout.buckets for s in b.segments
-                     if s.param.grad is not None and not bool(torch.isfinite(s.param.grad).all())]
-            report = nonfinite_text(names or ["a carried gradient"], False)
+        try:
+            payloads, bad = self.host_phases.encode()
+            report = None
+            if bad:
+                names = [s.name for b in self.layout.buckets for s in b.segments if s.param.grad
+                         is not None and not bool(torch.isfinite(s.param.grad).all())]
+                report = nonfinite_text(names or ["a carried gradient"], False)
+        except BaseException:   # the stage that failed keeps its own gradient, as SlimExchange's
+            self.host_phases.keep_own(None)
+            raise
         return HostPrepared(self.step_count, report, payloads, t0)
 
     def communicate(self, prep: HostPrepared) -> HostPending:

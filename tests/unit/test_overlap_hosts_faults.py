@@ -172,3 +172,31 @@ def test_a_host_first_step_or_flush_on_the_callers_thread_waits_for_the_queued_s
         return order
 
     assert all(r == [True, True] for r in run_hosts(HOSTS, fn))
+
+
+@pytest.mark.parametrize("forward", [False, True])
+def test_a_failure_in_a_stages_local_phase_keeps_its_gradient(forward):
+    """Stage 1's prepare (its gradient read into the host reduction's messages) fails on every
+    rank at step 1: every rank raises, and stage 1's gradient waits in the carry like stage
+    2's, so every gradient fed in is pulled or held (op="sum")."""
+    config = config_of(op="sum", density=0.02, seed=2, overlap_forward=forward)
+
+    def fn(rank, world, local, cross):
+        named = make_params()
+        ex = staged(config, HOSTS, world, local, cross, named, threaded=False)
+        fed, pulled = [], []
+        for t in range(4):
+            fed.append(feed(named, rank, t))
+            if t == 1:
+                def broken():
+                    raise RuntimeError("injected")
+                ex.stages[1].host_phases.encode = broken
+                with pytest.raises(RuntimeError, match="injected"):
+                    ex.step()
+                del ex.stages[1].host_phases.encode
+                continue
+            ex.step()
+            pulled.append({name: p.grad.clone() for name, p in named})
+        return pulled, fed, held_by_name(ex)
+
+    assert_conserved(run_hosts(HOSTS, fn))

@@ -28,7 +28,7 @@ import torch
 
 from ..config import ConfigError, SlimConfig
 from ..transport.base import Transport
-from . import handshake, host_state
+from . import handshake, host_flush, host_state
 from .errors import NonFiniteGradientError
 from .finite import nonfinite_text
 from .host_phases import HostPending, HostPhases, HostPrepared, watch
@@ -232,39 +232,7 @@ class HierarchicalExchange:
         """:meth:`SlimExchange.flush`: every residual of every host, and every rank's carry,
         sent densely into the compressed ``p.grad``; dense-bucket grads are untouched."""
         with exclusive(self.transport):   # as in step(); a no-op on the runner's own thread
-            self._flush()
-
-    def _flush(self) -> None:
-        t = self.step_count
-        self._handshake(t)
-        self._flush_carry(t)
-        for name, p in self.pieces.values():
-            p.grad = None   # the flush fills the compressed pieces only
-        status, error = OK, None
-        try:
-            if self.inner is not None:
-                self.inner.flush()
-        except NonFiniteGradientError as exc:
-            status, error = NONFINITE, exc
-        except Exception as exc:  # noqa: BLE001 - the host must learn of it, then it is raised
-            status, error = FAILED, exc
-        mine = [self.pieces[i][1] for i in self.host_phases.frames.pieces_of(self.local_rank)]
-        read = self.host_phases.spread(t, status, error, [
-            torch.zeros_like(p) if p.grad is None else p.grad for p in mine])
-        if read is not None:
-            if self.inner is None:
-                self.stats.flushes += 1   # as the cross exchange counts its own
-            self.host_phases.write(read, only_sparse=True)
-
-    def _flush_carry(self, t: int) -> None:
-        """Every rank's carry into its host's residual pieces, as a step failing after its host
-        reduction keeps it, so the flush sends it with them. Every rank reduces, carry or not
-        (the same collectives on every rank); the pieces absorb only when a rank of the host
-        had a carry, since absorbing nothing still moves a momentum-corrected residual."""
-        carried = self.host_phases.reduce(t, self.pieces, self.host_phases.encode_carry())
-        if carried and self.inner is not None:
-            self.inner.absorb(None)
-        self.host_phases.taken()
+            host_flush.flush(self)
 
     def _collective(self, fn: Any, what: str) -> Any:
         """Collectives of the whole job under the exchange timeout (an overlapped step's

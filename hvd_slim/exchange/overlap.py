@@ -32,6 +32,7 @@ from .layout import Layout
 from .overlap_order import Deferred, OrderedJob, late_verdict
 from .overlap_runner import Job, ends_step, runner_for
 from .overlap_stats import StagedStats
+from .protocol import Stage
 from .step import Pending, SlimExchange
 
 Opener = Optional[Callable[[], Optional[Callable[[], Any]]]]
@@ -78,7 +79,7 @@ class StagedExchange:
         bucket_of = {id(s.param): b.index for b in layout.sparse for s in b.segments}
         self.layout, self.transport = layout, transport
         self.cuts = stage_cuts(named, config.overlap)
-        self.stages: List[SlimExchange] = []
+        self.stages: List[Stage] = []
         momentum = momentum or {}
         for cut in self.cuts:
             sl = Layout(cut, config, lambda dt: comm_dtype[dt])
@@ -290,7 +291,7 @@ class StagedExchange:
         self._agreed = False
 
 
-def _flush_stage(st: SlimExchange) -> Callable[[], Any]:
+def _flush_stage(st: Stage) -> Callable[[], Any]:
     def run() -> Any:
         st.flush()
         return True

@@ -32,7 +32,7 @@ from .overlap_runner import Job, ends_step
 if TYPE_CHECKING:   # pragma: no cover
     from ..config import SlimConfig
     from .layout import Layout
-    from .step import SlimExchange
+    from .protocol import Stage
 
 # ORDER flags: this rank's gradients are all in; none of its stages not begun found NaN/Inf.
 FINAL, CLEAR = 1, 2
@@ -44,7 +44,7 @@ ROUND_FAILED = -2
 REPLY_BOUND = wm.HEADER.size + 512
 
 
-def order_round(ex: "SlimExchange", t: int, digest: int, flags: int) -> int:
+def order_round(ex: "Stage", t: int, digest: int, flags: int) -> int:
     """Collective over ``ex``'s ranks: the AND of every rank's ``flags`` (gathered on rank 0
     of the set, answered to all). A malformed message raises the same error on every rank."""
     tr, rank = ex.transport, ex.rank
@@ -96,7 +96,7 @@ class OrderedJob(Job):
     the job ended): then ``clear`` says whether every stage will commit. ``prepared`` holds the
     stages whose local phases ran but whose exchange did not (the step ended first)."""
 
-    def __init__(self, exchanges: List["SlimExchange"], first: Optional[Callable[[], Any]],
+    def __init__(self, exchanges: List["Stage"], first: Optional[Callable[[], Any]],
                  t: int, digest: int) -> None:
         super().__init__([ex.communicate for ex in exchanges], first)
         self.exchanges, self.t, self.digest = exchanges, t, digest

@@ -5,7 +5,7 @@
 (:class:`Stage`: the first two meet it)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -65,7 +65,19 @@ class Stage(Exchange, Protocol):
     """An exchange whose step comes apart, so that several make one step (exchange/overlap.py):
     the local phases, the collective ones, and an outcome that commits, drops or keeps. What
     :meth:`prepare` returns has ``report`` (a NaN/Inf this rank found, or None); what
-    :meth:`communicate` returns has ``pulled`` (None: every rank skips the step)."""
+    :meth:`communicate` returns has ``pulled`` (None: every rank skips the step). The staged
+    exchange also reads each stage's layout and settings, runs its one handshake and its
+    schedule rounds through the first stage's :meth:`_collective`, and then marks every stage
+    ``_agreed``."""
+
+    layout: Any   # the stage's Layout
+    cfg: Any   # its SlimConfig (a process set's: server_rank in the set's numbering)
+    ranks: List[int]
+    in_set: bool
+    _agreed: bool
+
+    def _collective(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn``'s collectives of the whole job (or set) under the exchange timeout."""
 
     def prepare(self) -> Any:
         """The local phases: no collective, so a rank may run them ahead of the others."""

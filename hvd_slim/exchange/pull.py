@@ -94,9 +94,13 @@ class Puller:
 
     def render(self, pulled: List[List[wm.Section]], t: int) -> "Rendered":
         """What the pull delivers, per bucket of step ``t`` (absent: nothing), as one flat
-        tensor and whether ``p.grad`` may view it, with the pull cores it carries; nothing of
-        this rank's state changes, so a step that is then dropped leaves the cores as they
-        were (a host's spread, exchange/hierarchy.py, needs the values before the commit)."""
+        tensor and whether ``p.grad`` may view it, with the pull cores it carries. The cores
+        are returned, not kept, so a step that is then dropped leaves them as they were (a
+        host's spread, exchange/hierarchy.py, needs the values before the commit). But a
+        compressed bucket's values are scattered in place into the buffer this rank keeps for
+        it (``_pulled``, zeroed first), which the last committed pull's ``p.grad`` views: call
+        it only where that view may be overwritten (at the commit, :meth:`write`; in the
+        hierarchy, after the host reduction gave the stand-in pieces a fresh ``.grad``)."""
         parts: List[List[Tuple[Piece, wm.Section]]] = [[] for _ in self.layout.buckets]
         for pieces, sections in zip(self.shards.by_shard(t), pulled):
             for p, sec in zip(pieces, sections):

@@ -10,6 +10,7 @@ from hvd_slim.config import ConfigError, SlimConfig
 from hvd_slim.exchange import Layout
 from hvd_slim.exchange.errors import NonFiniteGradientError
 from hvd_slim.exchange.overlap import StagedExchange, stage_cuts
+from hvd_slim.exchange.protocol import Stage
 from hvd_slim.transport import FakeCluster, run_ranks
 from hvd_slim.transport.base import TransportTimeout
 
@@ -29,6 +30,7 @@ def simulate(size, steps, flush=False, **cfg):
     def body(rank, tr):
         named = make_params()
         ex = staged(named, config, tr)
+        assert all(isinstance(st, Stage) for st in ex.stages)   # what the staged one asks
 
         def hooks(ps):   # what the gradient hooks report: every parameter, in backward order
             for _, p in reversed(ps):

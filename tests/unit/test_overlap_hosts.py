@@ -12,6 +12,7 @@ from hvd_slim.exchange.errors import ExchangeError, NonFiniteGradientError
 from hvd_slim.exchange.hierarchy import HierarchicalExchange
 from hvd_slim.exchange.overlap import StagedExchange, stage_cuts
 from hvd_slim.exchange.overlap_order import Deferred
+from hvd_slim.exchange.protocol import Stage
 
 from test_exchange import SHAPES, drive, grad_for, make_params, total
 from test_hierarchy import LAYOUTS, held_by_name, host_numbers, run_hosts
@@ -37,8 +38,9 @@ def test_the_staged_step_is_the_stages_host_first_steps_one_after_another(
 
     def fn(rank, world, local, cross):
         named = make_params()
-        return drive(rank, named, staged(config, hosts_of, world, local, cross, named,
-                                         threaded), 4)[0]
+        ex = staged(config, hosts_of, world, local, cross, named, threaded)
+        assert all(isinstance(st, Stage) for st in ex.stages)   # what the staged one asks
+        return drive(rank, named, ex, 4)[0]
 
     def reference(rank, world, local, cross):
         named = make_params()

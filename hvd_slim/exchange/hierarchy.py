@@ -17,6 +17,12 @@ cross exchange's identity), and every rank of a host assembles the same pieces. 
 any rank of a host poisons all of the host's pieces (a flag travels with step 1), so every
 cross exchange sees it and every rank skips or raises alike. Step 3 carries each piece's
 verdict, so a rank whose pieces are all empty (tiny buckets) still follows it.
+
+The step comes apart as :class:`SlimExchange`'s does (prepare, communicate, then settle, drop
+or absorb), so each stage of ``overlap`` can be one (exchange/overlap.py). A failure after
+step 1 keeps the host's gradient in its residual pieces; one before, this rank's own in its
+carry (host_phases.py, with the host collectives). The flush: host_flush.py; the checkpoint
+(pieces, carry, step count): host_state.py; the host messages: host_wire.py.
 """
 from __future__ import annotations
 

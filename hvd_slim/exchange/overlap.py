@@ -3,8 +3,9 @@
 The trainable parameters, in backward order (the reverse of ``named_parameters``, which is
 about the order in which autograd finishes them), are cut into S stages of about equal size.
 Each stage is a :class:`SlimExchange` of its own (its residual, selection, server state and
-budget: ``density`` of the stage's coordinates, so the step's budget is the same in total). A
-stage's exchange starts on the communication thread (exchange/overlap_runner.py) as soon as
+budget: ``density`` of the stage's coordinates, so the step's budget is the same in total), or
+with ``hierarchical=True`` a host-first ``HierarchicalExchange`` (exchange/hierarchy.py, with
+its own carry); both meet :class:`~hvd_slim.exchange.protocol.Stage`. A stage's exchange starts on the communication thread (exchange/overlap_runner.py) as soon as
 the gradient hook has seen the last of its parameters' gradients, while backward goes on with
 the stages before it; ``step()`` waits for the rest.
 
@@ -13,8 +14,8 @@ nothing committed), and the step is settled on the caller's thread when all are 
 rank sees the same verdicts in the same order, so all commit together, or all drop the step (a
 NaN/Inf under ``"flag"``/``"skip"``: a skipped stage ends the step, and the stages before it
 are dropped exactly, so nothing of the exchange changes), or all raise (``"raise"``: nothing
-changes; any other failure: every stage keeps this rank's gradient in its residual, as a flat
-exchange does). The pulled values are written into ``p.grad`` only then, on the caller's
+changes; any other failure: every stage keeps this rank's gradient in its residual, or a
+host-first stage never reduced in its carry, as a flat exchange does). The pulled values are written into ``p.grad`` only then, on the caller's
 thread.
 """
 from __future__ import annotations
@@ -62,8 +63,8 @@ def stage_cuts(named: Sequence[Tuple[str, torch.Tensor]], stages: int
 
 
 class StagedExchange:
-    """Per-rank state of ``overlap=S``: one :class:`SlimExchange` per stage, and the step they
-    make together. Offers what the optimizer uses of :class:`SlimExchange`, and
+    """Per-rank state of ``overlap=S``: one exchange per stage (flat or host-first), and the
+    step they make together. Offers what the optimizer uses of :class:`SlimExchange`, and
     :meth:`grad_ready` for the gradient hook."""
 
     def __init__(self, layout: Layout, config: SlimConfig, transport: Transport,

@@ -8,7 +8,9 @@ first layers, which the next forward pass needs first, first), and that same rou
 step's verdict: whether any rank found a NaN/Inf in them (their local phases, compensate and
 select, run before it). The stages begun earlier have had their verdicts already (a skip ends
 the step there). So when the round is clear, every stage of the step will commit, barring a
-failed transport, and ``step()`` may hand the step over as a :class:`Deferred`: each stage is
+failed transport (or a sum of finite values that overflows after the round, a 16-bit wire's
+or host's: then :func:`late_verdict` has ``step()`` wait for every stage instead), and
+``step()`` may hand the step over as a :class:`Deferred`: each stage is
 settled, and its parameters stepped, only when the next forward pass reaches them
 (hvd_slim/forward_apply.py). When it is not clear the stages run in backward order and the
 step is settled as one, as without ``overlap_forward``.

@@ -153,6 +153,7 @@ class Puller:
             raise ExchangeError(f"rank {self.rank}: the server reused a cached pull core this "
                                 "rank does not have")
         # A checkpoint loaded with map_location="cpu" restores the cached core on the host.
-        return slice_indices(pb.numel, core.to(pb.device), pb.k_pull_explore, seed=self.cfg.seed,
-                             role=ROLE_PULL, rank=self.shards.roots[p.shard], step=t,
-                             bucket=pb.index, device=pb.device)
+        return slice_indices(pb.numel, core.to(pb.device), pb.k_pull_explore,
+                             seed=self.cfg.seed, role=ROLE_PULL,
+                             rank=self.shards.roots[p.shard], step=t, bucket=pb.index,
+                             device=pb.device)

@@ -62,6 +62,10 @@ def stage_cuts(named: Sequence[Tuple[str, torch.Tensor]], stages: int
     return cuts
 
 
+IN_FLIGHT = ("hvd_slim: a step's exchange is in flight (loss.backward() ran since the last "
+             "step()): call step() or synchronize() before {what}")
+
+
 class StagedExchange:
     """Per-rank state of ``overlap=S``: one exchange per stage (flat or host-first), and the
     step they make together. Offers what the optimizer uses of :class:`SlimExchange`, and
@@ -249,7 +253,10 @@ class StagedExchange:
         return sum(st.residual_norm() for st in self.stages)
 
     def state_dict(self) -> dict:
-        """Every stage's state, and how the model was cut."""
+        """Every stage's state, and how the model was cut. Refused while a step's exchange is
+        in flight: its stages' selectors are mid-step on the communication thread."""
+        if self._job is not None:
+            raise ValueError(IN_FLIGHT.format(what="state_dict()"))
         return {"version": checkpoint.VERSION, "rank": self.rank, "size": self.size,
                 "effective": self.cfg.effective_dict(),
                 "overlap": {"stages": [[n for n, _ in cut] for cut in self.cuts]},
@@ -258,9 +265,7 @@ class StagedExchange:
 
     def validate_state_dict(self, state: dict) -> None:
         if self._job is not None:
-            raise ValueError("hvd_slim: a step's exchange is in flight (loss.backward() ran "
-                             "since the last step()): call step() or synchronize() before "
-                             "load_state_dict()")
+            raise ValueError(IN_FLIGHT.format(what="load_state_dict()"))
         cuts = [[n for n, _ in cut] for cut in self.cuts]
         if not isinstance(state, dict) or "overlap" not in state:
             saved = (state.get("effective") or {}).get("overlap", 1) \

@@ -290,3 +290,30 @@ def test_bad_overlap_values_are_refused_naming_the_keyword():
     for bad in (0, -2, 1.5, "3"):
         with pytest.raises(ConfigError, match="overlap"):
             SlimConfig(overlap=bad)
+
+
+def test_a_checkpoint_is_refused_while_a_step_is_in_flight_and_taken_after_it():
+    """Between backward and step() the stages' selectors are mid-step on the communication
+    thread: state_dict() says to call step() first instead of saving a speculative state; after
+    step() the saved state resumes bitwise."""
+    def body(rank, tr, split):
+        model = Net()
+        opt = wrap(model, tr, density=0.05, overlap=3, seed=4)
+        for t in range(4):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if t == split:
+                with pytest.raises(ValueError, match=r"in flight.*before state_dict\(\)"):
+                    opt.state_dict()
+            opt.step()
+            if t == split:
+                state, model2 = opt.state_dict(), Net()
+                model2.load_state_dict(model.state_dict())
+                model, opt = model2, wrap(model2, tr, density=0.05, overlap=3, seed=4)
+                opt.load_state_dict(state)
+        return flat(model)
+
+    plain = run_ranks(2, lambda r, tr: body(r, tr, -1))
+    resumed = run_ranks(2, lambda r, tr: body(r, tr, 1))
+    assert all(torch.equal(a, b) for a, b in zip(plain, resumed))

@@ -83,10 +83,10 @@ def test_a_step_dropped_after_a_failed_one_keeps_the_carry(mode):
     assert_conserved(res)
 
 
-def test_a_checkpoint_taken_while_a_step_is_on_the_wire_holds_the_carry():
+def test_a_step_on_the_wire_refuses_a_checkpoint_and_takes_the_carry_in():
     """The communication thread has run every stage of step 1 (the host reductions read the
-    carry) but step() has not settled it: a checkpoint then holds the carry as the failed
-    step 0 left it, and step 1 then takes it in."""
+    carry) but step() has not settled it: state_dict() is refused then (the stages are mid-step),
+    the carry the failed step 0 left is still held, and step 1's commit takes it in."""
     config = config_of(op="sum", density=0.02, seed=2)
 
     def fn(rank, world, local, cross):
@@ -102,13 +102,15 @@ def test_a_checkpoint_taken_while_a_step_is_on_the_wire_holds_the_carry():
         for _, p in reversed(named):   # backward's hooks, in backward order
             ex.grad_ready(p, None)
         ex._job.done.wait()
-        saved = ex.state_dict()["stages"][2]["carry"]
+        with pytest.raises(ValueError, match="in flight"):
+            ex.state_dict()
+        held = {i: c.clone() for i, c in ex.stages[2].host_phases.carry.items()}
         ex.step()
-        return left, saved, ex.stages[2].host_phases.carry
+        return left, held, ex.stages[2].host_phases.carry
 
-    for left, saved, after in run_hosts(HOSTS, fn):
-        assert left and sorted(saved) == sorted(left), (sorted(left), sorted(saved))
-        assert all(torch.equal(saved[i], left[i]) for i in left)
+    for left, held, after in run_hosts(HOSTS, fn):
+        assert left and sorted(held) == sorted(left), (sorted(left), sorted(held))
+        assert all(torch.equal(held[i], left[i]) for i in left)
         assert after == {}
 
 

@@ -85,13 +85,18 @@ def loss(model, step):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def check_replicas_identical(transport: str) -> str:
-    model = Net().to(device())
-    opt = wrap(model, transport, density=0.01)
-    for t in range(20):
+def train(model, opt, steps) -> None:
+    """One optimizer step on ``loss`` for each step number in ``steps``."""
+    for t in steps:
         opt.zero_grad()
         loss(model, t).backward()
         opt.step()
+
+
+def check_replicas_identical(transport: str) -> str:
+    model = Net().to(device())
+    opt = wrap(model, transport, density=0.01)
+    train(model, opt, range(20))
     stats = opt.comm_stats()
     assert stats["transport"] == transport, stats
     assert_same_on_every_rank(flat(model), "replicas")
@@ -147,10 +152,7 @@ def check_adam_on_sparse_deliveries(transport: str) -> str:
                                    named_parameters=model.named_parameters(),
                                    transport=transport, min_compress_numel=1000, density=0.01)
     assert opt._rescaled_params, "no parameter took the rescaled Adam path"
-    for t in range(15):
-        opt.zero_grad()
-        loss(model, t).backward()
-        opt.step()
+    train(model, opt, range(15))
     state = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in model.parameters()])
     both = torch.cat([flat(model), state.cpu()])
     assert_same_on_every_rank(both, "replicas or Adam states")
@@ -172,10 +174,7 @@ def check_resume_from_a_cpu_mapped_checkpoint(transport: str) -> str:
             if state is not None:
                 model.load_state_dict(state[0])
                 opt.load_state_dict(state[1])
-            for t in steps:
-                opt.zero_grad()
-                loss(model, t).backward()
-                opt.step()
+            train(model, opt, steps)
             return model, opt
         full, _ = run(range(8))
         half, opt = run(range(5))
@@ -200,10 +199,7 @@ def check_deterministic_algorithms(transport: str) -> str:
         for _ in range(2):
             model = WideNet().to(device())
             opt = wrap(model, transport, density=0.01)
-            for t in range(6):
-                opt.zero_grad()
-                loss(model, t).backward()
-                opt.step()
+            train(model, opt, range(6))
             runs.append(flat(model))
     finally:
         torch.use_deterministic_algorithms(False)

@@ -147,21 +147,19 @@ def test_a_nonfinite_gradient_on_one_rank_is_shared_by_every_rank(mode):
     assert all(r[2] == 0.0 for r in res)   # no residual changed anywhere
 
 
-def test_resume_is_bitwise():
-    hosts_of = host_numbers(2, 2)
-    config = SlimConfig(min_compress_numel=1000, density=0.02, seed=4)
-
+def assert_hosts_resume_bitwise(hosts_of, build, steps, split, check_load=None):
+    """Saving and loading every rank's exchange at ``split`` changes no pulled update.
+    ``build(world, local, cross)``: a fresh ``(named, exchange)``; ``check_load(exchange,
+    state)``: what a test asserts about loading, before the state is loaded."""
     def fn(rank, world, local, cross, split):
-        def build():
-            named = make_params()
-            return named, HierarchicalExchange(Layout(named, config, lambda dt: dt), config,
-                                               world, local, cross, hosts_of)
-        named, ex = build()
+        named, ex = build(world, local, cross)
         out = []
-        for t in range(6):
+        for t in range(steps):
             if t == split:
                 state = ex.state_dict()
-                named, ex = build()
+                named, ex = build(world, local, cross)
+                if check_load is not None:
+                    check_load(ex, state)
                 ex.load_state_dict(state)
             for name, p in named:
                 p.grad = grad_for(rank, t, name, p.shape)
@@ -170,10 +168,22 @@ def test_resume_is_bitwise():
         return out
 
     plain = run_hosts(hosts_of, lambda *a: fn(*a, split=-1))
-    resumed = run_hosts(hosts_of, lambda *a: fn(*a, split=3))
+    resumed = run_hosts(hosts_of, lambda *a: fn(*a, split=split))
     for a, b in zip(plain, resumed):
         for x, y in zip(a, b):
             assert all(torch.equal(u, v) for u, v in zip(x, y))
+
+
+def test_resume_is_bitwise():
+    hosts_of = host_numbers(2, 2)
+    config = SlimConfig(min_compress_numel=1000, density=0.02, seed=4)
+
+    def build(world, local, cross):
+        named = make_params()
+        return named, HierarchicalExchange(Layout(named, config, lambda dt: dt), config,
+                                           world, local, cross, hosts_of)
+
+    assert_hosts_resume_bitwise(hosts_of, build, steps=6, split=3)
 
 
 def test_the_handshake_names_a_rank_without_hierarchical():

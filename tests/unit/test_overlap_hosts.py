@@ -15,7 +15,8 @@ from hvd_slim.exchange.overlap_order import Deferred
 from hvd_slim.exchange.protocol import Stage
 
 from test_exchange import SHAPES, drive, grad_for, make_params, total
-from test_hierarchy import LAYOUTS, held_by_name, host_numbers, run_hosts
+from test_hierarchy import (LAYOUTS, assert_hosts_resume_bitwise, held_by_name,
+                            host_numbers, run_hosts)
 
 
 def staged(config, hosts_of, world, local, cross, named, threaded=True):
@@ -168,30 +169,16 @@ def test_a_checkpoint_resumes_bitwise_and_refuses_a_flat_one():
     hosts_of = host_numbers(2, 2)
     config = config_of(density=0.02, seed=4)
 
-    def fn(rank, world, local, cross, split):
+    def build(world, local, cross):
         named = make_params()
-        ex = staged(config, hosts_of, world, local, cross, named)
-        out = []
-        for t in range(5):
-            if t == split:
-                state = ex.state_dict()
-                named = make_params()
-                ex = staged(config, hosts_of, world, local, cross, named)
-                bad = dict(state, stages=[dict(s, hierarchical=None) for s in state["stages"]])
-                with pytest.raises(ValueError, match="checkpoint holds rank"):
-                    ex.load_state_dict(bad)
-                ex.load_state_dict(state)
-            for name, p in named:
-                p.grad = grad_for(rank, t, name, p.shape)
-            ex.step()
-            out.append([p.grad.clone() for _, p in named])
-        return out
+        return named, staged(config, hosts_of, world, local, cross, named)
 
-    plain = run_hosts(hosts_of, lambda *a: fn(*a, split=-1))
-    resumed = run_hosts(hosts_of, lambda *a: fn(*a, split=2))
-    for a, b in zip(plain, resumed):
-        for x, y in zip(a, b):
-            assert all(torch.equal(u, v) for u, v in zip(x, y))
+    def refuses_a_flat_one(ex, state):
+        bad = dict(state, stages=[dict(s, hierarchical=None) for s in state["stages"]])
+        with pytest.raises(ValueError, match="checkpoint holds rank"):
+            ex.load_state_dict(bad)
+
+    assert_hosts_resume_bitwise(hosts_of, build, steps=5, split=2, check_load=refuses_a_flat_one)
 
 
 def test_overlap_forward_hands_the_step_over_and_lands_it_bitwise():

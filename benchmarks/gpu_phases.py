@@ -56,11 +56,12 @@ def _timed(device: torch.device, fn: Callable[[], object]) -> tuple:
 class Ranks:
     """N simulated ranks' parameters and workers, and the server (on rank 0), on one device."""
 
-    def __init__(self, model: str, n: int, config: SlimConfig, device: torch.device) -> None:
+    def __init__(self, model: str, n: int, config: SlimConfig, device: torch.device,
+                 device_path: bool) -> None:
         shapes = SHAPES[model]()
         self.device, self.cfg, self.n = device, config, n
-        self.path = HostPath() if device.type == "cpu" and not _FORCE_DEVICE_PATH else \
-            DevicePath(device)
+        # device_path: messages as device tensors even on a CPU (--device-path)
+        self.path = DevicePath(device) if device.type != "cpu" or device_path else HostPath()
         self.named = [[(name, torch.nn.Parameter(torch.zeros(shape, device=device)))
                        for name, shape in shapes] for _ in range(n)]
         self.layouts = [Layout(named, config, lambda dt: dt) for named in self.named]
@@ -84,18 +85,14 @@ class Ranks:
         return sum(b.numel for b in self.layouts[0].sparse)
 
 
-_FORCE_DEVICE_PATH = False   # --device-path on a CPU: exercise the device path's code
-
-
 def run_density(model: str, n: int, density: float, device: torch.device, steps: int,
-                warmup: int) -> Dict[str, object]:
+                warmup: int, device_path: bool = False) -> Dict[str, object]:
     """Every phase's median per-step time (ms) at one density, and the bytes moved."""
     config = SlimConfig(density=density, warmup_decay_steps=0)
-    rk = Ranks(model, n, config, device)
+    rk = Ranks(model, n, config, device, device_path)
     times: Dict[str, List[float]] = {k: [] for k in
                                      ("select", "encode", "decode", "serve", "pull_decode",
                                       "apply")}
-    sizes: Dict[str, int] = {}
     for t in range(warmup + steps):
         rk.fill_grads(t)
         buckets = rk.layouts[0].at_step(t)
@@ -126,10 +123,8 @@ def run_density(model: str, n: int, density: float, device: torch.device, steps:
             for k in times:
                 # Per rank, except the server's own work (it runs once).
                 times[k].append(got[k] if k == "serve" else got[k] / n)
-        sizes = {"push_bytes": int(bufs[0].numel() if isinstance(bufs[0], torch.Tensor)
-                                   else len(bufs[0])),
-                 "pull_bytes": int(reply.numel() if isinstance(reply, torch.Tensor)
-                                   else len(reply))}
+    # The last step's messages (1-D numpy arrays or uint8 tensors: len() is their bytes).
+    sizes = {"push_bytes": len(bufs[0]), "pull_bytes": len(reply)}
     med = {k: statistics.median(v) for k, v in times.items()}
     # The server's decoding is measured on its own; its aggregation is the rest of serve().
     med["aggregate"] = max(0.0, med["serve"] - n * med["decode"])
@@ -171,7 +166,6 @@ def dense_allreduce_ms(numel: int, device: torch.device, steps: int) -> Dict[str
 
 def main() -> None:
     """Parse arguments, run every density, print a table and write the JSON."""
-    global _FORCE_DEVICE_PATH
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet50", choices=sorted(SHAPES))
     ap.add_argument("--densities", default="0.01,0.001")
@@ -186,10 +180,10 @@ def main() -> None:
     device = torch.device(args.device)
     if args.device_path:
         from hvd_slim.selection import backend
-        backend.FORCE_TORCH = _FORCE_DEVICE_PATH = True
+        backend.FORCE_TORCH = True
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    rows = [run_density(args.model, args.ranks, float(d), device, args.steps, args.warmup)
-            for d in args.densities.split(",")]
+    rows = [run_density(args.model, args.ranks, float(d), device, args.steps, args.warmup,
+                        args.device_path) for d in args.densities.split(",")]
     dense = dense_allreduce_ms(rows[0]["numel"], device, args.steps)
     result = {"device": name, "torch": torch.__version__, "model": args.model,
               "ranks": args.ranks, "steps": args.steps, "rows": rows, "dense_allreduce": dense}

@@ -18,6 +18,8 @@ from torch import nn
 from .models import Workload
 from .topk import TopKErrorFeedback, average
 
+# hvd_slim's per-rank phase timings (comm_stats' <phase>_seconds), reported as <phase>_s.
+PHASES = ("prepare", "push", "serve", "pull", "apply")
 SMALL_NUMEL = 4096   # below this a tensor is averaged dense (as hvd_slim's min_compress_numel)
 LR, MOMENTUM = 0.01, 0.9
 
@@ -51,6 +53,10 @@ class Peer:
 
     def counters(self) -> Dict[str, float]:
         return dict(self.c)
+
+    def phases(self) -> Dict[str, float]:
+        """Cumulative seconds per phase of the exchange, where the peer times them ({})."""
+        return {}
 
     def close(self) -> None:
         """Release what the peer holds (process groups, hooks)."""
@@ -198,8 +204,13 @@ class Slim(Peer):
         return {"handed_sent": st["bytes_pushed"], "handed_recv": st["bytes_pulled"],
                 "wire_sent": st["bytes_pushed"], "wire_recv": st["bytes_pulled"],
                 "select_s": st["select_seconds"], "exchange_s": st["exchange_seconds"],
+                **{f"{ph}_s": v for ph, v in self.phases().items()},
                 "ring_allreduce_bytes": st["ring_allreduce_bytes"],
                 "dense_bytes": st["dense_bytes"], "steps": st["steps"]}
+
+    def phases(self) -> Dict[str, float]:
+        st = self.opt.comm_stats()
+        return {ph: st[f"{ph}_seconds"] for ph in PHASES}
 
     def extra(self) -> Dict[str, Any]:
         """The closed-form inputs and the last step's byte breakdown, for checking."""

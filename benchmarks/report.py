@@ -81,6 +81,11 @@ def _peer(name: str, recs: List[Dict[str, Any]], env: Dict[str, str]) -> Dict[st
         "hosts": ok[0].get("hosts"), "local_size": ok[0].get("local_size"),
         "step_times_s": times,
         "loadavg": [r.get("loadavg_before") for r in ok] + [ok[-1].get("loadavg_after")]}
+    if ok[0].get("rank_phase_steps_s"):
+        # Per rank, every measured step of every repeat: {phase: seconds} (hvd_slim's phases,
+        # comm_stats' <phase>_seconds): when each rank's CPU work ended within the step.
+        out["rank_phase_steps_s"] = [sum((r["rank_phase_steps_s"][i] for r in ok), [])
+                                     for i in range(len(ok[0]["rank_phase_steps_s"]))]
     if ok[0].get("backward_profile"):   # the floor of a real backward (benchmarks.ready)
         out["backward_profile"] = ok[0]["backward_profile"]
     nic = _nic(ok[0])

@@ -100,11 +100,13 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     clock = ReadyClock(work.named) if name == "floor" and work.real else None
     load0 = os.getloadavg()
     times: List[float] = []
+    phases: List[Dict[str, float]] = []   # hvd_slim's phase seconds of each measured step
     c0: Dict[str, float] = {}
     for i in range(warm + args.steps):
         comm.Barrier()
         if i == warm:
             c0 = {**_numeric(peer.counters()), **nic_bytes()}
+        before = peer.phases()
         t0 = time.perf_counter()
         peer.zero_grad()
         work.backward(i, peer.module)
@@ -113,6 +115,7 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
         dt = time.perf_counter() - t0
         if i >= warm:
             times.append(dt)
+            phases.append({k: v - before[k] for k, v in peer.phases().items()})
             if clock is not None:
                 clock.mark(t0, t_back)
     c1 = {**_numeric(peer.counters()), **nic_bytes()}
@@ -120,6 +123,7 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     extra = peer.extra() if hasattr(peer, "extra") else {}
     basis = dict(peer.basis)
     all_times = comm.gather(times, root=0)
+    all_phases = comm.gather(phases, root=0)
     all_counts = comm.gather(per_step, root=0)
     all_extra = comm.gather(extra, root=0)
     all_hosts = comm.gather(os.environ.get("HVDSLIM_BENCH_HOST"), root=0)   # switched cluster
@@ -136,6 +140,7 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     more = {"backward_profile": profile(ready, clock.names, clock.numel)} if clock else {}
     return {**more, "peer": name, "status": "ok", "step_times_s": step_times,
             "rank_step_times_s": all_times, "per_rank_per_step": all_counts,
+            **({"rank_phase_steps_s": all_phases} if phases and phases[0] else {}),
             "extra": all_extra, "basis": basis, "warmup_steps": warm, "measured_steps": args.steps,
             "hosts": all_hosts, "local_size": local,
             "loadavg_before": load0, "loadavg_after": os.getloadavg()}

@@ -82,6 +82,9 @@ class Scenario:
     # every gradient is ready at once, after the compute (the synthetic workloads).
     ready: Tuple[Tuple[float, int], ...] = ()
     backward_end_s: float = 0.0
+    # hvd_slim's measured push readiness (.push_queue): per step, every rank's seconds from the
+    # exchange's start to its push. Empty: every rank pushes at once (net.gather).
+    push_ready: Tuple[Tuple[float, ...], ...] = ()
 
     @property
     def skewed(self) -> bool:

@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from . import net as nw
 from .bcast import bcast, libnbc_ibcast
+from .push_queue import staggered_gather
 from .scenario import PASSES, Prediction, Scenario, finish, serialized
 from .slim import step_bytes
 from .workloads import split
@@ -45,7 +46,7 @@ def hvd_slim(sc: Scenario, peer: str, select_s: Optional[float] = None,
         server = PASSES["hvd_slim-server-dense"] * big * lc.pass_s + \
             (2 * n * b.k + b.pull_coords) * lc.scatter
     comm = nw.bruck_allgather(sc.net, n, HEADER_ROW_BYTES)
-    comm.add(nw.gather(sc.net, n, root, b.push))
+    comm.add(staggered_gather(sc.net, n, root, b.push, sc.push_ready))
     comm.add(bcast(sc.net, n, root, 8, sc.bcast))
     comm.add(bcast(sc.net, n, root, b.pull, sc.bcast))
     algo = sc.bcast if sc.bcast != "libnbc" else libnbc_ibcast(n, b.pull)[0]

@@ -87,7 +87,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .inputs import Inputs, inputs_of, local_costs_of
@@ -210,6 +210,28 @@ def load_index(res: Dict[str, Any], calib: Calibration) -> Tuple[float, List[str
     return statistics.median(ratios.values()), sorted(ratios)
 
 
+def push_ready(peer: str, calib_peer: Dict[str, Any], ranks: int
+               ) -> Tuple[Tuple[float, ...], ...]:
+    """Per measured step of the calibration, every rank's ``prepare`` seconds (when its push
+    leaves, :mod:`.push_queue`), for a flat hvd_slim peer whose calibration recorded them
+    (``rank_phase_steps_s``); () otherwise."""
+    try:
+        flat = parse(peer)[0] == "hvd_slim"
+    except ValueError:
+        return ()
+    per_rank = calib_peer.get("rank_phase_steps_s") if _ok(calib_peer) else None
+    if not flat or not per_rank or len(per_rank) != ranks:
+        return ()
+    steps = min(len(r) for r in per_rank)
+    return tuple(tuple(float(per_rank[j][i]["prepare"]) for j in range(ranks))
+                 for i in range(steps))
+
+
+def _scaled(ready: Tuple[Tuple[float, ...], ...], load: float) -> Tuple[Tuple[float, ...], ...]:
+    """The calibration's ready times in this file's sitting: local work, times the load."""
+    return tuple(tuple(t * load for t in vec) for vec in ready)
+
+
 def rows_of(res: Dict[str, Any], inp: Inputs, calib: Optional[Calibration] = None,
             load: float = 1.0) -> List[Row]:
     """One row per modelled peer that ran. With ``calib``, a peer that also ran there is
@@ -225,11 +247,13 @@ def rows_of(res: Dict[str, Any], inp: Inputs, calib: Optional[Calibration] = Non
             parse(name)
         except ValueError:
             continue
-        pred = predict(name, inp.scenario, _sel(p))
-        row = Row(name, p["median_s"], pred, 0.0, p, pred.seconds)
         c = cal_peers.get(name) or {}
+        ready = push_ready(name, c, calib.inputs.scenario.ranks) if calib is not None else ()
+        here_sc = replace(inp.scenario, push_ready=_scaled(ready, load))
+        pred = predict(name, here_sc, _sel(p))
+        row = Row(name, p["median_s"], pred, 0.0, p, pred.seconds)
         if calib is not None and _ok(c):
-            there = predict(name, calib.inputs.scenario, _sel(c))
+            there = predict(name, replace(calib.inputs.scenario, push_ready=ready), _sel(c))
             row.calib, row.load, row.floors = (float(c["median_s"]), there.comm_s), load, floors
             added = row.local_m * load
             # overlapped: the later of the CPU path and the wire path (.overlap)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+import time
+
 import numpy as np
 
 from ..wire import message as wm
@@ -19,7 +21,17 @@ class ExchangeStats:
               "push_sparse_value_bytes", "push_index_bytes", "pull_header_bytes",
               "pull_value_bytes", "pull_dense_value_bytes", "pull_sparse_value_bytes",
               "pull_index_bytes", "compressed_dense_bytes", "select_seconds", "exchange_seconds",
-              "bytes_sent", "bytes_received", "local_bytes_sent", "local_bytes_received")
+              "bytes_sent", "bytes_received", "local_bytes_sent", "local_bytes_received",
+              "prepare_seconds", "push_seconds", "serve_seconds", "pull_seconds",
+              "apply_seconds")
+    # Wall-clock seconds, cumulative. The five phases split a step the way docs/design.md §2
+    # orders it, so a benchmark can tell this rank's CPU work (prepare: compensate, select and
+    # encode the push; serve: the server's aggregation; apply: decode and apply the pull) from
+    # its waits on the wire and on the slowest rank (push: the gather; pull: the broadcast).
+    # They cover the exchanges that pass through SlimExchange's phases (not hierarchical's host
+    # stages), so they can add up to less than exchange_seconds.
+    TIMINGS = ("select_seconds", "exchange_seconds", "prepare_seconds", "push_seconds",
+               "serve_seconds", "pull_seconds", "apply_seconds")
 
     def __init__(self, layout: Layout, size: int) -> None:
         self._layout = layout
@@ -31,8 +43,8 @@ class ExchangeStats:
         self.ring_bytes = int(round(2 * (size - 1) / size * grad_bytes)) if size > 1 else 0
         for f in self.FIELDS:
             setattr(self, f, 0)
-        self.select_seconds = 0.0
-        self.exchange_seconds = 0.0
+        for f in self.TIMINGS:
+            setattr(self, f, 0.0)
         self.last: Dict[str, int] = {}
         self.last_skip = ""   # why the last skipped step was skipped (every rank has the same)
 
@@ -59,6 +71,14 @@ class ExchangeStats:
         self._add(pull_header_bytes=len(buf) - values - index, pull_value_bytes=values,
                   pull_dense_value_bytes=dense, pull_sparse_value_bytes=values - dense,
                   pull_index_bytes=index)
+
+    def timed(self, phase: str, since: float) -> float:
+        """Add the seconds from ``since`` (a ``time.perf_counter()``) to ``<phase>_seconds``;
+        returns now, the next phase's start."""
+        now = time.perf_counter()
+        name = f"{phase}_seconds"
+        setattr(self, name, getattr(self, name) + (now - since))
+        return now
 
     def finish_step(self, seconds: float) -> None:
         self.steps += 1

@@ -147,6 +147,7 @@ class SlimExchange:
         except BaseException:
             worker.absorb()
             raise
+        self.stats.timed("prepare", t0)
         return Prepared(t, t0, selectors, sections, report)
 
     def communicate(self, prep: "Prepared") -> "Pending":
@@ -182,7 +183,9 @@ class SlimExchange:
         if not ok:
             self.worker.rollback(pending.selectors)
             return
+        start = time.perf_counter()
         self.worker.apply(pending.pulled, pending.t, pending.rendered)
+        self.stats.timed("apply", start)
         self.step_count += 1
         self.stats.finish_step(time.perf_counter() - pending.t0)
 
@@ -257,6 +260,7 @@ class SlimExchange:
         server, its shard's pushes in rank order; None elsewhere."""
         kind = wm.FLUSH_PUSH if flush else wm.PUSH
         bufs, bounds = [], []
+        start = time.perf_counter()
         for s in range(self.servers):
             buckets = self.shards.shard_buckets(t, s)
             bound = message_bound(push_expect(buckets, t, self.cfg.refresh_interval,
@@ -271,11 +275,13 @@ class SlimExchange:
             bufs.append(buf)
             bounds.append(bound)
         before = self.transport.stats.bytes_sent
+        start = self.stats.timed("prepare", start)   # encoding is local work before the push
         if self.servers == 1:
             gather = lambda: self.path.gather(self.transport, bufs[0], self.roots[0], bounds[0])
         else:
             gather = lambda: self.path.gather_many(self.transport, bufs, self.roots, bounds)
         gathered = self._collective(gather, f"the push of step {t}")
+        self.stats.timed("push", start)
         sent = self.transport.stats.bytes_sent - before
         self.stats.bytes_pushed += sent
         self.stats.last["bytes_pushed"] = sent
@@ -287,8 +293,11 @@ class SlimExchange:
         if self.server is None:
             return None
         bound = self._pull_bounds(t, flush)[self.shard]
+        start = time.perf_counter()
         try:
-            return self.server.serve(gathered, t, self.digest, flush, limit=bound)
+            reply = self.server.serve(gathered, t, self.digest, flush, limit=bound)
+            self.stats.timed("serve", start)
+            return reply
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
             return self.path.from_host(wm.encode_error(
                 self.rank, t, f"server rank {self.rank} failed at step {t}: "
@@ -310,11 +319,14 @@ class SlimExchange:
             else:
                 bcast = lambda: self.path.broadcast_many(self.transport, reply, self.roots,
                                                          bounds)
+            start = time.perf_counter()
             bufs = self._collective(bcast, f"the pull of step {t}")
+            start = self.stats.timed("pull", start)
             received = self.transport.stats.bytes_received - before
             self.stats.bytes_pulled += received
             self.stats.last["bytes_pulled"] = received
             sections = self.worker.read_pulls(bufs, t, flush)
+            self.stats.timed("apply", start)   # decoding the pull is the apply's first part
         finally:
             if self.server is not None and not (defer and sections is not None):
                 self.server.settle(sections is not None)

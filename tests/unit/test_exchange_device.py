@@ -10,13 +10,14 @@ import torch
 
 from hvd_slim.config import SlimConfig
 from hvd_slim.exchange import Layout, SlimExchange
+from hvd_slim.exchange.stats import ExchangeStats
 from hvd_slim.selection import backend
 from hvd_slim.transport import run_ranks
 from hvd_slim.transport.fake import FakeTransport
 
 from test_exchange import grad_for, make_params
 
-TIMINGS = ("select_seconds", "exchange_seconds")
+TIMINGS = ExchangeStats.TIMINGS
 
 
 @pytest.fixture

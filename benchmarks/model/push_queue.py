@@ -26,9 +26,29 @@ link, so the queue is that link. Bytes counted on each NIC are the plain gather'
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from typing import Any, Dict, Sequence, Tuple
 
 from . import net as nw
+
+Ready = Tuple[Tuple[float, ...], ...]   # per measured step, every rank's seconds to its push
+
+
+def ready_times(rec: Dict[str, Any], ranks: int) -> Ready:
+    """Per measured step, every rank's ``prepare`` seconds (when its push leaves) from a peer's
+    results record (``rank_phase_steps_s``: per rank, a ``{phase: seconds}`` per step); ()
+    when the record has none for ``ranks`` ranks."""
+    per_rank = rec.get("rank_phase_steps_s")
+    if not per_rank or len(per_rank) != ranks:
+        return ()
+    steps = min(len(r) for r in per_rank)
+    return tuple(tuple(float(per_rank[j][i]["prepare"]) for j in range(ranks))
+                 for i in range(steps))
+
+
+def scaled(ready: Ready, load: float) -> Ready:
+    """Ready times measured in one sitting, in another whose CPU work runs ``load`` times as
+    long (validate's load index)."""
+    return tuple(tuple(t * load for t in vec) for vec in ready)
 
 
 def _queue_end(net: nw.Network, n: int, root: int, each: float,

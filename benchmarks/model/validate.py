@@ -66,18 +66,28 @@ between Rabenseifner's steps and Gloo each received ring chunk before forwarding
 PowerSGD's products separate its allreduces. With 4 or 8 ranks on 2 cores there is no spare
 core to hide one behind the other.
 
-The sum is an upper bound where the ranks outnumber the cores and a wire phase leaves some
-ranks waiting while others still have work: the calibrated local work is every rank's work
-time-shared on the cores, and while one rank waits on the wire (hvd_slim's pushes into the one
-server NIC, its binomial pull) the others' work fills the cores. ``cluster_rerun``'s per-rank
-``exchange_s`` shows it: the slowest rank's exchange was shorter than the modelled wire plus
-the calibration's exchange (scaled by the job's own selection ratio) by 3-14 ms at 4 hosts and
-12-18 ms at 8 (single server, cnn1m, 100 Mbit/s; union's 35 ms there includes its pull's
-upper-bound size), by 0 to 2 ms at 2 hosts (a core per rank) and for the sharded peer (no long
-wire phase). So every single-server cnn1m step at 4 and 8 hosts is predicted slow (+11% to
-+34%). How much hides depends on when each rank's pre-push and post-pull work runs, which the
-results do not record (only the selection and the whole exchange are timed per rank), so it is
-not modelled; with a core per rank it does not arise.
+**hvd_slim's pushes queue at the server's NIC** (:mod:`.push_queue`). Where the ranks
+outnumber the cores they are not ready to push together: each one's prepare phase
+(compensate, select, encode) time-shares the cores, and their ends spread over 10-20 ms at 8
+ranks on 2 cores (cnn1m). A push leaves when its rank is ready, so the early pushes cross the
+server's NIC while the late ranks still compute, and the push adds only how long after the last
+rank is ready the last push lands. The ready times are the calibration's: every rank's
+``prepare`` seconds in every measured step (``rank_phase_steps_s``, from ``comm_stats()``'s
+phase timings), times the load index; each step is queued on its own and the median taken,
+on the calibration's network (where it is nearly nothing, as before) and on this file's. A
+calibration without them (before 4 December evening) gives the plain gather, every push at
+once. Until then every single-server cnn1m step at 4 and 8 hosts was predicted slow (+11% to
++34%): the sum of the calibrated local work and the whole serialized gather counted the hidden
+part of the push twice.
+
+With a core per rank the ranks are ready together and the queue is the plain gather, which is
+what the extrapolation (no measured ready times) assumes.
+
+What is still added in full: the pull. Its binomial broadcast reaches the ranks round by round,
+and a rank that has its pull may apply it while later ranks still wait on the wire, which would
+hide part of the apply. The per-rank phases show that part small here (2-4 ms of apply a rank
+against 4 ms a broadcast round at 100 Mbit/s), and it is not modelled. The sharded exchange
+pushes to every root at once and keeps the plain phase.
 
 A peer whose ``|error|`` exceeds the tolerance makes the command exit 1 (exit 2: a file without
 a calibration under --local-from).
@@ -91,6 +101,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .inputs import Inputs, inputs_of, local_costs_of
+from .push_queue import Ready, ready_times, scaled
 from .scenario import Prediction
 from .strategies import parse, predict
 from .tables import LEGEND_BYTES, LEGEND_CALIBRATED, LEGEND_DERIVED, net_words, table
@@ -210,26 +221,14 @@ def load_index(res: Dict[str, Any], calib: Calibration) -> Tuple[float, List[str
     return statistics.median(ratios.values()), sorted(ratios)
 
 
-def push_ready(peer: str, calib_peer: Dict[str, Any], ranks: int
-               ) -> Tuple[Tuple[float, ...], ...]:
-    """Per measured step of the calibration, every rank's ``prepare`` seconds (when its push
-    leaves, :mod:`.push_queue`), for a flat hvd_slim peer whose calibration recorded them
-    (``rank_phase_steps_s``); () otherwise."""
+def push_ready(peer: str, calib_peer: Dict[str, Any], ranks: int) -> Ready:
+    """The calibration's measured push readiness (:func:`.push_queue.ready_times`) for a flat
+    hvd_slim peer (one server NIC); () for any other peer or a failed run."""
     try:
         flat = parse(peer)[0] == "hvd_slim"
     except ValueError:
         return ()
-    per_rank = calib_peer.get("rank_phase_steps_s") if _ok(calib_peer) else None
-    if not flat or not per_rank or len(per_rank) != ranks:
-        return ()
-    steps = min(len(r) for r in per_rank)
-    return tuple(tuple(float(per_rank[j][i]["prepare"]) for j in range(ranks))
-                 for i in range(steps))
-
-
-def _scaled(ready: Tuple[Tuple[float, ...], ...], load: float) -> Tuple[Tuple[float, ...], ...]:
-    """The calibration's ready times in this file's sitting: local work, times the load."""
-    return tuple(tuple(t * load for t in vec) for vec in ready)
+    return ready_times(calib_peer, ranks) if flat and _ok(calib_peer) else ()
 
 
 def rows_of(res: Dict[str, Any], inp: Inputs, calib: Optional[Calibration] = None,
@@ -249,7 +248,7 @@ def rows_of(res: Dict[str, Any], inp: Inputs, calib: Optional[Calibration] = Non
             continue
         c = cal_peers.get(name) or {}
         ready = push_ready(name, c, calib.inputs.scenario.ranks) if calib is not None else ()
-        here_sc = replace(inp.scenario, push_ready=_scaled(ready, load))
+        here_sc = replace(inp.scenario, push_ready=scaled(ready, load))
         pred = predict(name, here_sc, _sel(p))
         row = Row(name, p["median_s"], pred, 0.0, p, pred.seconds)
         if calib is not None and _ok(c):

@@ -110,6 +110,24 @@ def test_conservation_and_identity(size, pull):
             assert float(server.server.memory[b.index].residual.abs().sum()) == 0.0
 
 
+@pytest.mark.parametrize("servers", [1, "all"])
+def test_the_phase_timings_split_each_rank_s_exchange(servers):
+    """comm_stats' five phases are disjoint parts of every step: each rank prepares and
+    applies, only the servers serve, the selection is part of the preparation, and together
+    they take no longer than the whole exchange (which also holds the handshake)."""
+    size = 3
+    res = simulate(size, 4, density=0.05, servers=servers_of(servers, size))
+    for rank, (_, _, ex, _) in enumerate(res):
+        st = ex.stats
+        phases = [getattr(st, f"{ph}_seconds")
+                  for ph in ("prepare", "push", "serve", "pull", "apply")]
+        assert all(x >= 0 for x in phases) and sum(phases) <= st.exchange_seconds, rank
+        assert st.prepare_seconds > 0 and st.apply_seconds > 0, rank
+        assert (st.serve_seconds > 0) == (ex.server is not None), rank
+        assert 0 < st.select_seconds <= st.prepare_seconds, rank
+        assert set(ex.stats.TIMINGS) <= set(ex.stats.as_dict())
+
+
 def servers_of(spec, size):
     """A ``servers`` value: 1, or one server shard per rank ("all", shards.py)."""
     return size if spec == "all" else spec

@@ -323,9 +323,11 @@ class _SlimOptimizer(torch.optim.Optimizer):
         ``ring_allreduce_bytes`` (what a ring allreduce would send per rank; with
         ``local_steps`` both count every local step, as data parallelism would allreduce at
         each, and ``local_steps_taken`` counts them), the per-part
-        breakdown, selection time and ``last_step``; ``skipped_steps`` and
-        ``last_skip_reason`` count the steps every rank skipped (a NaN/Inf under
-        ``nonfinite="flag"`` or ``"skip"``). ``bytes_sent`` and ``bytes_received`` count
+        breakdown, selection time, wall seconds per phase of the exchange
+        (``prepare_seconds``: compensate, select and encode; ``push_seconds``;
+        ``serve_seconds``, on a server; ``pull_seconds``; ``apply_seconds``) and ``last_step``;
+        ``skipped_steps`` and ``last_skip_reason`` count the steps every rank skipped (a NaN/Inf
+        under ``nonfinite="flag"`` or ``"skip"``). ``bytes_sent`` and ``bytes_received`` count
         everything this rank's transport moved in the exchange, its server shard's traffic
         included (``bytes_pushed``/``bytes_pulled`` are its worker side only); ``servers``
         is the number of server shards in force."""

@@ -189,14 +189,19 @@ class HierarchicalExchange:
         try:
             pulled = host.spread(t, status, error, values)
         except BaseException as exc:
-            kept = not isinstance(exc, NonFiniteGradientError)   # else nothing changes
+            # Which pieces keep the host's gradient (the carry with it) follows the verdicts
+            # every rank of the host read alike; only when none was read, this rank's error.
+            absorbed = host.absorbed()
+            if absorbed is None:
+                kept = not isinstance(exc, NonFiniteGradientError)   # else nothing changes
+                absorbed = [kept] * host.size
             if inner is not None and status in (OK, SKIPPED):   # a host-mate's verdict
-                if status == OK and kept:
+                if status == OK and absorbed[self.local_rank]:
                     self.inner.absorb(inner)
                 else:
                     self.inner.settle(inner, commit=False)
-            if kept:   # every piece's residual holds the host's gradient, the carry with it
-                host.taken()
+            if any(absorbed):
+                host.taken(absorbed)
             raise
         return HostPending(t, inner, pulled, prep.t0)
 

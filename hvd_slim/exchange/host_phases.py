@@ -73,6 +73,11 @@ class HostPhases:
                       f"{list(job_ranks)}[j])")
         self.carry: Dict[int, torch.Tensor] = {}   # by compressed bucket, on the CPU
         self._reduced = (0, 0)   # bytes out and in of this step's reduction
+        # Of the last reduction: whether a NaN/Inf poisoned the host's pieces. Of the last
+        # spread: every local rank's verdict (None until one was read), the same on every rank
+        # of the host, so each can tell which pieces a failed step kept (:meth:`absorbed`).
+        self.poisoned = False
+        self.verdicts: Optional[List[int]] = None
 
     def _watch(self, fn: Callable[[], Any], what: str) -> Any:
         return watch(self.local, self.cfg.timeout, fn, what, self.where)
@@ -109,6 +114,7 @@ class HostPhases:
         except ValueError as exc:
             raise ExchangeError(f"rank {self.rank}: {exc}") from None
         poisoned = self.cfg.nonfinite != "propagate" and any(fl & BAD for _, fl in mine)
+        self.poisoned = poisoned
         for k, i in enumerate(f.pieces_of(self.me)):
             acc = mine[0][0][k].clone()   # in local-rank order, the same on every run
             for parts, _ in mine[1:]:
@@ -126,6 +132,7 @@ class HostPhases:
         ``error`` to the host. Returns every local rank's pieces, or None when the host skips;
         raises ``error``, or the error another local rank reported, on every rank alike."""
         L, f, me = self.size, self.frames, self.me
+        self.verdicts = None
         if status == OK:
             payload = f.encode_spread(me, values)
         else:
@@ -142,6 +149,7 @@ class HostPhases:
             read = [f.decode_spread(buf, j) for j, buf in enumerate(got)]
         except ValueError as exc:
             raise ExchangeError(f"rank {self.rank}: {exc}") from None
+        self.verdicts = [head for head, _ in read]
         for j, (head, body) in enumerate(read):
             if head in (FAILED, NONFINITE):
                 if error is not None:
@@ -160,10 +168,33 @@ class HostPhases:
             parts = [body[b.index] for _, body in read if b.index in body]
             Layout.write_grads(b, torch.cat(parts).to(b.device))
 
-    def taken(self) -> None:
+    def absorbed(self) -> Optional[List[bool]]:
+        """After a spread that raised: per local rank, whether its cross exchange kept the
+        host's reduced pieces in its residual (a failure: FAILED, or OK beside a FAILED mate),
+        rather than dropping them (SKIPPED, NONFINITE, or all OK and NONFINITE: the step is
+        dropped). A poisoned host's pieces were never pushed (their NaN/Inf was reported
+        instead), so none kept them. None when no spread was read. The same on every rank of
+        the host."""
+        if self.verdicts is None:
+            return None
+        failed = FAILED in self.verdicts
+        return [not self.poisoned and (v == FAILED or (v == OK and failed))
+                for v in self.verdicts]
+
+    def taken(self, pieces: Optional[Sequence[bool]] = None) -> None:
         """The host's residuals now hold this rank's carry (the step that reduced it committed,
-        or kept the host's gradient in its residual pieces): forget it."""
-        self.carry = {}
+        or kept the host's gradient in its residual pieces): forget it. ``pieces``: per local
+        rank, whether its pieces took the carry in; the carry of the others stays for the next
+        reduction (a step whose pieces were partly kept and partly dropped)."""
+        if pieces is None or all(pieces):
+            self.carry = {}
+            return
+        for j, took in enumerate(pieces):
+            if took:
+                for i, _, n in self.frames.places[j]:
+                    if i in self.carry:
+                        lo = self.frames.bounds[i][j]
+                        self.carry[i][lo:lo + n] = 0
 
     def keep_own(self, payloads: Optional[List[np.ndarray]] = None) -> None:
         """This rank's gradient of the compressed buckets into its carry (checkpointed), so a

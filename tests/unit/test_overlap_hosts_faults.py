@@ -202,3 +202,60 @@ def test_a_failure_in_a_stages_local_phase_keeps_its_gradient(forward):
         return pulled, fed, held_by_name(ex)
 
     assert_conserved(run_hosts(HOSTS, fn))
+
+
+def test_a_double_fault_keeps_the_carry_of_the_pieces_it_dropped():
+    """Step 0 fails at stage 1, so stage 2's gradients wait in every rank's carry. In step 1
+    rank 3 sends an Inf in stage 2 (host 1's pieces are poisoned, so the cross exchange of
+    local rank 0 skips) while that of local rank 1 fails at its server (rank 1): host 0's
+    piece 1 keeps the host's gradient (a failure), its piece 0 and all of host 1 drop it (a
+    skip). The carry's share in the dropped pieces stays for the next step; the share piece 1
+    took in is forgotten (not counted twice). Whatever was kept, pulled or held adds up."""
+    config = config_of(op="sum", density=0.02, seed=2, nonfinite="skip")
+
+    def fn(rank, world, local, cross):
+        named = make_params()
+        ex = staged(config, HOSTS, world, local, cross, named, threaded=False)
+        hp = ex.stages[2].host_phases
+        fed, pulled = [], []
+        for t in range(4):
+            grads = feed(named, rank, t, inf=(t == 1))
+            if t == 0:
+                break_server(ex, rank)
+            if t == 1 and rank == 1:
+                def broken(*a, **kw):
+                    raise RuntimeError("injected")
+                ex.stages[2].inner.server.serve = broken
+            try:
+                ex.step()
+                pulled.append({name: p.grad.clone() for name, p in named})
+            except ExchangeError:
+                pass
+            if t == 0:
+                mend_server(ex, rank)
+                before = {i: c.clone() for i, c in hp.carry.items()}
+            if t == 1:
+                if rank == 1:
+                    del ex.stages[2].inner.server.serve
+                after = {i: c.clone() for i, c in hp.carry.items()}
+                kept = {"fc.weight": grads["fc.weight"]}   # stage 1 went through, absorbed
+                if HOSTS[rank] == 0:   # piece 1 of conv.weight (stage 2), at local rank 1
+                    (i, _, n), = hp.frames.places[1]
+                    lo = hp.frames.bounds[i][1]
+                    piece = torch.zeros_like(grads["conv.weight"]).view(-1)
+                    piece[lo:lo + n] = grads["conv.weight"].view(-1)[lo:lo + n]
+                    kept["conv.weight"] = piece.view_as(grads["conv.weight"])
+                grads = kept
+            fed.append(grads)
+        return pulled, fed, held_by_name(ex), (before, after, hp.frames)
+
+    res = run_hosts(HOSTS, fn)
+    for rank, (_, _, _, (before, after, frames)) in enumerate(res):
+        assert sorted(before) == sorted(after) == [0], rank   # conv.weight's bucket
+        want = before[0].clone()
+        if HOSTS[rank] == 0:   # piece 1 took host 0's carries in; piece 0 dropped them
+            (_, _, n), = frames.places[1]
+            lo = frames.bounds[0][1]
+            want[lo:lo + n] = 0
+        assert torch.equal(after[0], want), rank
+    assert_conserved(res)

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 
 from hvd_slim.config import SlimConfig, default_pull_density
 
-from . import plots
+from . import phases, plots
 
 # The reference figures (ResNet-18 shapes, 4 ranks, 1 Gbit/s), median s per step.
 REFERENCE = {"floor": 0.026, "mpi-allreduce": 2.28, "horovod": 2.29, "horovod-fp16": 1.17,
@@ -264,6 +264,7 @@ def markdown(res: Dict[str, Any]) -> str:
               "(N-1) x payload); others counted. comm = median - floor median; x compute = "
               "median / floor median (floor: the same step with no communication). Busiest NIC: "
               "the kernel's byte counters of the host NIC that sent (received) most.", ""]
+    lines += phases.table(res)
     if res["targets"]:
         lines += ["| target | measured | goal | met |", "|---|---:|---:|---|"]
         for t in res["targets"]:

@@ -23,7 +23,7 @@ the inputs' documented constant, and no token bucket. A negative difference woul
 to 0 (the table shows both terms). Peers missing from the calibration keep the derived local
 work, and the table marks each peer's compute + local as (m) measured or (d) derived.
 
-**The load index** (``load``, one number per file, :func:`load_index`). Each peer is its own
+**The load index** (``load``, one number per file, :func:`.calibration.load_index`). Each peer is its own
 ``mpirun`` job, and the calibration ran minutes from the file's jobs: the machine's speed for
 the same O(d) work drifted between them (other processes, the host; in the one sitting of
 ``cluster_rerun`` the floor, identical work, took 0.027 to 0.048 s). Both runs time one piece
@@ -34,21 +34,18 @@ selection / the calibration's): how much faster or slower the same CPU work ran 
 sitting. A ratio counts only when both runs ran the same selection code (hvd_slim's by
 ``machine.hvd_slim_sha256``, top-k's torch.topk by ``machine.torch``): the timings of two
 versions of a selector measure the change of code, not the machine's load. It scales every
-peer's calibrated added local work. The median keeps one job's drift from setting the file's.
-Why not the floors' ratio: it is one job of 8 steps and moved by 77% within the sitting; when
-the floor was still scored, 59 of the 81 steps of ``cluster_rerun`` were within 25% scaled by
-it against 75 with the selection's median. ``--no-load-correction`` sets ``load`` to 1.
+peer's calibrated added local work. The median keeps one job's drift from setting the file's
+(the floors' ratio, one job of 8 steps, moved by 77% within a sitting).
+``--no-load-correction`` sets ``load`` to 1.
 
 **Compute is this file's floor**, as without a calibration: the model takes compute time as an
 input, and the floor (the same forward/backward or gradient writes, no exchange) is its
 measurement in the same sitting. Only what a peer adds to the floor comes from the
-calibration. The floor is then an input, not scored. (Until 3 December the calibration's floor,
-times the load index, stood for compute, and the floor was scored: in ``cluster_rerun`` two
-jobs' floors missed by +57% and +64%, 0.027 s measured against the calibration's 0.048 s, and
-every peer of those files carried the difference.)
+calibration. The floor is then an input, not scored. (The history of these rules, with the
+misses each one removed: docs/performance.md, "The cost model".)
 
-Nothing is fitted to a step time: the inputs from the calibration are one number per peer and
-one per file, and the model's own communication time on the loopback (small there: tens of
+Nothing is fitted to a step time: the inputs from the calibration are one number per peer (and
+for hvd_slim's single server its ranks' measured ready times, below) and one per file, and the model's own communication time on the loopback (small there: tens of
 Gbit/s) is what is removed. The load index is measured in the validated file itself, as the
 floor and the selections are without --local-from: the predictions know the file's CPU speed,
 not its step times.
@@ -76,9 +73,8 @@ rank is ready the last push lands. The ready times are the calibration's: every 
 phase timings), times the load index; each step is queued on its own and the median taken,
 on the calibration's network (where it is nearly nothing, as before) and on this file's. A
 calibration without them (before 4 December evening) gives the plain gather, every push at
-once. Until then every single-server cnn1m step at 4 and 8 hosts was predicted slow (+11% to
-+34%): the sum of the calibrated local work and the whole serialized gather counted the hidden
-part of the push twice.
+once, which counted the hidden part of the push twice (single-server cnn1m steps at 4 and 8
+hosts predicted +11% to +34% slow).
 
 With a core per rank the ranks are ready together and the queue is the plain gather, which is
 what the extrapolation (no measured ready times) assumes.
@@ -95,11 +91,12 @@ a calibration under --local-from).
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .calibration import (Calibration, calibration_for, floor_median, load_calibration,
+                          load_index, selection_s, succeeded)
 from .inputs import Inputs, inputs_of, local_costs_of
 from .push_queue import Ready, ready_times, scaled
 from .scenario import Prediction
@@ -141,86 +138,6 @@ class Row:
         return max(0.0, self.calib[0] - comm - self.floors[1])
 
 
-@dataclass
-class Calibration:
-    """A calibration run's results and its scenario (the network its communication is
-    modelled on)."""
-
-    path: str
-    res: Dict[str, Any]
-    inputs: Inputs
-
-
-def load_calibration(path: str) -> Calibration:
-    with open(path, encoding="utf-8") as f:
-        res = json.load(f)
-    return Calibration(path, res, inputs_of(res))
-
-
-def _key(res: Dict[str, Any]) -> Tuple[str, int, int]:
-    settings = res.get("settings", {})
-    return (str(settings.get("model")), int(settings.get("ranks", 0)),
-            int(settings.get("ranks_per_host") or 1))
-
-
-def _named(key: Tuple[str, int, int]) -> str:
-    per_host = f", {key[2]} per host" if key[2] != 1 else ""
-    return f"model {key[0]!r}, {key[1]} ranks{per_host}"
-
-
-def calibration_for(res: Dict[str, Any], calibs: Sequence[Calibration],
-                    path: str = "results") -> Calibration:
-    """The one calibration with the same ``settings.model``, ``settings.ranks`` and
-    ``settings.ranks_per_host`` (hosts of several ranks: ``hierarchical=True`` does other work)
-    as ``res``; ValueError when there is none or more than one."""
-    want = _key(res)
-    hits = [c for c in calibs if _key(c.res) == want]
-    if len(hits) != 1:
-        have = ", ".join(f"{c.path} ({_named(_key(c.res))})" for c in calibs) or "none"
-        what = "no calibration" if not hits else f"{len(hits)} calibrations"
-        raise ValueError(f"{what} for {path} ({_named(want)}) among --local-from: {have}")
-    return hits[0]
-
-
-def _ok(p: Dict[str, Any]) -> bool:
-    return p.get("status") == "ok" and bool(p.get("median_s"))
-
-
-def _sel(p: Dict[str, Any]) -> Optional[float]:
-    sel = p.get("select_ms_per_step")
-    return None if sel is None else sel / 1e3
-
-
-def _floor(res: Dict[str, Any]) -> float:
-    """A results file's floor median (0: it ran none)."""
-    p = res.get("peers", {}).get("floor") or {}
-    return float(p["median_s"]) if _ok(p) else 0.0
-
-
-def _same_selector(peer: str, res: Dict[str, Any], calib: Calibration) -> bool:
-    """Whether both runs timed the same selection code for ``peer``: hvd_slim's own selector
-    (``machine.hvd_slim_sha256``) or torch.topk (``machine.torch``)."""
-    key = "hvd_slim_sha256" if peer.startswith("hvd_slim") else "torch"
-    mine, theirs = (res.get("machine") or {}).get(key), (calib.res.get("machine") or {}).get(key)
-    return mine == theirs
-
-
-def load_index(res: Dict[str, Any], calib: Calibration) -> Tuple[float, List[str]]:
-    """(The file's load index, the peers it is the median over): the median over the peers that
-    ran in both files with a selection timed in both, by the same code, of (its selection here
-    / there); 1.0 when no peer has one."""
-    cal_peers = calib.res.get("peers", {})
-    ratios: Dict[str, float] = {}
-    for name, p in res.get("peers", {}).items():
-        c = cal_peers.get(name) or {}
-        here, there = _sel(p) if _ok(p) else None, _sel(c) if _ok(c) else None
-        if here and there and _same_selector(name, res, calib):
-            ratios[name] = here / there
-    if not ratios:
-        return 1.0, []
-    return statistics.median(ratios.values()), sorted(ratios)
-
-
 def push_ready(peer: str, calib_peer: Dict[str, Any], ranks: int) -> Ready:
     """The calibration's measured push readiness (:func:`.push_queue.ready_times`) for a flat
     hvd_slim peer (one server NIC); () for any other peer or a failed run."""
@@ -228,7 +145,7 @@ def push_ready(peer: str, calib_peer: Dict[str, Any], ranks: int) -> Ready:
         flat = parse(peer)[0] == "hvd_slim"
     except ValueError:
         return ()
-    return ready_times(calib_peer, ranks) if flat and _ok(calib_peer) else ()
+    return ready_times(calib_peer, ranks) if flat and succeeded(calib_peer) else ()
 
 
 def rows_of(res: Dict[str, Any], inp: Inputs, calib: Optional[Calibration] = None,
@@ -237,10 +154,10 @@ def rows_of(res: Dict[str, Any], inp: Inputs, calib: Optional[Calibration] = Non
     predicted as its calibrated local work times ``load`` plus the model's communication on
     ``res``'s network; the others keep the derived local work."""
     cal_peers = calib.res.get("peers", {}) if calib else {}
-    floors = (_floor(res), _floor(calib.res) if calib else 0.0)
+    floors = (floor_median(res), floor_median(calib.res) if calib else 0.0)
     out = []
     for name, p in res.get("peers", {}).items():
-        if not _ok(p):
+        if not succeeded(p):
             continue
         try:
             parse(name)
@@ -249,10 +166,10 @@ def rows_of(res: Dict[str, Any], inp: Inputs, calib: Optional[Calibration] = Non
         c = cal_peers.get(name) or {}
         ready = push_ready(name, c, calib.inputs.scenario.ranks) if calib is not None else ()
         here_sc = replace(inp.scenario, push_ready=scaled(ready, load))
-        pred = predict(name, here_sc, _sel(p))
+        pred = predict(name, here_sc, selection_s(p))
         row = Row(name, p["median_s"], pred, 0.0, p, pred.seconds)
-        if calib is not None and _ok(c):
-            there = predict(name, replace(calib.inputs.scenario, push_ready=ready), _sel(c))
+        if calib is not None and succeeded(c):
+            there = predict(name, replace(calib.inputs.scenario, push_ready=ready), selection_s(c))
             row.calib, row.load, row.floors = (float(c["median_s"]), there.comm_s), load, floors
             added = row.local_m * load
             # overlapped: the later of the CPU path and the wire path (.overlap)

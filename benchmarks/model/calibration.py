@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .inputs import Inputs, inputs_of
 
-__all__ = ["Calibration", "calibration_for", "load_calibration", "load_index", "succeeded", "selection_s",
-           "floor_median"]
+__all__ = ["Calibration", "calibration_for", "floor_median", "load_calibration", "load_index",
+           "selection_s", "succeeded"]
 
 
 @dataclass
@@ -88,7 +88,8 @@ def load_index(res: Dict[str, Any], calib: Calibration) -> Tuple[float, List[str
     ratios: Dict[str, float] = {}
     for name, p in res.get("peers", {}).items():
         c = cal_peers.get(name) or {}
-        here, there = selection_s(p) if succeeded(p) else None, selection_s(c) if succeeded(c) else None
+        here = selection_s(p) if succeeded(p) else None
+        there = selection_s(c) if succeeded(c) else None
         if here and there and _same_selector(name, res, calib):
             ratios[name] = here / there
     if not ratios:

@@ -23,8 +23,9 @@ the inputs' documented constant, and no token bucket. A negative difference woul
 to 0 (the table shows both terms). Peers missing from the calibration keep the derived local
 work, and the table marks each peer's compute + local as (m) measured or (d) derived.
 
-**The load index** (``load``, one number per file, :func:`.calibration.load_index`). Each peer is its own
-``mpirun`` job, and the calibration ran minutes from the file's jobs: the machine's speed for
+**The load index** (``load``, one number per file, :func:`.calibration.load_index`). Each
+peer is its own ``mpirun`` job, and the calibration ran minutes from the file's jobs: the
+machine's speed for
 the same O(d) work drifted between them (other processes, the host; in the one sitting of
 ``cluster_rerun`` the floor, identical work, took 0.027 to 0.048 s). Both runs time one piece
 of that work on its own, outside the step's wire time: the selection (``select_ms_per_step``,
@@ -45,10 +46,11 @@ calibration. The floor is then an input, not scored. (The history of these rules
 misses each one removed: docs/performance.md, "The cost model".)
 
 Nothing is fitted to a step time: the inputs from the calibration are one number per peer (and
-for hvd_slim's single server its ranks' measured ready times, below) and one per file, and the model's own communication time on the loopback (small there: tens of
-Gbit/s) is what is removed. The load index is measured in the validated file itself, as the
-floor and the selections are without --local-from: the predictions know the file's CPU speed,
-not its step times.
+for hvd_slim's single server its ranks' measured ready times, below) and one per file, and the
+model's own communication time on the loopback (small there: tens of Gbit/s) is what is
+removed. The load index is measured in the validated file itself, as the floor and the
+selections are without --local-from: the predictions know the file's CPU speed, not its step
+times.
 
 **Horovod over a real backward overlaps** (:mod:`.overlap`): its allreduces start as the
 gradients come in (the floor's measured ``backward_profile``), and the step is the later of
@@ -57,10 +59,10 @@ floor + the wire's end past ``backward()``); its added work is the calibration's
 its floor, the loopback's wire being hidden behind that backward.
 
 Otherwise wire time and CPU work *add*: every other peer exchanges after its backward, and
-the CPU work in the exchange sits in its critical path: hvd_slim encodes before its push and the server
-aggregates and selects after the gather, top-k selects before its allgather, MPI reduces
-between Rabenseifner's steps and Gloo each received ring chunk before forwarding it, and
-PowerSGD's products separate its allreduces. With 4 or 8 ranks on 2 cores there is no spare
+the CPU work in the exchange sits in its critical path: hvd_slim encodes before its push and
+the server aggregates and selects after the gather, top-k selects before its allgather, MPI
+reduces between Rabenseifner's steps and Gloo each received ring chunk before forwarding it,
+and PowerSGD's products separate its allreduces. With 4 or 8 ranks on 2 cores there is no spare
 core to hide one behind the other.
 
 **hvd_slim's pushes queue at the server's NIC** (:mod:`.push_queue`). Where the ranks

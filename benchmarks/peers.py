@@ -15,11 +15,14 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from hvd_slim.exchange.stats import ExchangeStats
+
 from .models import Workload
 from .topk import TopKErrorFeedback, average
 
 # hvd_slim's per-rank phase timings (comm_stats' <phase>_seconds), reported as <phase>_s.
-PHASES = ("prepare", "push", "serve", "pull", "apply")
+PHASES = ExchangeStats.PHASES
+
 SMALL_NUMEL = 4096   # below this a tensor is averaged dense (as hvd_slim's min_compress_numel)
 LR, MOMENTUM = 0.01, 0.9
 
@@ -204,7 +207,7 @@ class Slim(Peer):
         return {"handed_sent": st["bytes_pushed"], "handed_recv": st["bytes_pulled"],
                 "wire_sent": st["bytes_pushed"], "wire_recv": st["bytes_pulled"],
                 "select_s": st["select_seconds"], "exchange_s": st["exchange_seconds"],
-                **{f"{ph}_s": v for ph, v in self.phases().items()},
+                **{f"{ph}_s": st[f"{ph}_seconds"] for ph in PHASES},
                 "ring_allreduce_bytes": st["ring_allreduce_bytes"],
                 "dense_bytes": st["dense_bytes"], "steps": st["steps"]}
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List
 
-PHASES = ("prepare", "push", "serve", "pull", "apply")
+from hvd_slim.exchange.stats import ExchangeStats
+
+PHASES = ExchangeStats.PHASES
 
 
 def medians(per_step: List[Dict[str, float]]) -> Dict[str, float]:

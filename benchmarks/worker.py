@@ -102,22 +102,24 @@ def run_peer(name: str, args: argparse.Namespace, comm: Any) -> Dict[str, Any]:
     times: List[float] = []
     phases: List[Dict[str, float]] = []   # hvd_slim's phase seconds of each measured step
     c0: Dict[str, float] = {}
+    before = peer.phases()   # then each step's end is the next one's start
     for i in range(warm + args.steps):
         comm.Barrier()
         if i == warm:
             c0 = {**_numeric(peer.counters()), **nic_bytes()}
-        before = peer.phases()
         t0 = time.perf_counter()
         peer.zero_grad()
         work.backward(i, peer.module)
         t_back = time.perf_counter()
         peer.step()
         dt = time.perf_counter() - t0
+        after = peer.phases()
         if i >= warm:
             times.append(dt)
-            phases.append({k: v - before[k] for k, v in peer.phases().items()})
+            phases.append({k: v - before[k] for k, v in after.items()})
             if clock is not None:
                 clock.mark(t0, t_back)
+        before = after
     c1 = {**_numeric(peer.counters()), **nic_bytes()}
     per_step = {k: (v - c0.get(k, 0.0)) / args.steps for k, v in c1.items()}
     extra = peer.extra() if hasattr(peer, "extra") else {}

@@ -62,8 +62,7 @@ def _queue_end(net: nw.Network, n: int, root: int, each: float,
     for t, j in sorted((ready[j], j) for j in range(n)
                        if j != root and (net.shared or net.endpoint(j) != dst)):
         start = max(t, free_at)
-        if free_at > float("-inf"):
-            tokens = min(burst, tokens + (start - free_at) * rate)
+        tokens = min(burst, tokens + (start - free_at) * rate)   # first push: idle forever
         free = min(each, tokens)
         tokens -= free
         own = 0.0   # on a shared link the link is the queue; switched, the sender's NIC too

@@ -1,9 +1,8 @@
 """Counted bytes and times of one rank's exchange, as ``comm_stats()`` reports them."""
 from __future__ import annotations
 
-from typing import Dict, List
-
 import time
+from typing import Dict, List
 
 import numpy as np
 
@@ -16,22 +15,21 @@ class ExchangeStats:
     breakdowns come from the encoded message layout and add up to the same totals (less the
     transport's length words)."""
 
+    # Wall-clock seconds, cumulative, of the five phases that split a step the way docs/design.md
+    # §2 orders it, so a benchmark can tell this rank's CPU work (prepare: compensate, select
+    # and encode the push; serve: the server's aggregation; apply: decode and apply the pull)
+    # from its waits on the wire and on the slowest rank (push: the gather; pull: the
+    # broadcast). They cover the exchanges that pass through SlimExchange's phases (not
+    # hierarchical's host stages), so they can add up to less than exchange_seconds.
+    PHASES = ("prepare", "push", "serve", "pull", "apply")
     FIELDS = ("steps", "skipped_steps", "flushes", "bytes_pushed", "bytes_pulled", "dense_bytes",
               "ring_allreduce_bytes", "push_header_bytes", "push_dense_value_bytes",
               "push_sparse_value_bytes", "push_index_bytes", "pull_header_bytes",
               "pull_value_bytes", "pull_dense_value_bytes", "pull_sparse_value_bytes",
               "pull_index_bytes", "compressed_dense_bytes", "select_seconds", "exchange_seconds",
-              "bytes_sent", "bytes_received", "local_bytes_sent", "local_bytes_received",
-              "prepare_seconds", "push_seconds", "serve_seconds", "pull_seconds",
-              "apply_seconds")
-    # Wall-clock seconds, cumulative. The five phases split a step the way docs/design.md §2
-    # orders it, so a benchmark can tell this rank's CPU work (prepare: compensate, select and
-    # encode the push; serve: the server's aggregation; apply: decode and apply the pull) from
-    # its waits on the wire and on the slowest rank (push: the gather; pull: the broadcast).
-    # They cover the exchanges that pass through SlimExchange's phases (not hierarchical's host
-    # stages), so they can add up to less than exchange_seconds.
-    TIMINGS = ("select_seconds", "exchange_seconds", "prepare_seconds", "push_seconds",
-               "serve_seconds", "pull_seconds", "apply_seconds")
+              "bytes_sent", "bytes_received", "local_bytes_sent", "local_bytes_received"
+              ) + tuple(f"{ph}_seconds" for ph in PHASES)
+    TIMINGS = ("select_seconds", "exchange_seconds") + tuple(f"{ph}_seconds" for ph in PHASES)
 
     def __init__(self, layout: Layout, size: int) -> None:
         self._layout = layout

@@ -111,3 +111,16 @@ def test_ranks_per_host_off_the_switched_cluster_names_hosts_by_key_only():
     assert not any("HVD_SLIM_HOST_KEY" in a for a in plain)
     with pytest.raises(SystemExit):   # argparse's error: 3 ranks are not hosts of 2
         run.parse_args(["--net", "loopback", "--ranks", "3", "--ranks-per-host", "2"])
+
+
+def test_every_rank_records_its_phases_in_every_measured_step(result):
+    """The per-step phase seconds the model's push queue reads (rank_phase_steps_s): every
+    rank, every measured step, only the server serving; no phases for the other peers."""
+    for name, p in result["peers"].items():
+        if not name.startswith("hvd_slim-"):
+            assert "rank_phase_steps_s" not in p, name
+            continue
+        ranks = p["rank_phase_steps_s"]
+        assert len(ranks) == 2 and all(len(r) == p["steps_measured"] for r in ranks), name
+        assert all(s["prepare"] > 0 and s["apply"] > 0 for r in ranks for s in r), name
+        assert all(s["serve"] > 0 for s in ranks[0]) and all(s["serve"] == 0 for s in ranks[1])

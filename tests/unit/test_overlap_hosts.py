@@ -26,6 +26,20 @@ def staged(config, hosts_of, world, local, cross, named, threaded=True):
                               part, config, world, local, cross, hosts_of, plan))
 
 
+def break_server(ex, rank, stage=1, at=0):
+    """Stage ``stage``'s cross exchange fails at its server on rank ``at`` (``mend_server``
+    undoes it): every rank of that cross exchange raises at that stage."""
+    if rank == at:
+        def broken(*a, **kw):
+            raise RuntimeError("injected")
+        ex.stages[stage].inner.server.serve = broken
+
+
+def mend_server(ex, rank, stage=1, at=0):
+    if rank == at:
+        del ex.stages[stage].inner.server.serve
+
+
 def config_of(**kw):
     return SlimConfig(min_compress_numel=kw.pop("min_compress_numel", 1000), overlap=3, **kw)
 
@@ -131,16 +145,13 @@ def test_a_failed_stage_raises_everywhere_and_every_gradient_is_kept():
             for name, p in named:
                 p.grad = grad_for(rank, t, name, p.shape)
             fed.append({name: p.grad.clone() for name, p in named})
-            if t == 1 and rank == 0:
-                def broken(*a, **kw):
-                    raise RuntimeError("injected")
-                ex.stages[1].inner.server.serve = broken
+            if t == 1:
+                break_server(ex, rank)
             try:
                 ex.step()
             except ExchangeError as exc:
                 failed = (t, str(exc)[:60], bool(ex.stages[2].host_phases.carry))
-                if rank == 0:
-                    del ex.stages[1].inner.server.serve
+                mend_server(ex, rank)
                 if reload:
                     state = ex.state_dict()
                     named = make_params()

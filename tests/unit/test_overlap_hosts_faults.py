@@ -11,25 +11,13 @@ from hvd_slim.exchange import Layout
 from hvd_slim.exchange.errors import ExchangeError, NonFiniteGradientError
 from hvd_slim.exchange.hierarchy import HierarchicalExchange
 
-from test_exchange import SHAPES, grad_for, make_params, total
+from test_exchange import grad_for, make_params, total
 from test_hierarchy import held_by_name, host_numbers, run_hosts
-from test_overlap_hosts import config_of, staged
+from test_overlap_hosts import break_server, config_of, mend_server, staged
 
+# break_server's default: stage 1's cross exchange fails at its server (host 0, local rank 0,
+# which is rank 0): every rank raises at stage 1; stage 2, never begun, goes to each rank's carry.
 HOSTS = host_numbers(2, 2)
-
-
-def break_server(ex, rank):
-    """Stage 1's cross exchange fails at its server (host 0, local rank 0, which is rank 0):
-    every rank raises at stage 1; stage 2, never begun, goes to each rank's carry."""
-    if rank == 0:
-        def broken(*a, **kw):
-            raise RuntimeError("injected")
-        ex.stages[1].inner.server.serve = broken
-
-
-def mend_server(ex, rank):
-    if rank == 0:
-        del ex.stages[1].inner.server.serve
 
 
 def feed(named, rank, t, inf=False):
@@ -222,10 +210,8 @@ def test_a_double_fault_keeps_the_carry_of_the_pieces_it_dropped():
             grads = feed(named, rank, t, inf=(t == 1))
             if t == 0:
                 break_server(ex, rank)
-            if t == 1 and rank == 1:
-                def broken(*a, **kw):
-                    raise RuntimeError("injected")
-                ex.stages[2].inner.server.serve = broken
+            if t == 1:   # the cross exchange of local rank 1, served by rank 1
+                break_server(ex, rank, stage=2, at=1)
             try:
                 ex.step()
                 pulled.append({name: p.grad.clone() for name, p in named})
@@ -235,8 +221,7 @@ def test_a_double_fault_keeps_the_carry_of_the_pieces_it_dropped():
                 mend_server(ex, rank)
                 before = {i: c.clone() for i, c in hp.carry.items()}
             if t == 1:
-                if rank == 1:
-                    del ex.stages[2].inner.server.serve
+                mend_server(ex, rank, stage=2, at=1)
                 after = {i: c.clone() for i, c in hp.carry.items()}
                 kept = {"fc.weight": grads["fc.weight"]}   # stage 1 went through, absorbed
                 if HOSTS[rank] == 0:   # piece 1 of conv.weight (stage 2), at local rank 1

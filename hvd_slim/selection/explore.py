@@ -16,6 +16,7 @@ receiver regenerates the same set from the same key and explored indices never t
 """
 from __future__ import annotations
 
+import threading
 from typing import Sequence, Union
 
 import numpy as np
@@ -43,9 +44,30 @@ def _rng_words(key: Sequence[int], count: int) -> np.ndarray:
         # Fixed two words per entry: SeedSequence alone would map (1, 2) and (1, 2, 0), or
         # (2**32,) and (0, 1), to the same pool.
         words += [v & 0xFFFFFFFF, v >> 32]
-    seed = np.random.SeedSequence(words).generate_state(2, dtype=np.uint64)
-    bitgen = np.random.Philox(key=seed)
-    return np.asarray(bitgen.random_raw(count), dtype=np.uint64)
+    # The same pool as from the list of ints (each is one 32-bit word), 3x cheaper to build.
+    seed = np.random.SeedSequence(np.array(words, dtype=np.uint32)).generate_state(
+        2, dtype=np.uint64)
+    return _PHILOX.draw(seed, count)
+
+
+class _Philox(threading.local):
+    """One Philox generator per thread, rekeyed for each draw: the stream of a fresh
+    ``np.random.Philox(key=seed)``, without building one (a quarter of the cost). Per thread,
+    since a communication thread explores while the caller's thread may too."""
+
+    def __init__(self) -> None:
+        self.gen = np.random.Philox(key=np.zeros(2, dtype=np.uint64))
+        self.zero4 = np.zeros(4, dtype=np.uint64)
+
+    def draw(self, seed: np.ndarray, count: int) -> np.ndarray:
+        # A fresh generator's state: counter 0, the key, and nothing buffered.
+        self.gen.state = {"bit_generator": "Philox",
+                          "state": {"counter": self.zero4, "key": seed},
+                          "buffer": self.zero4, "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
+        return np.asarray(self.gen.random_raw(count), dtype=np.uint64)
+
+
+_PHILOX = _Philox()
 
 
 def _uniform(raw: np.ndarray) -> np.ndarray:
@@ -87,22 +109,31 @@ def _core_on_device(core: torch.Tensor, d: int) -> torch.Tensor:
 
 def _positions(key: Sequence[int], m: int, c: int) -> np.ndarray:
     """``c`` sorted complement positions in [0, m), stratified on a randomly rotated ring."""
-    raw = _rng_words(key, c + 1)
-    rot = min(int(_uniform(raw[:1])[0] * m), m - 1)   # ring rotation, uniform in [0, m)
-    i = np.arange(c + 1, dtype=np.int64)
+    u = _uniform(_rng_words(key, c + 1))
+    rot = min(int(u[0] * m), m - 1)   # ring rotation, uniform in [0, m)
+    bounds = np.arange(c + 1, dtype=np.int64)
     if c * m < 1 << 62:
-        bounds = (i * m) // c     # exact integer stratum bounds
+        bounds *= m
+        bounds //= c              # exact integer stratum bounds
     else:                         # i * m would overflow int64: float bounds, still increasing
-        bounds = np.floor(i * (m / c)).astype(np.int64)
+        bounds = np.floor(bounds * (m / c)).astype(np.int64)
         bounds[-1] = m
-    lo, width = bounds[:-1], np.diff(bounds)   # every width >= 1 since c <= m
-    pick = lo + np.minimum((_uniform(raw[1:]) * width).astype(np.int64), width - 1)
+    lo = bounds[:-1]
+    width = bounds[1:] - lo       # every width >= 1 since c <= m
+    u = u[1:]
+    u *= width
+    pick = u.astype(np.int64)
+    width -= 1
+    np.minimum(pick, width, out=pick)
+    pick += lo
 
     # Undo the rotation: positions >= m - rot wrap to the front. Both runs are ascending, so
     # the result is sorted by moving the wrapped tail ahead (no sort needed).
-    pos = pick + rot
-    split = int(np.searchsorted(pos, m, side="left"))
-    return np.concatenate([pos[split:] - m, pos[:split]])
+    pick += rot
+    split = int(np.searchsorted(pick, m, side="left"))
+    if split == c:
+        return pick
+    return np.concatenate([pick[split:] - m, pick[:split]])
 
 
 def explore(d: int, core: torch.Tensor, k_e: int, key: Sequence[int]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -252,6 +253,37 @@ def test_explore_golden_output():
 
 
 GOLDEN = [11, 21, 25, 34, 46, 48]
+
+
+def test_explore_golden_output_of_wide_keys_and_a_full_complement():
+    # Key entries past 32 bits (two words each) and a draw of every non-core coordinate, pinned
+    # from the implementation that built a fresh SeedSequence and Philox per call.
+    out = explore(10 ** 6, torch.arange(0, 10 ** 6, 1000), 12,
+                  (2 ** 64 - 1, 1, 2 ** 40 + 3, 2 ** 33, 7))
+    assert out.tolist() == [34855, 109539, 164222, 287491, 375900, 472505, 553864, 612211,
+                            672116, 736158, 830592, 960902]
+    core = torch.tensor([0, 1, 2, 10, 20, 30, 40, 49])
+    assert explore(50, core, 50, (3,)).tolist() == sorted(set(range(50)) - set(core.tolist()))
+
+
+def test_explore_from_many_threads_matches_one_thread():
+    # Each thread rekeys its own generator: concurrent draws (the communication thread and the
+    # caller's) must not see each other's state.
+    d, core = 200_000, torch.arange(0, 200_000, 97)
+    keys = [(5, r % 2, r, t, 0) for r in range(4) for t in range(25)]
+    want = [explore(d, core, 300, key) for key in keys]
+    got = [None] * len(keys)
+
+    def work(lo: int) -> None:
+        for i in range(lo, len(keys), 4):
+            got[i] = explore(d, core, 300, keys[i])
+
+    threads = [threading.Thread(target=work, args=(lo,)) for lo in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def _frequencies(d, core, k_e, keys):

@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
+# ConfigError stays importable from here, where every caller has always found it.
+from .config_checks import (ConfigError, _check_fraction, _check_int, _check_local_steps,
+                            _check_outer_delay, _check_overlap, _check_overlap_forward,
+                            _check_timeout, _is_number)
 from .wire.values import VALUE_BITS
 
 PULL_MODES = ("slim", "union")
@@ -23,7 +26,6 @@ OPS = ("average", "sum")
 # torch.amp.GradScaler's found_inf is set identically on every rank (Horovod's AMP pattern).
 NONFINITE_MODES = ("flag", "skip", "raise", "propagate")
 ADAM_VARIANCE_MODES = ("auto", "rescaled", "live")
-OUTER_DELAYS = (0, 1)
 ENV_PREFIX = "HVD_SLIM_"
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
 ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
@@ -52,98 +54,12 @@ PULL_RATIO, PULL_MAX_RATIO, PULL_FLOOR = 2.0, 4.0, 0.004
 # falls geometrically to the target over about 1/density steps, the time error feedback takes to
 # fill its residuals (an average coordinate is first sent after ~1/density steps).
 WARMUP_BOOST = 8.0
-# overlap=True: stages per step. Each stage is one more gather and broadcast per step (a round
-# trip of latency), so a few suffice to hide most of an exchange behind backward.
-OVERLAP_STAGES = 4
 
 
 def default_pull_density(density: float) -> float:
     """The pull density used when ``pull_density`` is not given: ``max(2 * density,
     min(4 * density, 0.004))``, at most 1 (0.04 at the default density, 0.004 at 0.001)."""
     return min(1.0, max(PULL_RATIO * density, min(PULL_MAX_RATIO * density, PULL_FLOOR)))
-
-
-class ConfigError(ValueError):
-    """A Slim-DP keyword is out of range or conflicts with another one. ``field`` names it."""
-
-    def __init__(self, message: str, field: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-def _is_number(x: Any) -> bool:
-    # numbers.Real admits numpy scalars (np.float32 is not a float subclass); bool is excluded.
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_fraction(name: str, value: Any, low_open: bool) -> float:
-    rng = "(0, 1]" if low_open else "[0, 1]"
-    if not _is_number(value) or math.isnan(value):
-        raise ConfigError(f"{name} must be a number in {rng}, got {value!r}", name)
-    lo_ok = value > 0 if low_open else value >= 0
-    if not lo_ok or value > 1:
-        raise ConfigError(f"{name} must be in {rng}, got {value!r}", name)
-    return float(value)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}", name)
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}", name)
-    return int(value)
-
-
-def _check_overlap(value: Any) -> int:
-    """``overlap``: True (OVERLAP_STAGES), False (1) or an integer number of stages >= 1."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return OVERLAP_STAGES if value else 1
-    if not isinstance(value, numbers.Integral):
-        raise ConfigError(f"overlap must be True, False or an integer number of stages >= 1, "
-                          f"got {value!r}", "overlap")
-    return _check_int("overlap", value, 1)
-
-
-def _check_overlap_forward(value: Any, overlap: int) -> bool:
-    """``overlap_forward``: True or False, and True only with stages to order."""
-    if not isinstance(value, bool) and type(value).__name__ != "bool_":
-        raise ConfigError(f"overlap_forward must be True or False, got {value!r}",
-                          "overlap_forward")
-    if value and overlap <= 1:
-        raise ConfigError(f"overlap_forward=True needs overlap > 1 (overlap={overlap}): it "
-                          "orders the stages of an overlapped exchange. Pass overlap=True too",
-                          "overlap_forward")
-    return bool(value)
-
-
-def _check_outer_delay(value: Any, local_steps: int) -> int:
-    """``outer_delay``: 0 or 1 round, and 1 only with local steps to overlap."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or \
-            value not in OUTER_DELAYS:
-        raise ConfigError(f"outer_delay must be one of {OUTER_DELAYS} (rounds the outer step "
-                          f"lands late), got {value!r}", "outer_delay")
-    if value and local_steps <= 1:
-        raise ConfigError(f"outer_delay=1 needs local_steps > 1 (local_steps={local_steps}): "
-                          "it overlaps a round's exchange with the next round's local steps",
-                          "outer_delay")
-    return int(value)
-
-
-def _check_local_steps(norm: Dict[str, Any], momentum_correction: Any) -> None:
-    """What ``local_steps > 1`` cannot be combined with (the exchange then carries a
-    pseudo-gradient once a round, to the outer optimizer)."""
-    if norm["overlap"] > 1:
-        raise ConfigError("local_steps > 1 cannot be combined with overlap > 1: a round's "
-                          "exchange starts after its last local step, not in backward. Pass one "
-                          "of them", "local_steps")
-    if norm["hierarchical"]:
-        raise ConfigError("local_steps > 1 cannot be combined with hierarchical=True yet: pass "
-                          "one of them", "local_steps")
-    if momentum_correction is True:
-        raise ConfigError("momentum_correction=True cannot be combined with local_steps > 1: "
-                          "the outer optimizer's own momentum runs on the averaged "
-                          "pseudo-gradient. Leave it unset (auto: off) or False",
-                          "momentum_correction")
 
 
 @dataclass(frozen=True)
@@ -189,7 +105,7 @@ class SlimConfig:
     hierarchical: bool = False
     # Overlap with backward (exchange/overlap.py): the model is cut into this many stages in
     # backward order, each exchanged as soon as its gradients are ready; 1: all in step().
-    # True means OVERLAP_STAGES, False 1.
+    # True means config_checks.OVERLAP_STAGES, False 1.
     overlap: int = 1
     # With overlap > 1 (exchange/overlap_order.py, hvd_slim/forward_apply.py): once backward is
     # over the stages nearest the input go first (P3's order), and step() returns before the
@@ -427,13 +343,3 @@ class SlimConfig:
         if unknown:
             raise ConfigError(f"unknown Slim-DP config keys {sorted(unknown)}")
         return cls(**dict(d))
-
-
-def _check_timeout(value: Any) -> Optional[float]:
-    """None or 0 disable the exchange timeout; otherwise a finite number of seconds > 0."""
-    if value is None:
-        return None
-    if not _is_number(value) or math.isnan(value) or value < 0 or math.isinf(value):
-        raise ConfigError(f"timeout must be a number of seconds > 0, or 0/None to wait forever, "
-                          f"got {value!r}", "timeout")
-    return None if value == 0 else float(value)

@@ -61,6 +61,12 @@ class Scores(Protocol[A]):
         """(the ``j``-th smallest of ``vals``, in whatever form :meth:`keep_top` takes, and the
         ``jw``-th smallest as a float, or None when ``jw`` is None); ``jw < j``."""
 
+    def count_above(self, vals: A, thr: float) -> int:
+        """How many of ``vals`` exceed ``thr``."""
+
+    def above(self, cand: A, vals: A, thr: float) -> Tuple[A, A]:
+        """The entries of ``cand`` and ``vals`` where ``vals`` exceeds ``thr``, in order."""
+
     def keep_top(self, cand: A, vals: A, kth: Any, k: int) -> A:
         """The ``k`` entries of ``cand`` with the largest ``vals``: all above ``kth``, then
         those equal to it, lowest indices first."""

@@ -169,7 +169,7 @@ class CoreSelector:
             self.last_passes += 1
             return self._select_from_zero(s, k, want)
         self.last_candidates = len(cand)
-        return self._exact(s, cand, k, want)
+        return self._exact(s, cand, k, want, floor=thr)
 
     def _estimate(self, s: Scores[Any], want: float) -> float:
         """A threshold that about ``want`` of ``n`` entries reach, from the sample (0.0: all)."""
@@ -181,18 +181,45 @@ class CoreSelector:
             return 0.0
         return s.sample_order(m - r)
 
-    def _exact(self, s: Scores[A], cand: A, k: int, want: int) -> A:
-        """Exactly ``k`` of ``cand`` (ascending indices), and the threshold for the next call."""
+    def _exact(self, s: Scores[A], cand: A, k: int, want: int,
+               floor: Optional[float] = None) -> A:
+        """Exactly ``k`` of ``cand`` (ascending indices), and the threshold for the next call
+        (the ``want``-th largest candidate, else one estimated afresh). ``floor``: a value every
+        candidate reaches, when there is one.
+
+        Candidates can tie at the floor by the tens of thousands: a server's residual sums a
+        few float8 pushes, so its values sit on a coarse grid (on the benchmark's 1.1M
+        parameters at 4 ranks, 30-60k of 40-75k candidates shared the floor). Where the k-th
+        value is the floor itself, the tied ones are taken by index with no partition; where
+        it lies above, they are dropped before the partition. Results and carried threshold
+        are those of the plain partition over every candidate."""
         c = len(cand)
         if c == k:
             self._thr = self._estimate(s, want)   # c < want: start lower next time
             return cand
         vals = s.at(cand)
+        at_floor_nxt = None   # the next threshold, when the want-th candidate is the floor
+        if floor is not None:
+            above = s.count_above(vals, floor)
+            if above < k:   # the k-th is the floor; so is the want-th when there is one
+                self._thr = floor if c >= want else self._estimate(s, want)
+                return s.keep_top(cand, vals, floor, k)
+            if 2 * above < c:   # most candidates tie at the floor, below the k-th
+                if above < want <= c:
+                    at_floor_nxt = floor
+                cand, vals = s.above(cand, vals, floor)
+                c = above
+                if c == k:
+                    self._thr = at_floor_nxt if at_floor_nxt is not None else \
+                        self._estimate(s, want)
+                    return cand
         # kth: the k-th largest value (ascending position c - k). With c >= want, the next
         # threshold is the want-th largest (ascending position c - want, below the k-th);
         # otherwise the next call starts lower, from the sample.
         kth, nxt = s.order_stats(vals, c - k, c - want if c >= want else None)
-        self._thr = nxt if nxt is not None else self._estimate(s, want)
+        if nxt is None:
+            nxt = at_floor_nxt if at_floor_nxt is not None else self._estimate(s, want)
+        self._thr = nxt
         return s.keep_top(cand, vals, kth, k)   # ties at kth: lowest indices first
 
     def _select_from_zero(self, s: Scores[A], k: int, want: int) -> A:

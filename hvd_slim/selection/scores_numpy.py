@@ -76,6 +76,15 @@ class NumpyScores:
         return part[j], nxt
 
     @staticmethod
+    def above(cand: np.ndarray, vals: np.ndarray, thr: float) -> Tuple[np.ndarray, np.ndarray]:
+        keep = vals > thr
+        return cand[keep], vals[keep]
+
+    @staticmethod
+    def count_above(vals: np.ndarray, thr: float) -> int:
+        return int(np.count_nonzero(vals > thr))
+
+    @staticmethod
     def keep_top(cand: np.ndarray, vals: np.ndarray, kth: Any, k: int) -> np.ndarray:
         keep = vals > kth
         need = k - int(np.count_nonzero(keep))

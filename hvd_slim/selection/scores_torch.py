@@ -5,7 +5,7 @@ anything score- or index-sized (only scalars are read back).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -72,7 +72,16 @@ class TorchScores:
         return kth, nxt
 
     @staticmethod
-    def keep_top(cand: torch.Tensor, vals: torch.Tensor, kth: torch.Tensor, k: int
+    def above(cand: torch.Tensor, vals: torch.Tensor, thr: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        keep = vals > thr
+        return cand[keep], vals[keep]
+
+    @staticmethod
+    def count_above(vals: torch.Tensor, thr: float) -> int:
+        return int((vals > thr).sum())
+
+    @staticmethod
+    def keep_top(cand: torch.Tensor, vals: torch.Tensor, kth: Any, k: int
                  ) -> torch.Tensor:
         keep = vals > kth
         need = k - int(keep.sum())

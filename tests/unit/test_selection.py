@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hvd_slim.selection import CoreSelector, explore, significance
+from hvd_slim.selection.scores_numpy import NumpyScores
 
 
 def topk_set(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -104,6 +105,56 @@ def test_core_steady_state_is_one_pass_with_few_candidates():
         if step:
             assert sel.last_passes == 1
             assert k <= sel.last_candidates <= 1.5 * k
+
+
+def ties_at_levels(n: int, seed: int, tied: float = 1.125) -> torch.Tensor:
+    """Signed scores on a float8-like grid (a server's residual sums a few float8 pushes): a
+    spread of values on eighths, and a third of all entries exactly at ``tied``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, 24, (n,), generator=g).float() / 8.0
+    x[torch.rand(n, generator=g) < 1 / 3] = tied
+    return x * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+
+
+def topk_lowest_ties(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Reference: the k largest |x|, ties at the k-th going to the lowest indices."""
+    v = x.abs().numpy()
+    order = np.lexsort((np.arange(v.size), -v))
+    return torch.from_numpy(np.sort(order[:k]))
+
+
+def test_core_drops_a_tied_floor_below_the_kth(monkeypatch):
+    # Two thirds of the entries tie at exactly 1.0, the rest spread above it. With k just
+    # under their count the sampled threshold lands on the tied level; the k-th lies above,
+    # so the tied candidates are dropped before the partition (``above``), exactly.
+    n = 600_000
+    g = torch.Generator().manual_seed(5)
+    x = torch.ones(n)
+    spread = torch.rand(n, generator=g) < 1 / 3
+    x[spread] = 1.0 + torch.rand(int(spread.sum()), generator=g)
+    k = int(0.95 * int(spread.sum()))
+    calls = []
+    real = NumpyScores.above
+    monkeypatch.setattr(NumpyScores, "above",
+                        staticmethod(lambda *a: calls.append(1) or real(*a)))
+    sel = CoreSelector()
+    for sign in (1.0, -1.0):
+        assert torch.equal(sel.select_magnitude(sign * x, k), topk_lowest_ties(x, k))
+    assert calls
+
+
+def test_core_takes_a_needed_tied_level_by_lowest_indices():
+    # The k-th value is the tied level itself: all above it, then the tied entries in index
+    # order, from one candidate pass, with that level carried as the next threshold.
+    n = 600_000
+    x = ties_at_levels(n, 7, tied=2.5)   # 20/8: three levels of the grid lie above
+    above = int((x.abs() > 2.5).sum())
+    k = above + 5_000
+    sel = CoreSelector()
+    for _ in range(3):
+        assert torch.equal(sel.select_magnitude(x, k), topk_lowest_ties(x, k))
+        assert sel.last_passes == 1
+        assert sel.state_dict() == {"threshold": 2.5}
 
 
 def test_core_exact_when_distribution_shifts():

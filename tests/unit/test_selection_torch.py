@@ -29,6 +29,27 @@ def check_same(ref: CoreSelector, dev: CoreSelector, x: torch.Tensor, k: int,
 
 
 @pytest.mark.parametrize("magnitude", [False, True])
+def test_tied_levels_select_and_carry_identically(magnitude):
+    """Scores on a coarse grid with a heavily tied level (a server's residual of float8
+    pushes): the step over an unneeded level and the partition-free take of a needed one."""
+    ref, dev = pair()
+    g = torch.Generator().manual_seed(3)
+    for step in range(12):
+        n = 200_000
+        x = torch.randint(1, 24, (n,), generator=g).float() / 8.0
+        x[torch.rand(n, generator=g) < 1 / 3] = 1.0 + (step % 4) / 8.0
+        if magnitude:
+            x = x * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+        k = [2_000, 20_000, 60_000][step % 3]
+        check_same(ref, dev, x, k, magnitude)
+    # A floor two thirds of the entries tie at, with the k-th just above it.
+    x = torch.ones(n)
+    spread = torch.rand(n, generator=g) < 1 / 3
+    x[spread] = 1.0 + torch.rand(int(spread.sum()), generator=g)
+    check_same(ref, dev, x, int(0.95 * int(spread.sum())), magnitude)
+
+
+@pytest.mark.parametrize("magnitude", [False, True])
 def test_a_drifting_sequence_selects_and_carries_identically(magnitude):
     """Steps whose scale jumps up and down reach every branch: the carried threshold kept or
     refreshed, lowered from the sample, and the zero-threshold fallback."""

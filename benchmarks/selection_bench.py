@@ -4,6 +4,9 @@
 
 "cold" is a fresh selector each call (threshold estimated from the sample); "warm" carries the
 threshold over a sequence of similar vectors (a slowly drifting gradient, as between steps).
+"explore" is one slice's exploration set around that core (``exploration`` of the slice,
+keyed afresh each call as every push and pull is): a fixed cost that every piece of a sharded
+exchange pays on each rank that sends or decodes it.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Callable, List
 import torch
 
 from hvd_slim.selection import CoreSelector, significance
+from hvd_slim.selection.explore import ROLE_PUSH, slice_indices
 
 
 def _time(fn: Callable[[int], object], reps: int) -> List[float]:
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exploration", type=float, default=0.1, help="explored share of a slice")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n, k = args.numel, max(1, int(round(args.density * args.numel)))
@@ -57,6 +62,12 @@ def main() -> None:
     warm = _time(lambda i: warm_sel.select(sig(i), k), args.reps)
     sig_only = _time(sig, args.reps)
     topk = _time(lambda i: torch.topk(sig(i), k), max(3, args.reps // 3))
+    k_e = int(round(args.exploration * k))
+    core = warm_sel.select(sig(0), k - k_e)
+    cpu = torch.device("cpu")
+    explore_ms = _time(lambda i: slice_indices(n, core, k_e, seed=args.seed, role=ROLE_PUSH,
+                                               rank=0, step=i, bucket=0, device=cpu),
+                       max(100, args.reps))
 
     # Exactness spot check: the same set as torch.topk on the last vector.
     score = sig(args.reps).clone()
@@ -72,6 +83,7 @@ def main() -> None:
     print(f"  select, warm threshold    {med(warm):8.2f} ms   "
           f"(last call: {warm_sel.last_passes} pass(es), {warm_sel.last_candidates} candidates)")
     print(f"  torch.topk                {med(topk):8.2f} ms")
+    print(f"  explore ({k_e} around {len(core)})  {med(explore_ms):8.3f} ms")
     print(f"  speed-up over topk: cold {med(topk) / med(cold):.1f}x, "
           f"warm {med(topk) / med(warm):.1f}x; same set as topk: {exact}")
 

@@ -5,7 +5,8 @@
 with the handshake once, before the first push (and again after a checkpoint is loaded).
 :meth:`SlimExchange.step` is the only place that fixes this order: one call a phase, the
 worker's (:class:`~hvd_slim.exchange.worker.Worker`) and the server's
-(:class:`~hvd_slim.exchange.server.Server`) halves on their own objects, the collectives here.
+(:class:`~hvd_slim.exchange.server.Server`) halves on their own objects, the collective phases
+in step_wire.py.
 It reads each parameter's ``.grad`` and writes the pulled update back into it; the wrapped
 optimizer's ``step()`` runs afterwards. Nothing here knows about MPI: the transport is passed in.
 
@@ -26,14 +27,11 @@ import torch
 
 from ..config import SlimConfig
 from ..transport.base import Transport, TransportTimeout
-from ..wire import control
 from ..wire import message as wm
-from . import checkpoint, handshake
+from . import checkpoint, handshake, step_wire
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
-from .expect import message_bound, pull_expect, push_expect
 from .layout import Layout
 from .overlap_runner import exclusive
-from .sections import itemsizes
 from .server import Server
 from .shards import ShardPlan, ShardView
 from .stats import ExchangeStats
@@ -155,14 +153,14 @@ class SlimExchange:
         push, aggregate and pull."""
         t = prep.t
         self.stats.last = {}
-        before = self._traffic()
+        before = step_wire.traffic(self)
         try:
             # The first collective comes after the local phases, so a failed handshake keeps
             # this step's gradient in the residual (absorb) like any other failure.
             self._handshake(t)
-            pushed = self._push(prep.sections, prep.report, t)
-            reply = self._aggregate(pushed, t)
-            pulled = self._pull(reply, t, defer=True)
+            pushed = step_wire.push(self, prep.sections, prep.report, t)
+            reply = step_wire.aggregate(self, pushed, t)
+            pulled = step_wire.pull(self, reply, t, defer=True)
         except NonFiniteGradientError:
             self.worker.rollback(prep.selectors)
             raise
@@ -170,7 +168,7 @@ class SlimExchange:
             self.worker.absorb()
             raise
         finally:
-            self._count_traffic(before)
+            step_wire.count_traffic(self, before)
         return Pending(t, prep.t0, prep.selectors, pulled)
 
     def settle(self, pending: "Pending", commit: bool) -> None:
@@ -224,17 +222,17 @@ class SlimExchange:
         t = self.step_count
         sections = self.worker.flush_sections()
         self.stats.last = {}
-        before = self._traffic()
+        before = step_wire.traffic(self)
         try:
             self._handshake(t)
-            pushed = self._push(sections, None, t, flush=True)
-            reply = self._aggregate(pushed, t, flush=True)
-            pulled = self._pull(reply, t, flush=True)
+            pushed = step_wire.push(self, sections, None, t, flush=True)
+            reply = step_wire.aggregate(self, pushed, t, flush=True)
+            pulled = step_wire.pull(self, reply, t, flush=True)
         except BaseException:
             self.worker.drop_pending()   # nothing was forgotten: every residual is in place
             raise
         finally:
-            self._count_traffic(before)
+            step_wire.count_traffic(self, before)
         self.worker.apply(pulled, t)
         self.stats.flushes += 1
 
@@ -253,105 +251,6 @@ class SlimExchange:
             self._collective(lambda: handshake.check_agreement(self, t),
                              f"the handshake of step {t}")
             self._agreed = True
-
-    def _push(self, sections: List[List[wm.Section]], report: Optional[str], t: int,
-              flush: bool = False) -> Optional[List[Any]]:
-        """Gather every rank's push for each shard (or NaN/Inf report) on its server: on a
-        server, its shard's pushes in rank order; None elsewhere."""
-        kind = wm.FLUSH_PUSH if flush else wm.PUSH
-        bufs, bounds = [], []
-        start = time.perf_counter()
-        for s in range(self.servers):
-            buckets = self.shards.shard_buckets(t, s)
-            bound = message_bound(push_expect(buckets, t, self.cfg.refresh_interval,
-                                              flush=flush))
-            if report is None:
-                buf, sizes = self.path.encode(kind, self.rank, t, self.digest, sections[s],
-                                              itemsizes(buckets, sections[s]))
-                self.stats.record_push(buckets, sections[s], sizes)
-            else:   # a NaN/Inf: report it instead of pushing; the servers decide for all
-                buf = self.path.from_host(control.encode_text(wm.NONFINITE, self.rank, t,
-                                                              self.digest, report, limit=bound))
-            bufs.append(buf)
-            bounds.append(bound)
-        before = self.transport.stats.bytes_sent
-        start = self.stats.timed("prepare", start)   # encoding is local work before the push
-        if self.servers == 1:
-            gather = lambda: self.path.gather(self.transport, bufs[0], self.roots[0], bounds[0])
-        else:
-            gather = lambda: self.path.gather_many(self.transport, bufs, self.roots, bounds)
-        gathered = self._collective(gather, f"the push of step {t}")
-        self.stats.timed("push", start)
-        sent = self.transport.stats.bytes_sent - before
-        self.stats.bytes_pushed += sent
-        self.stats.last["bytes_pushed"] = sent
-        return gathered
-
-    def _aggregate(self, gathered: Optional[List[Any]], t: int, flush: bool = False) -> Any:
-        """On a server: the reply to broadcast (its shard's pull, a SKIP, or an ERROR every rank
-        raises, also for a failure of the server itself). None on the other ranks."""
-        if self.server is None:
-            return None
-        bound = self._pull_bounds(t, flush)[self.shard]
-        start = time.perf_counter()
-        try:
-            reply = self.server.serve(gathered, t, self.digest, flush, limit=bound)
-            self.stats.timed("serve", start)
-            return reply
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then raise
-            return self.path.from_host(wm.encode_error(
-                self.rank, t, f"server rank {self.rank} failed at step {t}: "
-                f"{type(exc).__name__}: {exc}", limit=bound))
-
-    def _pull(self, reply: Any, t: int, flush: bool = False, defer: bool = False
-              ) -> Optional[List[List[wm.Section]]]:
-        """Broadcast every server's reply; every rank's decoded pull (per shard), or None for a
-        step every rank skips (an ERROR raises). The servers settle the step here (what they
-        planned is committed only when every shard's reply is a pull), unless ``defer``: then a
-        pull leaves it to :meth:`settle`."""
-        sections = None
-        try:
-            bounds = self._pull_bounds(t, flush)
-            before = self.transport.stats.bytes_received
-            if self.servers == 1:
-                bcast = lambda: [self.path.broadcast(self.transport, reply, self.roots[0],
-                                                     bounds[0])]
-            else:
-                bcast = lambda: self.path.broadcast_many(self.transport, reply, self.roots,
-                                                         bounds)
-            start = time.perf_counter()
-            bufs = self._collective(bcast, f"the pull of step {t}")
-            start = self.stats.timed("pull", start)
-            received = self.transport.stats.bytes_received - before
-            self.stats.bytes_pulled += received
-            self.stats.last["bytes_pulled"] = received
-            sections = self.worker.read_pulls(bufs, t, flush)
-            self.stats.timed("apply", start)   # decoding the pull is the apply's first part
-        finally:
-            if self.server is not None and not (defer and sections is not None):
-                self.server.settle(sections is not None)
-        for s, (buf, secs) in enumerate(zip(bufs, sections or [])):
-            self.stats.record_pull(self.shards.shard_buckets(t, s), buf, secs)
-        return sections
-
-    def _pull_bounds(self, t: int, flush: bool) -> List[int]:
-        """The most bytes each shard's pull of step ``t`` can take (every rank computes the
-        same)."""
-        return [message_bound(pull_expect(self.shards.shard_buckets(t, s), t,
-                                          self.cfg.refresh_interval, self.cfg.pull, flush,
-                                          size=self.size))
-                for s in range(self.servers)]
-
-    def _traffic(self) -> tuple:
-        stats = self.transport.stats
-        return stats.bytes_sent, stats.bytes_received
-
-    def _count_traffic(self, before: tuple) -> None:
-        """Everything this rank's transport moved in the exchange (its server's share too)."""
-        sent, received = (a - b for a, b in zip(self._traffic(), before))
-        self.stats.bytes_sent += sent
-        self.stats.bytes_received += received
-        self.stats.last.update(bytes_sent=sent, bytes_received=received)
 
     def _collective(self, fn: Callable[[], Any], what: str) -> Any:
         """Run collectives under the exchange timeout; a timeout error says what to do."""

@@ -345,7 +345,9 @@ def test_a_failed_stage_raises_and_keeps_its_gradient_in_the_residual():
 
         def broken(*args, **kw):
             raise RuntimeError("the wire broke")
-        first._push = broken   # on every rank: communicate keeps the gradient, then raises
+        # On every rank, the stage's push fails on the wire: communicate keeps the gradient,
+        # then raises (each stage has a wire path of its own).
+        first.path.gather = broken
         held = first.residual_norm()
         try:
             one_step(model, opt, rank, 1)

@@ -189,7 +189,7 @@ class CoreSelector:
 
         Candidates can tie at the floor by the tens of thousands: a server's residual sums a
         few float8 pushes, so its values sit on a coarse grid (on the benchmark's 1.1M
-        parameters at 4 ranks, 30-60k of 40-75k candidates shared the floor). Where the k-th
+        parameters at 4 ranks, 27-51k of 42-75k candidates shared the floor). Where the k-th
         value is the floor itself, the tied ones are taken by index with no partition; where
         it lies above, they are dropped before the partition. Results and carried threshold
         are those of the plain partition over every candidate."""

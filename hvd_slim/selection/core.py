@@ -209,10 +209,6 @@ class CoreSelector:
                     at_floor_nxt = floor
                 cand, vals = s.above(cand, vals, floor)
                 c = above
-                if c == k:
-                    self._thr = at_floor_nxt if at_floor_nxt is not None else \
-                        self._estimate(s, want)
-                    return cand
         # kth: the k-th largest value (ascending position c - k). With c >= want, the next
         # threshold is the want-th largest (ascending position c - want, below the k-th);
         # otherwise the next call starts lower, from the sample.

@@ -72,7 +72,8 @@ class TorchScores:
         return kth, nxt
 
     @staticmethod
-    def above(cand: torch.Tensor, vals: torch.Tensor, thr: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    def above(cand: torch.Tensor, vals: torch.Tensor, thr: float
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
         keep = vals > thr
         return cand[keep], vals[keep]
 

@@ -26,6 +26,10 @@ OPS = ("average", "sum")
 # torch.amp.GradScaler's found_inf is set identically on every rank (Horovod's AMP pattern).
 NONFINITE_MODES = ("flag", "skip", "raise", "propagate")
 ADAM_VARIANCE_MODES = ("auto", "rescaled", "live")
+# What an Adam-family optimizer exchanges (inner/adam_update.py): "update" (each rank's own
+# moments, its Adam update through the exchange), "gradient" (the gradients, one shared Adam);
+# "auto" resolves to "update" for torch's Adam and AdamW when the optimizer is built.
+ADAM_EXCHANGE_MODES = ("auto", "update", "gradient")
 ENV_PREFIX = "HVD_SLIM_"
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
 ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
@@ -33,7 +37,7 @@ ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight"
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
                 "warmup_start_density", "servers", "hierarchical", "overlap", "overlap_forward",
-                "local_steps", "outer_delay", "residual_decay")
+                "local_steps", "outer_delay", "residual_decay", "adam_exchange")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -94,6 +98,10 @@ class SlimConfig:
     # Adam/AdamW: "rescaled" feeds exp_avg_sq each delivered value as per-step means of the steps
     # it sums (inner/adam.py); "live": Adam's own step on the bursts; "auto": rescaled for Adam
     adam_variance: str = "auto"
+    # Adam/AdamW: "update" exchanges each rank's Adam update (its own moments on its own
+    # gradient) instead of the gradient (inner/adam_update.py); "gradient": the gradient into one
+    # shared Adam, as adam_variance says; "auto": "update" for torch's Adam and AdamW
+    adam_exchange: str = "auto"
     # --- server and reduction ----------------------------------------------------------------
     pull: str = "slim"                 # "slim": server keeps a residual; "union": exact union
     server_rank: int = 0               # rank that aggregates pushes (it is also a worker)
@@ -174,7 +182,8 @@ class SlimConfig:
             raise ConfigError(f"momentum_correction must be True, False or None (auto), "
                               f"got {self.momentum_correction!r}", "momentum_correction")
         for name, allowed in (("pull", PULL_MODES), ("op", OPS), ("nonfinite", NONFINITE_MODES),
-                              ("adam_variance", ADAM_VARIANCE_MODES)):
+                              ("adam_variance", ADAM_VARIANCE_MODES),
+                              ("adam_exchange", ADAM_EXCHANGE_MODES)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}",
                                   name)
@@ -292,6 +301,15 @@ class SlimConfig:
                               "server_rank")
         self._check_servers(len(ranks))
         out = dataclasses.replace(self, server_rank=ranks.index(self.server_rank))
+        object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
+        object.__setattr__(out, "_agreed", getattr(self, "_agreed", {}))
+        return out
+
+    def resolved(self, **fields: Any) -> "SlimConfig":
+        """A copy with automatic ``fields`` set to the values in force (``adam_exchange``,
+        once the optimizer is known), keeping where each keyword came from and what the
+        handshake compares beside the fields."""
+        out = dataclasses.replace(self, **fields)
         object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
         object.__setattr__(out, "_agreed", getattr(self, "_agreed", {}))
         return out

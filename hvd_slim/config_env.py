@@ -19,7 +19,7 @@ def _parse_env(name: str, text: str) -> Any:
     var = ENV_PREFIX + name.upper()
     t = text.strip()
     try:
-        if name in ("pull", "nonfinite", "adam_variance"):
+        if name in ("pull", "nonfinite", "adam_variance", "adam_exchange"):
             return t.lower()
         if name == "timeout" and t.lower() in ("none", "off", "never", ""):
             return None
@@ -67,6 +67,7 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "warmup_decay_steps": "an integer >= 0 or auto",
               "warmup_start_density": "a number in (0, 1] or auto",
               "value_bits": "one of 2, 4, 8, 16 or 32", "adam_variance": "auto, rescaled or live",
+              "adam_exchange": "auto, update or gradient",
               "momentum_masking": "true, false or a number in [0, 1]",
               "servers": "an integer >= 1 or auto", "hierarchical": "true or false",
               "overlap_forward": "true or false",

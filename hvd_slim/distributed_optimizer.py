@@ -2,12 +2,17 @@
 instance of the user's optimizer class extended by optimizer.py's methods."""
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
+from .inner.adam_update import resolve_mode
 from .optimizer import _SlimOptimizer
 from .wrapping import named_parameter_list, resolve_settings
+
+log = logging.getLogger("hvd_slim")
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -92,8 +97,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             * ``warmup_dense_steps``, ``warmup_decay_steps`` and ``warmup_start_density``:
               dense first steps, then a geometric decay from the start density to the
               targets; by default 8x denser over 1/density steps.
-            * ``adam_variance``: ``"auto"`` | ``"rescaled"`` | ``"live"``; for Adam and
-              AdamW, feed the second moment per-step values (inner/adam.py).
+            * ``adam_exchange``: ``"auto"`` | ``"update"`` | ``"gradient"``; for Adam and
+              AdamW, what travels: each rank's own Adam update (``"update"``, what
+              ``"auto"`` picks for torch's Adam and AdamW; ``step()`` applies the delivered
+              average as a parameter delta) or the gradient into one shared Adam.
+            * ``adam_variance``: ``"auto"`` | ``"rescaled"`` | ``"live"``; with
+              ``adam_exchange="gradient"``, feed the second moment per-step values
+              (inner/adam.py).
             * ``nonfinite``: what a NaN/Inf gradient on any rank does. ``"flag"`` (default):
               every rank skips the step (residuals, velocities and server state untouched,
               the wrapped optimizer not stepped) and gets NaN in every ``p.grad``, so
@@ -137,6 +147,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if not settings.included:
         from .outside_set import outside_set_optimizer
         return outside_set_optimizer(optimizer, settings)
+    mode, why = resolve_mode(optimizer, settings.config, type(optimizer))
+    if why is not None:
+        log.info("hvd_slim: adam_exchange='auto' exchanges gradients here: %s", why)
+    settings = dataclasses.replace(settings,
+                                   config=settings.config.resolved(adam_exchange=mode))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_SlimOptimizer.__dict__))
     return cls(optimizer.param_groups, settings, optimizer)

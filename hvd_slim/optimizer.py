@@ -19,7 +19,9 @@ from .exchange import SPARSE, Layout
 from .exchange.build import build_exchange
 from .exchange.protocol import OverlappedExchange
 from .forward_apply import ForwardApply
+from .exchange.errors import NonFiniteGradientError
 from .inner import adam, wrapped
+from .inner.adam_update import AdamUpdate
 from .outer import OuterRounds
 from .outer.ends import RoundEnds
 from .runtime import engine
@@ -60,8 +62,11 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._mc_params = {id(p) for b in self._layout.sparse if b.index in plan
                            for p in b.params()}
         self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
+        # adam_exchange="update" (resolved by DistributedOptimizer): each rank's Adam update
+        # of the compressed parameters is what the exchange carries (inner/adam_update.py).
+        self._adam = AdamUpdate(self, self._layout) if cfg.adam_exchange == "update" else None
         self._rescaled_params = adam.rescaled_parameters(self, self._layout, cfg) \
-            if self._outer is None else set()
+            if self._outer is None and self._adam is None else set()
         self._exchange = build_exchange(self._layout, settings.config, settings.transport, plan,
                                         ranks=settings.ranks,
                                         order=[n for n, p in named if p.requires_grad])
@@ -135,7 +140,15 @@ class _SlimOptimizer(torch.optim.Optimizer):
         ``nonfinite="flag"`` (default) every ``p.grad`` is then NaN on every rank, so a
         ``torch.amp.GradScaler`` on each rank sees ``found_inf``, skips its step and lowers its
         scale alike; under ``"skip"`` they keep this rank's gradients. A rank inside
-        ``hvd.join()`` takes part with zero gradients (:mod:`hvd_slim.join_sync`)."""
+        ``hvd.join()`` takes part with zero gradients (:mod:`hvd_slim.join_sync`).
+
+        With ``adam_exchange="update"`` (torch's Adam and AdamW by default) the compressed
+        parameters' ``p.grad`` then hold the average of the ranks' Adam updates, not of their
+        gradients, and ``step()`` applies that update as it was delivered: clip before
+        ``synchronize()`` to clip this rank's gradient."""
+        self._synchronize(explicit=True)
+
+    def _synchronize(self, explicit: bool) -> None:
         if self._outer is not None:   # local steps: p.grad is this rank's, nothing to exchange
             self._synchronized = True
             return
@@ -145,16 +158,30 @@ class _SlimOptimizer(torch.optim.Optimizer):
             return
         self._step_round()   # before anything changes: a refusal leaves all as it was
         self._synchronize_now()
+        if explicit and self._adam is not None and not self._skipped:
+            self._adam.snapshot()   # what step() applies, whatever happens to p.grad now
 
     def _synchronize_now(self, opener=None) -> None:
         self._skipped = False
+        if self._adam is not None:
+            self._adam.precondition()
         try:
             self._skipped = not (self._exchange.step(opener) if self._overlapped
                                  else self._exchange.step())
+        except NonFiniteGradientError:   # nonfinite="raise": nothing of the step is kept
+            if self._adam is not None:
+                self._adam.settle(keep=False)
+            raise
+        except BaseException:   # the update is kept in the residual, so are the moments
+            if self._adam is not None:
+                self._adam.settle(keep=True)
+            raise
         finally:
             # A failed exchange also ends this step's accumulation: the next backward starts a
             # new one (what was computed is kept in the residual, or dropped on NaN/Inf).
             self._end_accumulation()
+        if self._adam is not None:
+            self._adam.settle(keep=not self._skipped)
         self._synchronized = True
 
     @contextmanager
@@ -193,7 +220,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             if self._forward is not None and closure is None and not self._synchronized:
                 return self._step_deferring()
-            self.synchronize()
+            self._synchronize(explicit=False)
         self._synchronized = False
         if self._skipped:   # every rank skipped this step: the wrapped optimizer must not step
             self._skipped = False
@@ -262,9 +289,18 @@ class _SlimOptimizer(torch.optim.Optimizer):
         count = self._exchange.step_count if count is None else count
         rescaled = self._rescaled_params if count > \
             self._settings.config.warmup_dense_steps else set()
-        return wrapped.step(self, super(self.__class__, self).step, closure,
-                            corrected=self._mc_params, rescaled=rescaled, groups=groups,
-                            only=self._sparse_params if only_sparse else only)
+        if self._adam is None:
+            return wrapped.step(self, super(self.__class__, self).step, closure,
+                                corrected=self._mc_params, rescaled=rescaled, groups=groups,
+                                only=self._sparse_params if only_sparse else only)
+        # The compressed parameters step by the delivered update; the rest by Adam's own step.
+        out = None
+        if not only_sparse:
+            out = wrapped.step(self, super(self.__class__, self).step, closure, corrected=set(),
+                               rescaled=set(), groups=groups, only=only,
+                               skip=self._sparse_params)
+        self._adam.apply(only=only, decay=not only_sparse)
+        return out
 
     # --- Slim-DP extras ----------------------------------------------------------------------
     def flush(self) -> None:
@@ -287,7 +323,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._exchange.flush()
         if self._outer is not None:
             self._ends.flushed(self._sparse_params)
-        else:
+        else:   # residuals, delivered: the compressed parameters' step (no decay under "update")
             self._inner_step(None, only_sparse=True)
         for b in self._layout.sparse:
             for p in b.params():
@@ -360,6 +396,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
         outer = None if self._ends is None else self._ends.state_dict()   # lands first
         sd = super(self.__class__, self).state_dict()
         sd["hvd_slim"] = self._exchange.state_dict()
+        if self._adam is not None:
+            sd["hvd_slim_adam"] = self._adam.state_dict()
         if outer is not None:
             sd["hvd_slim_outer"] = outer
         return sd
@@ -373,6 +411,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         slim = state_dict.pop("hvd_slim", None)
         outer = state_dict.pop("hvd_slim_outer", None)
+        moments = state_dict.pop("hvd_slim_adam", None)
         if self._ends is not None:
             self._ends.prepare_load()   # the exchange's state is whole before it is replaced
         if slim is not None:
@@ -383,6 +422,12 @@ class _SlimOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"hvd_slim checkpoint was saved with local_steps="
                                  f"{outer.get('local_steps')}; this optimizer has "
                                  "local_steps=1. Resume with the same local_steps")
+        if moments is not None and self._adam is None:
+            raise ValueError("hvd_slim checkpoint holds the Adam update state of "
+                             "adam_exchange='update'; this optimizer exchanges gradients. "
+                             "Resume with the same adam_exchange")
+        if moments is not None:
+            self._adam.validate(moments)
         # torch checks the groups before it changes anything; ours is validated already, so
         # from here on nothing can fail half-way.
         if self._forward is not None:   # a step in flight (or failed) is replaced, not landed
@@ -392,6 +437,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
             self._exchange.load_state_dict(slim)
             if self._ends is not None:
                 self._ends.load_state_dict(outer)
+        if moments is not None:
+            self._adam.load_state_dict(moments)
         self._end_accumulation()
         self._synchronized = False
         self._should_synchronize = True

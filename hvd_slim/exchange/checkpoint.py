@@ -24,10 +24,11 @@ if TYPE_CHECKING:   # step.py imports this module
 # that behaviour (values at full precision, DGC's masking, decays from dense).
 OLD_FIELDS = {"adam_variance": "auto", "momentum_masking": 1.0, "value_bits": 32,
               "warmup_start_density": 1.0, "servers": 1, "hierarchical": False,
-              "overlap": 1, "local_steps": 1, "outer_delay": 0, "residual_decay": 1.0}
+              "overlap": 1, "local_steps": 1, "outer_delay": 0, "residual_decay": 1.0,
+              "adam_exchange": "gradient"}
 # Fields added after version 3's "effective" record: a record without one predates it.
 LATER_FIELDS = {"servers": 1, "hierarchical": False, "overlap": 1, "local_steps": 1,
-                "outer_delay": 0, "residual_decay": 1.0}
+                "outer_delay": 0, "residual_decay": 1.0, "adam_exchange": "gradient"}
 
 VERSION = 3   # 3: adds "effective", the settings in force (automatic fields resolved)
 FIX_RANK = ("Residuals are per rank: save every rank's optimizer.state_dict() (e.g. to "

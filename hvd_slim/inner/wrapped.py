@@ -17,7 +17,7 @@ from . import adam
 
 def step(opt: torch.optim.Optimizer, base_step: Callable[[Any], Any], closure: Any, *,
          corrected: Set[int], rescaled: Set[int], only: Optional[Set[int]] = None,
-         groups: Optional[List[dict]] = None) -> Any:
+         groups: Optional[List[dict]] = None, skip: Optional[Set[int]] = None) -> Any:
     """Step ``opt`` through ``base_step`` (its own class's ``step``, bound to it).
 
     Args:
@@ -26,17 +26,20 @@ def step(opt: torch.optim.Optimizer, base_step: Callable[[Any], Any], closure: A
         only: when given, step only the parameters whose id is in it.
         groups: when given, one dict of hyperparameters per param group (no ``"params"``),
             used instead of the groups' current values.
+        skip: ids of parameters not stepped here at all (the caller steps them: the
+            update exchange of inner/adam_update.py).
 
     Returns:
         What ``base_step(closure)`` returned.
     """
-    if not corrected and not rescaled and only is None and groups is None:
+    if not corrected and not rescaled and only is None and groups is None and not skip:
         return base_step(closure)
     saved = opt.param_groups
     hyper = saved if groups is None else [{**g, **h} for g, h in zip(saved, groups)]
     view = []
     for g in hyper:
-        mine = [p for p in g["params"] if only is None or id(p) in only]
+        mine = [p for p in g["params"] if (only is None or id(p) in only)
+                and (skip is None or id(p) not in skip)]
         plain = [p for p in mine if id(p) not in corrected and id(p) not in rescaled]
         if plain:
             view.append({**g, "params": plain})

@@ -1,4 +1,5 @@
-"""Adam under Slim-DP (hvd_slim/inner/adam.py, ``adam_variance``): a coordinate delivered every
+"""Adam under Slim-DP's gradient exchange (hvd_slim/inner/adam.py, ``adam_variance``, with
+``adam_exchange="gradient"``): a coordinate delivered every
 step is stepped exactly as by torch.optim.Adam; a burst of n summed gradients moves a parameter
 about as far as n dense Adam steps (where Adam's own step on the burst moves it a few steps'
 worth whatever n is); the wrapper steps the compressed parameters this way, keeps replicas and
@@ -95,6 +96,7 @@ def _loss(m: torch.nn.Module, rank: int, t: int) -> torch.Tensor:
 
 
 def _wrap(m, tr, cls=torch.optim.Adam, **kw):
+    kw.setdefault("adam_exchange", "gradient")   # this file tests the gradient exchange's Adam
     kw.setdefault("min_compress_numel", 1000)
     kw.setdefault("density", 0.02)
     return hvd_slim.DistributedOptimizer(cls(m.parameters(), lr=1e-3),

@@ -124,7 +124,9 @@ def test_numpy_scalars_are_accepted_and_normalised():
     opt = build(density=np.float64(0.05), refresh_interval=np.int64(2), seed=np.int32(3))
     cfg = opt.slim_config
     assert type(cfg.density) is float and type(cfg.refresh_interval) is int
-    assert cfg.digest() == SlimConfig(density=0.05, refresh_interval=2, seed=3).digest()
+    # adam_exchange is resolved for the optimizer ("gradient" for SGD) when it is built.
+    assert cfg.digest() == SlimConfig(density=0.05, refresh_interval=2, seed=3,
+                                      adam_exchange="gradient").digest()
 
 
 def test_new_keywords_have_defaults_and_take_values():
@@ -150,7 +152,7 @@ BAD_ENV = [
     ("timeout", "-1"), ("timeout", "soon"),
     ("warmup_dense_steps", "-1"), ("warmup_dense_steps", "2.5"),
     ("warmup_decay_steps", "-2"), ("warmup_decay_steps", "later"),
-    ("adam_variance", "frozen"),
+    ("adam_variance", "frozen"), ("adam_exchange", "sometimes"),
     ("momentum_masking", "auto"),
     ("value_bits", "3"), ("value_bits", "eight"),
     ("warmup_start_density", "0"), ("warmup_start_density", "dense"),

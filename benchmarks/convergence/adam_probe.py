@@ -175,9 +175,22 @@ class Probe:
                 if a.explore > 0 and dens < 1.0:
                     ke = round(a.explore * dens * self.d)
                     extra = torch.randint(0, self.d, (ke,), generator=self.gen)
-                    idx = torch.unique(torch.cat([idx, extra]))
+                    if a.explore_bits:   # the explored values coded apart, at their own scale
+                        taken = torch.zeros(self.d, dtype=torch.bool)
+                        taken[idx] = True
+                        extra = torch.unique(extra[~taken[extra]])
+                        ev = quantize(r[extra], a.explore_bits)
+                        r[extra] -= ev
+                        agg[extra] += ev
+                        count[extra] += 1
+                        self.bits_push += ke * a.explore_bits
+                        ke = 0
+                    else:
+                        idx = torch.unique(torch.cat([idx, extra]))
                 vals = quantize(r[idx], a.bits)
                 r[idx] -= vals
+                if a.mask and a.scheme == "update":   # momentum masking where sent
+                    self.m[i][idx] *= 1 - a.mask
                 agg[idx] += vals
                 count[idx] += 1
                 self.bits_push += (k + ke) * min(a.bits, 32) + index_bits(self.d, k) \
@@ -232,6 +245,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     ap.add_argument("--density", type=float, default=0.02)
     ap.add_argument("--bits", type=int, default=32)
     ap.add_argument("--explore", type=float, default=0.0, help="explored share of k")
+    ap.add_argument("--explore-bits", type=int, default=0,
+                    help="code the explored values apart at these bits (0: with the core)")
     ap.add_argument("--quota", choices=("global", "tensor", "tile"), default="global")
     ap.add_argument("--tile", type=int, default=4096)
     ap.add_argument("--decay", type=float, default=1.0)
@@ -239,6 +254,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     ap.add_argument("--pull", choices=("union", "slim"), default="union")
     ap.add_argument("--pull-ratio", type=float, default=2.0)
     ap.add_argument("--sender-mean", action="store_true")
+    ap.add_argument("--mask", type=float, default=0.0,
+                    help="share of a worker's first moment dropped where it sent (update)")
     ap.add_argument("--dense-steps", type=int, default=0)
     ap.add_argument("--auto-warmup", action="store_true")
     ap.add_argument("--evals", type=int, default=4)

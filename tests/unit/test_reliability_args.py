@@ -192,7 +192,8 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
             "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
             "warmup_start_density": 0.5, "servers": 2, "hierarchical": False,
-            "overlap": 2, "overlap_forward": False, "local_steps": 8, "outer_delay": 0, "residual_decay": 0.9}[name]
+            "overlap": 2, "overlap_forward": False, "local_steps": 8, "outer_delay": 0, "residual_decay": 0.9,
+            "adam_exchange": "gradient"}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

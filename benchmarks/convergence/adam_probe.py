@@ -161,6 +161,13 @@ class Probe:
             for i in range(n):
                 if a.scheme == "grad":
                     u = grads[i]
+                elif a.oracle_v:   # diagnostic: each worker's m, the average gradient's v
+                    if i == 0:
+                        gm = sum(grads) / n
+                        self.gv.mul_(b2).addcmul_(gm, gm, value=1 - b2)
+                    self.m[i].mul_(b1).add_(grads[i], alpha=1 - b1)
+                    u = (self.m[i] / (1 - b1 ** (t + 1))) / \
+                        ((self.gv / (1 - b2 ** (t + 1))).sqrt() + eps) * lr
                 else:
                     u = self.adam_dir(grads[i], self.m[i], self.v[i], t, b1, b2, eps) * lr
                 r = self.resid[i]
@@ -254,6 +261,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     ap.add_argument("--pull", choices=("union", "slim"), default="union")
     ap.add_argument("--pull-ratio", type=float, default=2.0)
     ap.add_argument("--sender-mean", action="store_true")
+    ap.add_argument("--oracle-v", action="store_true",
+                    help="diagnostic: the second moment of the average gradient (update)")
     ap.add_argument("--mask", type=float, default=0.0,
                     help="share of a worker's first moment dropped where it sent (update)")
     ap.add_argument("--dense-steps", type=int, default=0)

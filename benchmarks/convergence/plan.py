@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Tuple
 
 from benchmarks import netem
 
-from . import untuned
+from . import fair, untuned
 
 # MNIST: 2 epochs (what 2 shared cores allow for 3 seeds x the grid), cosine decay so the
 # comparison is of converged-ish models, not of where a constant LR happens to leave them.
@@ -23,7 +23,7 @@ NET_SLOWDOWN = {"loopback": 1.0, "tbf10g": 1.2, "tbf1g": 1.5}  # timeout allowan
 INTERLEAVED = ("time",)  # groups planned seed-major (see the module docstring)
 # What `make convergence` runs: the untuned battery and the language model first (the README's
 # lead results), then the MNIST / MNIST-1D grid and the top-k baselines.
-DEFAULT_GROUPS = untuned.GROUPS + ("kept", "grid", "baselines")
+DEFAULT_GROUPS = untuned.GROUPS + fair.GROUPS + ("kept", "grid", "baselines")
 # (name, method, density, Slim-DP keywords, other spec fields)
 Config = Tuple[str, str, float, Dict[str, Any], Dict[str, Any]]
 
@@ -32,6 +32,8 @@ def configs(group: str) -> List[Config]:
     """The configurations of one group (see the package docstring)."""
     if group in untuned.GROUPS + untuned.EXTRA_GROUPS:
         return untuned.configs(group)
+    if group in fair.GROUPS:
+        return fair.configs(group)
     if group == "grid":
         out: List[Config] = [("dense", "dense", 1.0, {}, {})]
         for d in (0.01, 0.001):
@@ -122,6 +124,8 @@ def build_plan(datasets: List[str], groups: List[str], seeds: List[int], np_: in
                      else [(c, seed) for c in cfgs for seed in seeds])
             for (name, method, density, slim, extra), seed in pairs:
                 extra = dict(extra)
+                if extra.pop("first_seed_only", False) and seed != seeds[0]:
+                    continue   # a peer run once, beside the seeds of the main rows
                 frac = extra.pop("dense_warmup_fraction", 0.0)
                 dense_frac, decay_frac = extra.pop("slim_warmup_fraction", (0.0, 0.0))
                 if frac or dense_frac or decay_frac:

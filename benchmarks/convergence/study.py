@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 from benchmarks import netem
 from benchmarks.launch import ROOT, MpiTimeout, run
 
-from . import local_grid, train, untuned
+from . import fair, local_grid, train, untuned
 from .plan import (DEFAULT_GROUPS, EPOCH_BUDGET_S, NET_SLOWDOWN, TARGET_GAP, TTA_TARGET,
                    build_plan, segments)
 from .report import write_report
@@ -112,7 +112,8 @@ def main() -> None:
                    help="full: 3 seeds, both datasets; quick: seed 0, MNIST-1D only")
     p.add_argument("--datasets", default=None, help="comma-separated: mnist,mnist1d")
     p.add_argument("--groups", default=",".join(DEFAULT_GROUPS),
-                   help="comma-separated: " + ",".join(untuned.GROUPS + untuned.EXTRA_GROUPS)
+                   help="comma-separated: " + ",".join(untuned.GROUPS + fair.GROUPS
+                                                        + untuned.EXTRA_GROUPS)
                         + ",kept,grid,baselines,ablation,adam,schedule,longer,time")
     p.add_argument("--seeds", default=None, help="comma-separated, default 0,1,2")
     p.add_argument("--np", type=int, default=4, dest="np_")
@@ -144,6 +145,7 @@ def main() -> None:
     # every battery run in the results file: a run of one group adds its rows to it.
     print(untuned.report([r for r in every if r.get("case")], args.out))
     print(local_grid.report([r for r in every if r.get("case")], args.out))
+    print(fair.report(every, args.out))
     grid = [r for r in runs if not r.get("case")]
     if grid:   # a battery-only run leaves the grid's table.md alone
         print(write_report(grid, args.out, TARGET_GAP, TTA_TARGET))

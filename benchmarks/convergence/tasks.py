@@ -45,7 +45,9 @@ class MLP1D(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
-MODELS = {"net": Net, "mlp1d": MLP1D, "horovod-cnn": HorovodNet, "byte-lm": lm.ByteLM}
+MODELS = {"net": Net, "mlp1d": MLP1D, "horovod-cnn": HorovodNet, "byte-lm": lm.ByteLM,
+          # the fair horizon's 0.5M-parameter transformer (fair.py)
+          "byte-lm-small": functools.partial(lm.ByteLM, width=96, layers=4)}
 DEFAULT_MODEL = {"mnist": "net", "mnist1d": "mlp1d", "pystdlib": "byte-lm"}
 LM_CONTEXT = 128      # bytes of context of the language model
 LM_VAL_WINDOWS = 512  # validation windows (64k bytes) scored at every evaluation

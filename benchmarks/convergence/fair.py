@@ -1,0 +1,147 @@
+"""The language model at a fair horizon: at least 20 tokens (bytes) per parameter.
+
+The 600-step language model of the untuned battery sees about 2 bytes per parameter, where no
+compressor claims parity and every one lags. Here a 0.5M-parameter byte-level transformer
+(width 96, 4 blocks) trains on 80,000 windows of 128 bytes, 10.2M bytes or 20 per parameter,
+in one pass at 4 ranks (2,500 steps), AdamW (lr 2e-3, weight decay 0.1) with a 5% linear
+warm-up and a cosine schedule over the whole run, as a user's script sets it. Groups:
+
+- ``lm-fair``: dense (``density=1.0``) and hvd_slim with no keyword (3 seeds);
+- ``lm-fair-peers``: hvd_slim at 0.001, top-k with error feedback at 0.02, PowerSGD rank 4
+  (DDP's hook) and DiLoCo's own exchange at H = 32 (``local_steps=32``, ``density=1.0``,
+  32-bit values), the first seed only.
+
+The report (``fair.md``) gives each run's final validation bits per byte and its gap to dense
+on the same seeds, the steps it took to reach dense's final loss against dense's own, and the
+whole run's pushed bytes against dense (the warm-up included).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+Config = Tuple[str, str, Optional[float], Dict[str, Any], Dict[str, Any]]
+
+STEPS = 2500
+LM_FAIR = {"dataset": "pystdlib", "model": "byte-lm-small", "batch_size": 8, "epochs": 1,
+           "train_subset": 80000, "optimizer": "adamw", "lr": 2e-3, "weight_decay": 0.1,
+           "schedule": "cosine", "lr_warmup_steps": STEPS // 20, "evals_per_epoch": 20}
+CASE = "lm-fair"
+MAIN = (("dense", "dense", 1.0, {}), ("default", "slim", None, {}))
+PEERS = (("0.001", "slim", 0.001, {}), ("top-k 0.02", "topk", 0.02, {}),
+         ("PowerSGD r4", "powersgd", 1.0, {"powersgd_rank": 4}),
+         ("DiLoCo H=32", "slim", 1.0, {"slim": {"local_steps": 32, "value_bits": 32}}))
+TARGETS = {"gap": 0.02, "bytes": 40.0, "steps": 1.25}
+
+
+def configs(group: str) -> List[Config]:
+    """The runs of ``lm-fair`` (3 seeds) or ``lm-fair-peers`` (the first seed only)."""
+    rows = MAIN if group == "lm-fair" else PEERS
+    out = []
+    for label, method, density, extra in rows:
+        extra = dict(extra)
+        slim = extra.pop("slim", {})
+        spec = dict(LM_FAIR, case=CASE, variant=label, **extra)
+        if group != "lm-fair":
+            spec["first_seed_only"] = True
+        out.append((f"{CASE} {label}", method, density, slim, spec))
+    return out
+
+
+GROUPS = ("lm-fair", "lm-fair-peers")
+
+
+def _curve(run: Dict[str, Any]) -> List[Tuple[int, float]]:
+    """(steps, val bits/byte) at every evaluation of the run, the last included."""
+    rec = run["records"][-1]
+    pts = [(int(c["steps"]), float(c["val_bpb"])) for c in rec.get("curve", [])]
+    pts.append((int(rec["steps"]), float(rec["val_bpb"])))
+    return sorted(set(pts))
+
+
+def steps_to(curve: List[Tuple[int, float]], target: float) -> Optional[float]:
+    """The first step the curve reaches ``target`` (linear between evaluations), or None."""
+    prev = None
+    for s, v in curve:
+        if v <= target:
+            if prev is None:
+                return float(s)
+            s0, v0 = prev
+            return s0 + (s - s0) * (v0 - target) / (v0 - v) if v0 != v else float(s)
+        prev = (s, v)
+    return None
+
+
+def summarise(runs: List[Dict[str, Any]]) -> "OrderedDict[str, Dict[str, Any]]":
+    """Per variant: the seeds' final bits per byte, steps to dense's final (same seed), the
+    pushed bytes' ratio to dense over the whole run."""
+    by: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
+    for r in runs:
+        if r.get("case") == CASE and r.get("records") and not r.get("diverged"):
+            by.setdefault(r["variant"], []).append(r)
+    dense = {r["seed"]: r for r in by.get("dense", [])}
+    out: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
+    for variant, rs in by.items():
+        ends, refs, ratios, pushed = [], [], [], []
+        for r in rs:
+            last = r["records"][-1]
+            ends.append(float(last["val_bpb"]))
+            d = dense.get(r["seed"])
+            if d is not None:
+                target = float(d["records"][-1]["val_bpb"])
+                mine, theirs = steps_to(_curve(r), target), steps_to(_curve(d), target)
+                refs.append(float(d["records"][-1]["val_bpb"]))
+                ratios.append(None if mine is None else mine / theirs)
+            pushed.append(last["bytes_pushed"] / max(last["dense_bytes"], 1.0))
+        out[variant] = {"seeds": len(rs), "end": statistics.fmean(ends),
+                        "dense": statistics.fmean(refs) if refs else float("nan"),
+                        "steps_ratio": ratios, "push_ratio": 1.0 / statistics.fmean(pushed),
+                        "load": statistics.fmean(r.get("loadavg", [float("nan")])[0]
+                                                 for r in rs),
+                        "seconds": statistics.fmean(r["seconds"] for r in rs)}
+    return out
+
+
+def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
+    """The fair-horizon table, with the targets' verdicts for the defaults."""
+    out = ["| run | seeds | val bits/byte | vs dense (same seeds) | steps to dense's final "
+           "/ dense's | dense/pushed bytes, whole run | target |",
+           "|---|---:|---:|---:|---:|---:|---|"]
+    for variant, r in rows.items():
+        gap = r["end"] / r["dense"] - 1
+        steps = r["steps_ratio"]
+        reached = [s for s in steps if s is not None]
+        cell = ("never" if not reached else f"{statistics.fmean(reached):.2f}x"
+                + ("" if len(reached) == len(steps) else f" ({len(steps) - len(reached)} "
+                   "never)")) if variant != "dense" else "1.00x"
+        verdict = ""
+        if variant == "default":
+            checks = [("gap", 100 * gap <= 100 * TARGETS["gap"] + 1e-9, f"{100 * gap:+.1f}% "
+                       f"(≤ {100 * TARGETS['gap']:.0f}%)"),
+                      ("bytes", r["push_ratio"] >= TARGETS["bytes"],
+                       f"{r['push_ratio']:.0f}x (≥ {TARGETS['bytes']:.0f}x)"),
+                      ("steps", bool(reached) and len(reached) == len(steps)
+                       and statistics.fmean(reached) <= TARGETS["steps"],
+                       f"steps ≤ {TARGETS['steps']}x")]
+            verdict = "; ".join(f"{name} {'met' if ok else 'missed'}: {what}"
+                                for name, ok, what in checks)
+        out.append(f"| {variant} | {r['seeds']} | {r['end']:.4f} | {100 * gap:+.2f}% | {cell} "
+                   f"| {r['push_ratio']:.1f}x | {verdict} |")
+    return "\n".join(out) + "\n"
+
+
+def report(runs: List[Dict[str, Any]], out: str) -> str:
+    """Write ``fair.md`` into ``out`` (nothing without a fair-horizon run); return its text."""
+    rows = summarise(runs)
+    if not rows:
+        return ""
+    loads = [r["load"] for r in rows.values() if r["load"] == r["load"]]
+    text = ("## Language model at a fair horizon (20 bytes per parameter, 4 ranks)\n\n"
+            + table(rows)
+            + (f"\nMachine load (1-minute average at each run's start): {min(loads):.1f} to "
+               f"{max(loads):.1f}.\n" if loads else ""))
+    with open(os.path.join(out, "fair.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    return text

@@ -1,0 +1,50 @@
+"""The fair-horizon language-model study (benchmarks/convergence/fair.py): its plan (3 seeds of
+dense and the defaults, the peers once), the steps-to-dense's-final measure and its table."""
+import pytest
+
+from benchmarks.convergence import fair
+from benchmarks.convergence.plan import build_plan
+
+
+def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
+    plan = build_plan(["pystdlib"], list(fair.GROUPS), [0, 1, 2], 4)
+    by = {}
+    for spec in plan:
+        by.setdefault(spec["variant"], []).append(spec["seed"])
+        assert spec["model"] == "byte-lm-small" and spec["train_subset"] == 80000
+        # a cosine over the whole run, its LR warm-up 5% of it
+        assert spec["lr_warmup_steps"] == 80000 // (8 * 4) // 20
+    assert by == {"dense": [0, 1, 2], "default": [0, 1, 2], "0.001": [0], "top-k 0.02": [0],
+                  "PowerSGD r4": [0], "DiLoCo H=32": [0]}
+    # the defaults pass no Slim-DP keyword at all
+    assert [s for s in plan if s["variant"] == "default"][0]["slim"] == {}
+    assert [s for s in plan if s["variant"] == "default"][0]["density"] is None
+
+
+def test_steps_to_a_loss_interpolates_between_evaluations():
+    curve = [(100, 3.0), (200, 2.5), (300, 2.0)]
+    assert fair.steps_to(curve, 2.75) == pytest.approx(150)
+    assert fair.steps_to(curve, 2.0) == 300
+    assert fair.steps_to(curve, 3.5) == 100
+    assert fair.steps_to(curve, 1.9) is None
+
+
+def _run(variant, seed, curve, pushed, dense_bytes=1000.0):
+    *points, (steps, end) = curve
+    return {"case": fair.CASE, "variant": variant, "seed": seed, "seconds": 1.0,
+            "loadavg": [1.0, 1.0],
+            "records": [{"steps": steps, "val_bpb": end, "bytes_pushed": pushed,
+                         "dense_bytes": dense_bytes,
+                         "curve": [{"steps": s, "val_bpb": v} for s, v in points]}]}
+
+
+def test_the_table_gives_the_gap_the_steps_ratio_and_the_bytes():
+    runs = [_run("dense", 0, [(100, 3.0), (200, 2.0)], 1000.0),
+            _run("default", 0, [(100, 3.0), (200, 2.1), (300, 2.02)], 20.0)]
+    rows = fair.summarise(runs)
+    assert rows["default"]["end"] == pytest.approx(2.02)
+    assert rows["default"]["steps_ratio"] == [None]    # never reached dense's 2.0
+    assert rows["default"]["push_ratio"] == pytest.approx(50.0)
+    text = fair.table(rows)
+    assert "| default | 1 | 2.0200 | +1.00% | never | 50.0x | gap met" in text
+    assert "steps missed" in text and "bytes met: 50x" in text

@@ -106,6 +106,7 @@ class Probe:
         self.resid = [z() for _ in range(n)]
         self.m = [z() for _ in range(n)]
         self.v = [z() for _ in range(n)]
+        self.w = [z() for _ in range(n)]   # --v-correct: a slow average of m_hat^2
         self.server = z()
         self.gm, self.gv = z(), z()          # the shared moments (dense, grad schemes)
         self.sm = [torch.zeros_like(p) for p in self.small]
@@ -168,6 +169,18 @@ class Probe:
                     self.m[i].mul_(b1).add_(grads[i], alpha=1 - b1)
                     u = (self.m[i] / (1 - b1 ** (t + 1))) / \
                         ((self.gv / (1 - b2 ** (t + 1))).sqrt() + eps) * lr
+                elif a.v_correct:
+                    # The average gradient's second moment estimated from this worker alone:
+                    # E[g_i^2]/N for the noise, plus (1 - 1/N) of a slow average of m_hat^2
+                    # for the mean's square (m_hat's own noise is ~(1-b1)/(1+b1) of g's).
+                    g = grads[i]
+                    self.m[i].mul_(b1).add_(g, alpha=1 - b1)
+                    self.v[i].mul_(b2).addcmul_(g, g, value=1 - b2)
+                    mh = self.m[i] / (1 - b1 ** (t + 1))
+                    self.w[i].mul_(b2).addcmul_(mh, mh, value=1 - b2)
+                    bc2 = 1 - b2 ** (t + 1)
+                    vc = (self.v[i] / n + (1 - 1 / n) * self.w[i]) / bc2
+                    u = mh / (vc.sqrt() + eps) * lr
                 else:
                     u = self.adam_dir(grads[i], self.m[i], self.v[i], t, b1, b2, eps) * lr
                 r = self.resid[i]
@@ -175,8 +188,13 @@ class Probe:
                 props.append(r)
             agg = torch.zeros(self.d)
             count = torch.zeros(self.d)
+            shared = None
+            if a.shared == "leader" and dens < 1.0:   # one rank's top-k, taken by every rank
+                shared = self.sel(props[t % n], dens)
+            elif a.shared == "sum" and dens < 1.0:    # oracle: the top-k of the summed residual
+                shared = self.sel(sum(props), dens)
             for i, r in enumerate(props):
-                idx = self.sel(r, dens)
+                idx = self.sel(r, dens) if shared is None else shared
                 k = idx.numel()
                 ke = 0
                 if a.explore > 0 and dens < 1.0:
@@ -261,6 +279,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     ap.add_argument("--pull", choices=("union", "slim"), default="union")
     ap.add_argument("--pull-ratio", type=float, default=2.0)
     ap.add_argument("--sender-mean", action="store_true")
+    ap.add_argument("--shared", choices=("none", "leader", "sum"), default="none",
+                    help="every worker sends the same coordinates: a rotating leader's top-k, "
+                         "or (oracle) the top-k of the summed residuals")
+    ap.add_argument("--v-correct", action="store_true",
+                    help="estimate the average gradient's second moment locally (update)")
     ap.add_argument("--oracle-v", action="store_true",
                     help="diagnostic: the second moment of the average gradient (update)")
     ap.add_argument("--mask", type=float, default=0.0,

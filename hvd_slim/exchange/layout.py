@@ -72,6 +72,13 @@ class Bucket:
         """Bytes of one sliced value (pushes, and the server's ``pull="slim"`` slice)."""
         return self.slice_dtype.itemsize
 
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The dtype of what is kept for this bucket across steps (residuals, the server's
+        sums): float32 for 16-bit parameters, where a small gradient added to a large 16-bit
+        residual would round away; the parameters' own dtype otherwise."""
+        return torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+
     def params(self) -> List[torch.Tensor]:
         return [s.param for s in self.segments]
 

@@ -40,7 +40,7 @@ class Server:
         self.path: WirePath = HostPath() if path is None else path
         # The server's state lives beside the parameters: on a GPU, aggregation, selection and
         # the pull's encoding all stay there.
-        self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device)
+        self.memory = {b.index: ResidualMemory(b.numel, b.state_dtype, b.device)
                        for b in layout.sparse}
         self.selector = {b.index: CoreSelector() for b in layout.sparse}
         self.worker_cores: List[dict] = [dict() for _ in range(size)]
@@ -97,7 +97,8 @@ class Server:
                 if b.kind != DENSE and cfg.pull == "slim" and not flush and not pull_is_dense(b):
                     sections.append(self._slim_section(b, secs, step, scale, plan))
                     continue
-                total = totals[b.index] = self._zeroed(self._total, b, b.dtype)
+                total = totals[b.index] = self._zeroed(
+                    self._total, b, b.dtype if b.kind == DENSE else b.state_dtype)
                 touched = None
                 if cfg.pull == "union":
                     touched = self._touched[b.index] = self._zeroed(self._touched, b, torch.bool)
@@ -173,7 +174,7 @@ class Server:
         touched = torch.cat([idx for idx, _ in pushes])
         plan.saved.append((e, touched, e[touched]))
         for idx, vals in pushes:
-            e.index_add_(0, idx, vals, alpha=scale)
+            e.index_add_(0, idx, vals.to(e.dtype), alpha=scale)
         return self._slice_pull(b, e, step, plan)
 
     def _push_slice(self, b: Bucket, j: int, sec: wm.Section, step: int, plan: "_Plan"
@@ -202,7 +203,7 @@ class Server:
                 touched.fill_(True)
             return
         idx, vals = self._push_slice(b, j, sec, step, plan)
-        total.index_add_(0, idx, vals)
+        total.index_add_(0, idx, vals.to(total.dtype))
         if touched is not None:
             touched[idx] = True
 

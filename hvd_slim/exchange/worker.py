@@ -76,7 +76,7 @@ class Worker:
         self.rank, self.size, self.digest = rank, size, digest
         self.shards = ShardPlan(layout, 1, size, config.server_rank) if shards is None else shards
         momentum = momentum or {}
-        self.memory = {b.index: ResidualMemory(b.numel, b.dtype, b.device,
+        self.memory = {b.index: ResidualMemory(b.numel, b.state_dtype, b.device,
                                                decay=config.residual_decay,
                                                **momentum.get(b.index, {}))
                        for b in layout.sparse}
@@ -84,7 +84,9 @@ class Worker:
                          for p in ps if p.b.kind != DENSE}
         self.core: Dict[int, torch.Tensor] = {}        # this worker's cached push cores
         self.puller = Puller(layout, config, self.shards, path, stats, rank, size, digest)
-        self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+        # A compressed bucket's proposal becomes its residual at commit: the state dtype.
+        self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype if b.kind == DENSE
+                                           else b.state_dtype, device=b.device)
                       for b in layout.buckets}
         self._score: Dict[int, torch.Tensor] = {}   # only with magnitude_weight > 0
         self._pending: List[Proposal] = []

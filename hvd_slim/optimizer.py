@@ -62,14 +62,15 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._mc_params = {id(p) for b in self._layout.sparse if b.index in plan
                            for p in b.params()}
         self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
-        # adam_exchange="update" (resolved by DistributedOptimizer): each rank's Adam update
-        # of the compressed parameters is what the exchange carries (inner/adam_update.py).
-        self._adam = AdamUpdate(self, self._layout) if cfg.adam_exchange == "update" else None
         self._rescaled_params = adam.rescaled_parameters(self, self._layout, cfg) \
-            if self._outer is None and self._adam is None else set()
+            if self._outer is None and cfg.adam_exchange != "update" else set()
         self._exchange = build_exchange(self._layout, settings.config, settings.transport, plan,
                                         ranks=settings.ranks,
                                         order=[n for n, p in named if p.requires_grad])
+        # adam_exchange="update" (resolved by DistributedOptimizer): each rank's Adam update
+        # of the compressed parameters is what the exchange carries (inner/adam_update.py).
+        self._adam = AdamUpdate(self, self._layout, self._exchange.size) \
+            if cfg.adam_exchange == "update" else None
         # How a round ends (outer/ends.py); outer_delay=1: its exchange runs during the next.
         self._ends = None if self._outer is None else RoundEnds(
             self._outer, self._exchange, self._requires_update, bool(cfg.outer_delay),

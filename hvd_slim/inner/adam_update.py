@@ -11,6 +11,13 @@ all) carries updates; every replica then applies the same delivered average as a
 delta, with AdamW's decoupled weight decay, so the replicas stay bitwise identical. Adam's L2
 weight decay joins the gradient first, as in ``torch.optim.Adam``.
 
+One rank's gradient is noisier than the average of N ranks', so its own second moment
+``E[g_i^2] = mu^2 + sigma^2`` overstates the average's ``mu^2 + sigma^2 / N``, and Adam's
+steps shrink where the noise dominates (4% worse bits per byte on the fair-horizon probe,
+exchange exact). Each rank therefore normalises by a local estimate of the average's second
+moment: ``v / N + (1 - 1/N) * w``, where ``w`` is a slow average (beta2) of ``m_hat^2``, whose
+own noise is about ``(1 - beta1) / (1 + beta1)`` of the gradient's. At N = 1 it is Adam.
+
 The moments are flat float32 buffers per compressed bucket (whatever the parameters' dtype),
 computed speculatively: a step every rank skips (a NaN/Inf somewhere) leaves them as they were.
 They are per rank and travel in the checkpoint under ``"hvd_slim_adam"``. Dense buckets (the
@@ -77,17 +84,17 @@ class AdamUpdate:
     :meth:`settle` keeps the new moments (the step went through, or failed with the update in
     the residual) or drops them (every rank skipped the step)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layout: "Layout") -> None:
-        self.opt = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, layout: "Layout", size: int) -> None:
+        self.opt, self.size = optimizer, size
         self.buckets = list(layout.sparse)
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         # Per bucket: its segments with their param group, and the flat moments (float32).
         self.segments = [[(s, group_of[id(s.param)]) for s in b.segments] for b in self.buckets]
         zeros = lambda b: torch.zeros(b.numel, dtype=torch.float32, device=b.device)  # noqa
-        self.m = [zeros(b) for b in self.buckets]
-        self.v = [zeros(b) for b in self.buckets]
-        self._m_next = [zeros(b) for b in self.buckets]
-        self._v_next = [zeros(b) for b in self.buckets]
+        # m, v: Adam's moments of this rank's gradient; w: the slow average of m_hat^2.
+        self.m, self.v, self.w = ([zeros(b) for b in self.buckets] for _ in range(3))
+        self._m_next, self._v_next, self._w_next = ([zeros(b) for b in self.buckets]
+                                                    for _ in range(3))
         self._scratch = [zeros(b) for b in self.buckets]
         # Adam's step count per parameter (a parameter with no gradient on this rank is not
         # stepped, as torch's Adam skips it).
@@ -104,8 +111,8 @@ class AdamUpdate:
         groups = self.opt.param_groups
         stepped = []
         for bi, segs in enumerate(self.segments):
-            m, v, mn, vn, g32 = (self.m[bi], self.v[bi], self._m_next[bi], self._v_next[bi],
-                                 self._scratch[bi])
+            m, v, w, g32 = self.m[bi], self.v[bi], self.w[bi], self._scratch[bi]
+            mn, vn, wn = self._m_next[bi], self._v_next[bi], self._w_next[bi]
             flags = []
             for j, (s, gi) in enumerate(segs):
                 p, lo, hi = s.param, s.offset, s.offset + s.numel
@@ -113,6 +120,7 @@ class AdamUpdate:
                 if grad is None:
                     mn[lo:hi].copy_(m[lo:hi])
                     vn[lo:hi].copy_(v[lo:hi])
+                    wn[lo:hi].copy_(w[lo:hi])
                     flags.append(False)
                     continue
                 if grad.is_sparse:
@@ -133,8 +141,15 @@ class AdamUpdate:
                 torch.mul(v[lo:hi], b2, out=vn[lo:hi]).addcmul_(g32[lo:hi], g32[lo:hi],
                                                                  value=1 - b2)
                 bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-                # u = lr / bc1 * m / (sqrt(v / bc2) + eps), written over the gradient copy.
-                denom = torch.sqrt(vn[lo:hi], out=g32[lo:hi]).div_(math.sqrt(bc2)).add_(eps)
+                # w' = b2 * w + (1 - b2) * (m' / bc1)^2, then the estimated second moment of
+                # the ranks' average gradient, (v' / N + (1 - 1/N) * w') / bc2, in g32.
+                n = self.size
+                mh = torch.div(mn[lo:hi], bc1, out=g32[lo:hi])
+                torch.mul(w[lo:hi], b2, out=wn[lo:hi]).addcmul_(mh, mh, value=1 - b2)
+                est = torch.mul(wn[lo:hi], (1 - 1 / n) / bc2, out=g32[lo:hi])
+                est.add_(vn[lo:hi], alpha=1 / (n * bc2))
+                # u = lr * m_hat / (sqrt(est) + eps), written over the estimate.
+                denom = est.sqrt_().add_(eps)
                 torch.div(mn[lo:hi], denom, out=denom).mul_(lr / bc1)
                 grad.copy_(gv)
                 flags.append(True)
@@ -150,6 +165,7 @@ class AdamUpdate:
         if keep:
             self.m, self._m_next = self._m_next, self.m
             self.v, self._v_next = self._v_next, self.v
+            self.w, self._w_next = self._w_next, self.w
             for bi, flags in enumerate(self._stepped):
                 for j, hit in enumerate(flags):
                     if hit:
@@ -209,6 +225,7 @@ class AdamUpdate:
         return {"format": FORMAT, "numel": [b.numel for b in self.buckets],
                 "exp_avg": [m.clone() for m in self.m],
                 "exp_avg_sq": [v.clone() for v in self.v],
+                "mean_sq": [w.clone() for w in self.w],
                 "steps": [list(s) for s in self.steps]}
 
     def validate(self, state: Any) -> None:
@@ -223,7 +240,7 @@ class AdamUpdate:
         if state.get("numel") != numel:
             raise ValueError(f"hvd_slim checkpoint: the Adam update state covers buckets of "
                              f"{state.get('numel')} coordinates, this model {numel}. {fix}")
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq", "mean_sq"):
             got = state.get(key)
             if not isinstance(got, list) or len(got) != len(numel) or any(
                     not isinstance(x, torch.Tensor) or x.shape != (n,)
@@ -238,7 +255,8 @@ class AdamUpdate:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.validate(state)
-        for dst, src in zip(self.m + self.v, state["exp_avg"] + state["exp_avg_sq"]):
+        for dst, src in zip(self.m + self.v + self.w,
+                            state["exp_avg"] + state["exp_avg_sq"] + state["mean_sq"]):
             dst.copy_(src)
         self.steps = [[int(x) for x in s] for s in state["steps"]]
         self._stepped = None

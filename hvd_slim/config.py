@@ -300,15 +300,13 @@ class SlimConfig:
                               f"rank), got {self.server_rank}{self.env_note('server_rank')}",
                               "server_rank")
         self._check_servers(len(ranks))
-        out = dataclasses.replace(self, server_rank=ranks.index(self.server_rank))
-        object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
-        object.__setattr__(out, "_agreed", getattr(self, "_agreed", {}))
-        return out
+        return self.replaced(server_rank=ranks.index(self.server_rank))
 
-    def resolved(self, **fields: Any) -> "SlimConfig":
-        """A copy with automatic ``fields`` set to the values in force (``adam_exchange``,
-        once the optimizer is known), keeping where each keyword came from and what the
-        handshake compares beside the fields."""
+    def replaced(self, **fields: Any) -> "SlimConfig":
+        """A copy with ``fields`` changed (validated again), keeping where each keyword came
+        from and what the handshake compares beside the fields, which ``dataclasses.replace``
+        drops: ``adam_exchange`` resolved once the optimizer is known, an elastic shrink's
+        ``servers``, a host exchange's inner settings."""
         out = dataclasses.replace(self, **fields)
         object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
         object.__setattr__(out, "_agreed", getattr(self, "_agreed", {}))
@@ -344,8 +342,7 @@ class SlimConfig:
         """A copy whose handshake also compares ``extra``: descriptions of settings that are
         objects, not config values (the outer optimizer of ``local_steps``). Checkpoints do not
         compare them, so they may change on resume."""
-        out = dataclasses.replace(self)
-        object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
+        out = self.replaced()
         object.__setattr__(out, "_agreed", dict(getattr(self, "_agreed", {}), **extra))
         return out
 

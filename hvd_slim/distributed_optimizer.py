@@ -151,7 +151,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if why is not None:
         log.info("hvd_slim: adam_exchange='auto' exchanges gradients here: %s", why)
     settings = dataclasses.replace(settings,
-                                   config=settings.config.resolved(adam_exchange=mode))
+                                   config=settings.config.replaced(adam_exchange=mode))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_SlimOptimizer.__dict__))
     return cls(optimizer.param_groups, settings, optimizer)

@@ -44,14 +44,19 @@ def _digest(optimizer: torch.optim.Optimizer) -> str:
     for group in optimizer.param_groups:
         h.update(repr(sorted((k, repr(v)) for k, v in group.items() if k != "params")).encode())
         for p in group["params"]:
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            h.update(_bytes(p))
             state = optimizer.state.get(p) or {}
             for key in sorted(state, key=str):
                 value = state[key]
-                data = value.detach().cpu().contiguous().numpy().tobytes() \
-                    if torch.is_tensor(value) else repr(value).encode()
+                data = _bytes(value) if torch.is_tensor(value) else repr(value).encode()
                 h.update(repr(key).encode() + data)
     return h.hexdigest()
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, whatever its dtype (numpy has no bfloat16 or float8: read as bytes)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
 def after_join(served: List[int], root: int) -> List[int]:

@@ -9,6 +9,7 @@ exchange); the exchange runs in :meth:`synchronize`, or with ``local_steps`` onc
 from __future__ import annotations
 
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, List
 
@@ -87,8 +88,17 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._skipped = False   # the last exchange was skipped by every rank (NaN/Inf)
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
-                              for p in self._requires_update]
+        self._hook_handles = []
+        for p in self._requires_update:
+            # A DistributedOptimizer built again over the same parameters (after unfreezing
+            # layers, say) replaces the earlier one's hook: two would count each backward twice.
+            ref, old = _HOOKS.pop(id(p), (None, None))
+            if old is not None and ref() is p:
+                old.remove()
+            handle = p.register_post_accumulate_grad_hook(self._make_hook(p))
+            _HOOKS[id(p)] = (weakref.ref(p, lambda _r, key=id(p): _HOOKS.pop(key, None)),
+                             handle)
+            self._hook_handles.append(handle)
         # Each exchange starts with a round a joined rank serves (join_sync); None: no round.
         self._join_id = join_sync.register(self, settings.ranks, settings.transport)
 
@@ -445,6 +455,10 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._skipped = False
 
+
+# The live gradient hook of each parameter wrapped by a DistributedOptimizer (see __init__).
+# By id (tensors compare elementwise), with a weak reference that drops the entry with it.
+_HOOKS: Dict[int, Any] = {}
 
 # GradScaler.step(optimizer) checks this rank's gradients for Inf/NaN before it calls step(), so
 # a rank that overflowed alone never joins the exchange the others wait in.

@@ -53,12 +53,12 @@ def rebind(optimizer: torch.optim.Optimizer) -> bool:
         # the old count is refused on load anyway, as its size differs).
         warnings.warn(f"hvd_slim.elastic: servers={config.servers} exceeds the {new.size} "
                       f"surviving ranks; the exchange continues with servers={new.size}")
-        config = dataclasses.replace(config, servers=new.size)
+        config = config.replaced(servers=new.size)
     if config.hierarchical:
         # The hosts lost a rank, so they no longer all hold as many: the survivors go flat.
         warnings.warn("hvd_slim.elastic: the exchange continues without hierarchical=True on "
                       "the surviving ranks")
-        config = dataclasses.replace(config, hierarchical=False)
+        config = config.replaced(hierarchical=False)
     settings = dataclasses.replace(opt._settings, transport=new, config=config)
     plan = momentum_plan(opt, opt._layout, settings.config)
     opt._settings = settings

@@ -26,7 +26,6 @@ carry (host_phases.py, with the host collectives). The flush: host_flush.py; the
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -115,9 +114,8 @@ class HierarchicalExchange:
                 kinds[name] = b.kind
         if not pieces:
             return pieces, None
-        inner_cfg = dataclasses.replace(self.cfg, hierarchical=False,
-                                        server_rank=int(hosts[self.cfg.server_rank]))
-        object.__setattr__(inner_cfg, "_env_sources", getattr(self.cfg, "_env_sources", {}))
+        inner_cfg = self.cfg.replaced(hierarchical=False,
+                                      server_rank=int(hosts[self.cfg.server_rank]))
         comm_dtype = {b.dtype: b.comm_dtype for b in self.layout.buckets}
         inner_layout = Layout(list(pieces.values()), inner_cfg, lambda dt: comm_dtype[dt],
                               kinds=kinds)

@@ -30,6 +30,10 @@ ADAM_VARIANCE_MODES = ("auto", "rescaled", "live")
 # moments, its Adam update through the exchange), "gradient" (the gradients, one shared Adam);
 # "auto" resolves to "update" for torch's Adam and AdamW when the optimizer is built.
 ADAM_EXCHANGE_MODES = ("auto", "update", "gradient")
+# The update exchange's own defaults, for the keywords a user leaves unset: Adam's updates move
+# every coordinate about lr a step, so staleness, not precision, is what costs accuracy there:
+# more coordinates at fewer bits (docs/accuracy.md, "Transformers").
+UPDATE_DEFAULTS = {"density": 0.05, "value_bits": 2}
 ENV_PREFIX = "HVD_SLIM_"
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
 ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
@@ -308,9 +312,16 @@ class SlimConfig:
         drops: ``adam_exchange`` resolved once the optimizer is known, an elastic shrink's
         ``servers``, a host exchange's inner settings."""
         out = dataclasses.replace(self, **fields)
-        object.__setattr__(out, "_env_sources", getattr(self, "_env_sources", {}))
-        object.__setattr__(out, "_agreed", getattr(self, "_agreed", {}))
+        for hidden in ("_env_sources", "_agreed", "_given"):
+            object.__setattr__(out, hidden, getattr(self, hidden, {}))
         return out
+
+    def update_defaults(self) -> Dict[str, Any]:
+        """The update exchange's defaults (``UPDATE_DEFAULTS``) for the keywords neither passed
+        nor set by a variable: what :meth:`replaced` applies once ``adam_exchange`` resolves to
+        "update"."""
+        given = getattr(self, "_given", ())
+        return {k: v for k, v in UPDATE_DEFAULTS.items() if k not in given}
 
     def env_note(self, name: str) -> str:
         """`` (from environment variable HVD_SLIM_X)`` when ``name`` came from the environment."""

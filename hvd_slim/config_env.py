@@ -103,4 +103,7 @@ def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, s
     # Remembered (outside the dataclass fields, so not in the digest) for later checks that
     # need the world size or the optimizer, so their errors can name the variable too.
     object.__setattr__(config, "_env_sources", dict(from_env))
+    # Which keywords the user set (passed or from a variable): the rest may take the defaults
+    # of the mode the optimizer resolves to (SlimConfig.update_defaults).
+    object.__setattr__(config, "_given", frozenset(explicit) | frozenset(from_env))
     return config

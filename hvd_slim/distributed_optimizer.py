@@ -150,8 +150,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     mode, why = resolve_mode(optimizer, settings.config, type(optimizer))
     if why is not None:
         log.info("hvd_slim: adam_exchange='auto' exchanges gradients here: %s", why)
-    settings = dataclasses.replace(settings,
-                                   config=settings.config.replaced(adam_exchange=mode))
+    fields = {"adam_exchange": mode}
+    if mode == "update":   # its own density and value_bits, unless the user set them
+        fields.update(settings.config.update_defaults())
+    settings = dataclasses.replace(settings, config=settings.config.replaced(**fields))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_SlimOptimizer.__dict__))
     return cls(optimizer.param_groups, settings, optimizer)

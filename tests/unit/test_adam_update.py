@@ -29,6 +29,7 @@ def _loss(m: torch.nn.Module, rank: int, t: int) -> torch.Tensor:
 def _wrap(m, tr, cls=torch.optim.AdamW, opt_kw=None, **kw):
     kw.setdefault("min_compress_numel", 1000)
     kw.setdefault("density", 0.02)
+    kw.setdefault("value_bits", 8)   # both modes alike (the update exchange's default is 2)
     inner = cls(m.parameters(), lr=LR, **dict({"weight_decay": WD}, **(opt_kw or {})))
     return hvd_slim.DistributedOptimizer(inner, named_parameters=m.named_parameters(),
                                          transport=tr, **kw)
@@ -330,3 +331,23 @@ def test_ranks_that_exchange_different_things_are_named_at_the_handshake():
         return True
 
     assert all(run_ranks(2, body))
+
+
+def test_the_update_exchange_has_its_own_defaults_where_the_user_set_none(monkeypatch):
+    tr = FakeCluster(1).transport(0)
+
+    def build(cls=torch.optim.AdamW, **kw):
+        m = _net()
+        return hvd_slim.DistributedOptimizer(cls(m.parameters(), lr=LR),
+                                             named_parameters=m.named_parameters(),
+                                             transport=tr, **kw).slim_config
+
+    cfg = build()
+    assert (cfg.adam_exchange, cfg.density, cfg.value_bits) == ("update", 0.05, 2)
+    assert build(torch.optim.SGD).density == 0.02 and build(torch.optim.SGD).value_bits == 8
+    assert build(adam_exchange="gradient").density == 0.02
+    assert (build(value_bits=8).density, build(value_bits=8).value_bits) == (0.05, 8)
+    monkeypatch.setenv("HVD_SLIM_DENSITY", "0.01")
+    cfg = build()
+    assert (cfg.density, cfg.value_bits) == (0.01, 2)
+    assert cfg.env_note("density") == " (from environment variable HVD_SLIM_DENSITY)"

@@ -316,6 +316,19 @@ class SlimConfig:
             object.__setattr__(out, hidden, getattr(self, hidden, {}))
         return out
 
+    def describe_sources(self, mode_defaults: Sequence[str] = ()) -> str:
+        """Every setting in force with where it came from (``keyword``, ``HVD_SLIM_X``, or
+        ``default``; ``mode_defaults``: those taken from the update exchange's defaults), for
+        the log line rank 0 writes when an optimizer is built."""
+        env, given = getattr(self, "_env_sources", {}), getattr(self, "_given", ())
+        parts = []
+        for name, value in self.effective_dict().items():
+            source = env.get(name) or ("keyword" if name in given else
+                                       "update default" if name in mode_defaults else
+                                       "default")
+            parts.append(f"{name}={value!r} ({source})")
+        return ", ".join(parts)
+
     def update_defaults(self) -> Dict[str, Any]:
         """The update exchange's defaults (``UPDATE_DEFAULTS``) for the keywords neither passed
         nor set by a variable: what :meth:`replaced` applies once ``adam_exchange`` resolves to

@@ -154,6 +154,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if mode == "update":   # its own density and value_bits, unless the user set them
         fields.update(settings.config.update_defaults())
     settings = dataclasses.replace(settings, config=settings.config.replaced(**fields))
+    if settings.transport.rank == 0 and log.isEnabledFor(logging.INFO):
+        log.info("hvd_slim: DistributedOptimizer(%s) over %d ranks: %s",
+                 type(optimizer).__name__, settings.transport.size,
+                 settings.config.describe_sources(
+                     [k for k in fields if k != "adam_exchange"]))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_SlimOptimizer.__dict__))
     return cls(optimizer.param_groups, settings, optimizer)

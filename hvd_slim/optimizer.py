@@ -8,6 +8,8 @@ exchange); the exchange runs in :meth:`synchronize`, or with ``local_steps`` onc
 """
 from __future__ import annotations
 
+import logging
+import math
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -28,6 +30,8 @@ from .outer.ends import RoundEnds
 from .runtime import engine
 from .runtime.horovod import called_by_horovod_state_init
 from .wrapping import SlimSettings, adopt_source, comm_dtype_fn, momentum_plan
+
+log = logging.getLogger("hvd_slim")
 
 
 class _SlimOptimizer(torch.optim.Optimizer):
@@ -193,6 +197,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
             self._end_accumulation()
         if self._adam is not None:
             self._adam.settle(keep=not self._skipped)
+        if self._skipped:
+            _log_skip(self._exchange.stats.skipped_steps, self._exchange.stats.last_skip)
         self._synchronized = True
 
     @contextmanager
@@ -454,6 +460,15 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._skipped = False
+
+
+def _log_skip(count: int, why: str) -> None:
+    """A step every rank skipped for a NaN/Inf: a WARNING naming the rank and tensor (the
+    verdict's text), for the 1st, 10th, 100th, ... such step, so an AMP run that skips now and
+    then is not flooded while a script without a GradScaler learns why it stopped moving."""
+    if count >= 1 and math.log10(count).is_integer():
+        log.warning("hvd_slim: %s (skipped steps so far: %d; nonfinite='raise' stops at the "
+                    "first instead)", why or "a step was skipped for a NaN/Inf", count)
 
 
 # The live gradient hook of each parameter wrapped by a DistributedOptimizer (see __init__).

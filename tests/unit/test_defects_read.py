@@ -56,3 +56,39 @@ def test_a_replaced_config_keeps_its_sources_and_agreed_settings():
     assert out.env_note("density") == " (from environment variable HVD_SLIM_DENSITY)"
     assert out.shared_dict()["outer_optimizer"] == "SGD"
     assert out.digest() == cfg.digest()
+
+
+def test_rank_0_logs_the_settings_in_force_and_where_each_came_from(caplog, monkeypatch):
+    import logging
+    monkeypatch.setenv("HVD_SLIM_EXPLORATION", "0.2")
+    m = torch.nn.Linear(80, 60)
+    with caplog.at_level(logging.INFO, logger="hvd_slim"):
+        hvd_slim.DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                      named_parameters=m.named_parameters(),
+                                      transport=FakeCluster(1).transport(0), seed=3)
+    text = caplog.text
+    assert "DistributedOptimizer(AdamW) over 1 ranks" in text
+    assert "density=0.05 (update default)" in text and "value_bits=2 (update default)" in text
+    assert "exploration=0.2 (HVD_SLIM_EXPLORATION)" in text and "seed=3 (keyword)" in text
+    assert "pull='slim' (default)" in text and "adam_exchange='update'" in text
+
+
+def test_a_skipped_step_is_logged_naming_the_rank_and_tensor(caplog):
+    import logging
+
+    def body(rank, tr):
+        p = torch.nn.Parameter(torch.zeros(5000))
+        opt = hvd_slim.DistributedOptimizer(torch.optim.SGD([p], lr=0.1),
+                                            named_parameters=[("w", p)], transport=tr)
+        for t in range(3):
+            opt.zero_grad()
+            p.grad = torch.ones(5000)
+            if rank == 1 and t == 1:
+                p.grad[7] = float("nan")
+            opt.step()
+        return opt.comm_stats()["skipped_steps"]
+
+    with caplog.at_level(logging.WARNING, logger="hvd_slim"):
+        assert run_ranks(2, body) == [1, 1]
+    warned = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(warned) == 2 and all("rank 1" in w and "'w'" in w for w in warned), warned

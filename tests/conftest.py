@@ -8,6 +8,9 @@
 * ``gpu``: needs a CUDA GPU (the GPU tier).
 * ``slow``: starts real processes without mpirun (torch.distributed workers, scripts, network
   namespaces).
+* ``bench``: tests of the benchmarks and studies (tests/benchmarks: benchmarks/ and the
+  examples), some of which read recorded results under benchmarks/results/, which the
+  reproduction image leaves out: not in ``pytest -m unit``.
 """
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ MARKERS = {"unit": "one process, the fake N-rank transport (pytest -m unit)",
            "mpi": "starts jobs under mpirun",
            "horovod": "needs Horovod (horovod.torch)",
            "gpu": "needs a CUDA GPU",
-           "slow": "starts real processes without mpirun"}
+           "slow": "starts real processes without mpirun",
+           "bench": "tests of benchmarks/ and examples/ (tests/benchmarks)"}
 HERE = Path(__file__).resolve().parent
 # The tiers whose every test has one kind: by the folder or launcher file it lives in.
-KIND_OF = {"distributed": "mpi", "horovod": "horovod", "gpu": "gpu"}
+KIND_OF = {"distributed": "mpi", "horovod": "horovod", "gpu": "gpu", "benchmarks": "bench"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

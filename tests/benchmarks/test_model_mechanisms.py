@@ -16,7 +16,7 @@ from benchmarks.model.scenario import Scenario
 from benchmarks.model.strategies import predict
 from benchmarks.model.workloads import numel, shapes_of
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.bench
 
 GBIT = 1e9
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import phases
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -16,7 +16,7 @@ from benchmarks.model.strategies import Scenario, predict
 from benchmarks.model.workloads import numel, shapes_of
 from benchmarks.ready import ReadyClock, profile
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.bench
 
 RATE = 1e8      # bytes per second of the fake allreduce: seconds = nbytes / RATE
 

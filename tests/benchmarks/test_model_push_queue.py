@@ -15,7 +15,7 @@ from benchmarks.model.scenario import Scenario
 from benchmarks.model.strategies import predict
 from benchmarks.model.workloads import shapes_of
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.bench
 
 MBIT = 1e6
 EACH = 12_500.0          # bytes: 1 ms at 100 Mbit/s

@@ -25,7 +25,7 @@ from hvd_slim.config import SlimConfig
 from hvd_slim.exchange import Layout, SlimExchange
 from hvd_slim.transport import run_ranks
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.bench
 
 # The benchmark's tbf bucket at 1 Gbit/s (benchmarks/cluster.burst: 122 KiB), in payload bytes.
 FREE_1G = 122 * 1024 / nw.ETH_FRAME_OVERHEAD

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.horovod_suite.__main__ import SHIM, _rank_outcome, suite_tests
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.bench
 
 
 def test_suite_tests_are_the_testcase_methods(tmp_path):

@@ -3,6 +3,7 @@
 They pass at any world size and compare against closed forms or a dense MPI reference
 (mpi4py's own Allreduce, independent of hvd_slim's code).
 """
+import copy
 import hashlib
 import warnings
 
@@ -164,16 +165,38 @@ def test_density_one_matches_mpi_allreduce_averaging(inner, servers, shape):
 
 
 def test_adam_at_one_percent_keeps_replicas_identical():
-    """After 3 dense warm-up steps hvd_slim steps the compressed parameters itself
-    (inner/adam.py): parameters and Adam's state stay bitwise equal on every rank."""
+    """The gradient exchange: after 3 dense warm-up steps hvd_slim steps the compressed
+    parameters itself (inner/adam.py): parameters and Adam's state stay bitwise equal on every
+    rank."""
     model = Net()
     opt = wrap(model, opt=torch.optim.Adam(model.parameters(), lr=1e-3), density=0.01,
-               warmup_dense_steps=3)
+               warmup_dense_steps=3, adam_exchange="gradient")
     train(model, opt, 20)
     assert_same_on_every_rank(flat(model))
     states = [opt.state[p]["exp_avg_sq"].reshape(-1) for p in model.parameters()]
     assert_same_on_every_rank(torch.cat(states))
     assert any("last_delivery" in opt.state[p] for p in model.parameters())
+
+
+@pytest.mark.parametrize("servers, shape", [(1, "flat"), ("all", "flat"), (1, "hier")])
+def test_adam_update_exchange_keeps_replicas_identical(servers, shape):
+    """The update exchange (AdamW's default): each rank's own moments, the same delivered
+    update everywhere, hosts first or sharded servers alike; a checkpoint resumes bitwise."""
+    model = Net()
+    make = lambda m: wrap(m, opt=torch.optim.AdamW(m.parameters(), lr=1e-3),  # noqa: E731
+                          servers=servers_of(servers), **variant(shape))
+    opt = make(model)
+    assert opt.slim_config.adam_exchange == "update"
+    train(model, opt, 12)
+    assert_same_on_every_rank(flat(model))
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    train(model, opt, 4)
+    twin = Net()
+    twin.load_state_dict(saved[0])
+    twin_opt = make(twin)
+    twin_opt.load_state_dict(saved[1])
+    train(twin, twin_opt, 4)
+    assert torch.equal(flat(model), flat(twin))
 
 
 @pytest.mark.parametrize("servers, shape", [(1, "flat"), ("all", "flat"), (1, "hier"),

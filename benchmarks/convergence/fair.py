@@ -7,7 +7,8 @@ in one pass at 4 ranks (2,500 steps), AdamW (lr 2e-3, weight decay 0.1) with a 5
 warm-up and a cosine schedule over the whole run, as a user's script sets it. Groups:
 
 - ``lm-fair``: dense (``density=1.0``) and hvd_slim with no keyword (3 seeds);
-- ``lm-fair-peers``: hvd_slim at 0.001, top-k with error feedback at 0.02, PowerSGD rank 4
+- ``lm-fair-peers``: hvd_slim at 0.001, hvd_slim exchanging gradients (``adam_exchange=
+  "gradient"``, the defaults before), top-k with error feedback at 0.02, PowerSGD rank 4
   (DDP's hook) and DiLoCo's own exchange at H = 32 (``local_steps=32``, ``density=1.0``,
   32-bit values), the first seed only.
 
@@ -30,7 +31,10 @@ LM_FAIR = {"dataset": "pystdlib", "model": "byte-lm-small", "batch_size": 8, "ep
            "schedule": "cosine", "lr_warmup_steps": STEPS // 20, "evals_per_epoch": 20}
 CASE = "lm-fair"
 MAIN = (("dense", "dense", 1.0, {}), ("default", "slim", None, {}))
-PEERS = (("0.001", "slim", 0.001, {}), ("top-k 0.02", "topk", 0.02, {}),
+PEERS = (("0.001", "slim", 0.001, {}),
+         # the defaults before the update exchange: gradients into one Adam (inner/adam.py)
+         ("gradient exchange", "slim", None, {"slim": {"adam_exchange": "gradient"}}),
+         ("top-k 0.02", "topk", 0.02, {}),
          ("PowerSGD r4", "powersgd", 1.0, {"powersgd_rank": 4}),
          ("DiLoCo H=32", "slim", 1.0, {"slim": {"local_steps": 32, "value_bits": 32}}))
 TARGETS = {"gap": 0.02, "bytes": 40.0, "steps": 1.25}

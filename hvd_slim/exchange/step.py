@@ -3,8 +3,9 @@
     compensate -> select -> push -> aggregate (server) -> pull -> apply
 
 with the handshake once, before the first push (and again after a checkpoint is loaded).
-:meth:`SlimExchange.step` is the only place that fixes this order: one call a phase, the
-worker's (:class:`~hvd_slim.exchange.worker.Worker`) and the server's
+:meth:`SlimExchange.step` fixes this order for the flat exchange (the hosts-first and
+staged exchanges, exchange/hierarchy.py and exchange/overlap.py, order theirs around it): one
+call a phase, the worker's (:class:`~hvd_slim.exchange.worker.Worker`) and the server's
 (:class:`~hvd_slim.exchange.server.Server`) halves on their own objects, the collective phases
 in step_wire.py.
 It reads each parameter's ``.grad`` and writes the pulled update back into it; the wrapped

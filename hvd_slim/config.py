@@ -33,7 +33,7 @@ ADAM_EXCHANGE_MODES = ("auto", "update", "gradient")
 # The update exchange's own defaults, for the keywords a user leaves unset: Adam's updates move
 # every coordinate about lr a step, so staleness, not precision, is what costs accuracy there:
 # more coordinates at fewer bits (docs/accuracy.md, "Transformers").
-UPDATE_DEFAULTS = {"density": 0.05, "value_bits": 2}
+UPDATE_DEFAULTS = {"density": 0.05, "value_bits": 2, "pull_value_bits": 8}
 ENV_PREFIX = "HVD_SLIM_"
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
 ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
@@ -41,7 +41,8 @@ ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight"
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
                 "warmup_start_density", "servers", "hierarchical", "overlap", "overlap_forward",
-                "local_steps", "outer_delay", "residual_decay", "adam_exchange")
+                "local_steps", "outer_delay", "residual_decay", "adam_exchange",
+                "pull_value_bits")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -84,6 +85,8 @@ class SlimConfig:
     refresh_interval: int = 1          # q: re-select the core every q steps (q > 1 is expert-only)
     value_bits: int = 8                # bits of each sliced value: 2, 4 (packed), 8 (scaled fp8),
     #                                    16 (bf16), 32
+    # The server's pull slice (pull="slim") at these bits; None: value_bits
+    pull_value_bits: Optional[int] = None
     # --- warm-up (see densities_at) -----------------------------------------------------------
     warmup_dense_steps: int = 0        # the first exchange steps are an exact dense average
     # Then the densities decay geometrically from warmup_start_density to their targets over
@@ -165,6 +168,11 @@ class SlimConfig:
             raise ConfigError(f"value_bits must be one of {VALUE_BITS}, got {self.value_bits!r}",
                               "value_bits")
         norm["value_bits"] = int(self.value_bits)
+        if self.pull_value_bits is not None:
+            if self.pull_value_bits not in VALUE_BITS or isinstance(self.pull_value_bits, bool):
+                raise ConfigError(f"pull_value_bits must be one of {VALUE_BITS} or None (as "
+                                  f"value_bits), got {self.pull_value_bits!r}", "pull_value_bits")
+            norm["pull_value_bits"] = int(self.pull_value_bits)
         if self.warmup_start_density is not None:
             start = _check_fraction("warmup_start_density", self.warmup_start_density, True)
             if start < norm["density"]:
@@ -224,6 +232,11 @@ class SlimConfig:
     def effective_pull_density(self) -> float:
         return default_pull_density(self.density) if self.pull_density is None \
             else self.pull_density
+
+    @property
+    def effective_pull_value_bits(self) -> int:
+        """The bits of the server's pull slice: ``pull_value_bits``, or ``value_bits``."""
+        return self.value_bits if self.pull_value_bits is None else self.pull_value_bits
 
     @property
     def effective_warmup_decay_steps(self) -> int:
@@ -351,6 +364,7 @@ class SlimConfig:
         out = self.to_dict()
         decay = self.effective_warmup_decay_steps
         out.update(pull_density=self.effective_pull_density, warmup_decay_steps=decay,
+                   pull_value_bits=self.effective_pull_value_bits,
                    warmup_start_density=self.effective_warmup_start_density if decay else None)
         return out
 

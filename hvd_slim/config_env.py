@@ -35,7 +35,8 @@ def _parse_env(name: str, text: str) -> Any:
             if t.lower() not in flags:
                 raise ValueError(f"{t!r} is none of these")
             return flags[t.lower()]
-        if name in ("pull_density", "warmup_start_density", "warmup_decay_steps") \
+        if name in ("pull_density", "warmup_start_density", "warmup_decay_steps",
+                    "pull_value_bits") \
                 and t.lower() in ("none", "auto", ""):
             return None
         if name == "servers" and t.lower() == "auto":
@@ -56,7 +57,7 @@ def _parse_env(name: str, text: str) -> Any:
 
 _INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed", "servers",
                "overlap", "local_steps", "outer_delay", "warmup_dense_steps",
-               "warmup_decay_steps", "value_bits")
+               "warmup_decay_steps", "value_bits", "pull_value_bits")
 # What each variable accepts, for parse errors.
 _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a number in (0, 1] "
               "or none", "refresh_interval": "an integer >= 1", "min_compress_numel":
@@ -66,7 +67,8 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "warmup_dense_steps": "an integer >= 0",
               "warmup_decay_steps": "an integer >= 0 or auto",
               "warmup_start_density": "a number in (0, 1] or auto",
-              "value_bits": "one of 2, 4, 8, 16 or 32", "adam_variance": "auto, rescaled or live",
+              "value_bits": "one of 2, 4, 8, 16 or 32",
+              "pull_value_bits": "one of 2, 4, 8, 16 or 32, or auto", "adam_variance": "auto, rescaled or live",
               "adam_exchange": "auto, update or gradient",
               "momentum_masking": "true, false or a number in [0, 1]",
               "servers": "an integer >= 1 or auto", "hierarchical": "true or false",

@@ -234,11 +234,16 @@ class Probe:
                 e.mul_(a.server_decay).add_(agg)
                 pd = min(1.0, dens * a.pull_ratio)
                 idx = self.sel(e, pd)
-                vals = quantize(e[idx], a.bits)
+                if a.pull_explore:   # the server's own exploration, coded with its core
+                    extra = torch.randint(0, self.d, (round(a.pull_explore * idx.numel()),),
+                                          generator=self.gen)
+                    idx = torch.unique(torch.cat([idx, extra]))
+                vals = quantize(e[idx], a.pull_bits or a.bits)
                 e[idx] -= vals
                 delivered = torch.zeros(self.d)
                 delivered[idx] = vals
-                self.bits_pull += idx.numel() * min(a.bits, 32) + index_bits(self.d, idx.numel())
+                self.bits_pull += idx.numel() * min(a.pull_bits or a.bits, 32) + \
+                    index_bits(self.d, idx.numel())
             if a.scheme == "grad":
                 self.apply(self.adam_dir(delivered, self.gm, self.gv, t, b1, b2, eps) * lr,
                            lr, wd)
@@ -278,6 +283,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     ap.add_argument("--server-decay", type=float, default=1.0)
     ap.add_argument("--pull", choices=("union", "slim"), default="union")
     ap.add_argument("--pull-ratio", type=float, default=2.0)
+    ap.add_argument("--pull-bits", type=int, default=0, help="the server slice's bits (0: --bits)")
+    ap.add_argument("--pull-explore", type=float, default=0.0,
+                    help="the server's explored share of its slice")
     ap.add_argument("--sender-mean", action="store_true")
     ap.add_argument("--shared", choices=("none", "leader", "sum"), default="none",
                     help="every worker sends the same coordinates: a rotating leader's top-k, "

@@ -179,11 +179,16 @@ def _saved_effective(state: dict) -> Any:
     """The settings in force when ``state`` was saved (automatic fields resolved as they were
     then: before version 3 a default pull was ``max(d, min(4d, 0.004))``)."""
     if isinstance(state.get("effective"), dict):
-        return {**LATER_FIELDS, **state["effective"]}
+        saved = {**LATER_FIELDS, **state["effective"]}
+        # pull_value_bits came later: before it, the pull's slice was at value_bits.
+        saved.setdefault("pull_value_bits", saved.get("value_bits"))
+        return saved
     saved = state.get("config")
     if not isinstance(saved, dict):
         return saved
     out = {**OLD_FIELDS, **saved}
+    if out.get("pull_value_bits") is None:   # None, or from before it: the push's bits
+        out["pull_value_bits"] = out.get("value_bits")
     d = out.get("density")
     if out.get("pull_density") is None and isinstance(d, (int, float)):
         out["pull_density"] = max(d, min(4 * d, 0.004))

@@ -22,6 +22,7 @@ def is_refresh(step: int, refresh_interval: int) -> bool:
 
 def pull_is_dense(b: Bucket) -> bool:
     """Whether a ``pull="slim"`` slice of ``b`` would not be smaller than ``b`` sent dense."""
+    b = b.as_pulled()
     return not slice_is_smaller(b.numel, b.k_pull, b.k_pull_core, b.slice_bytes, b.value_bytes,
                                 b.slice_bits)
 
@@ -121,4 +122,5 @@ def pull_expect(buckets: List[Bucket], step: int, q: int, pull: str, flush: bool
     def most(b: Bucket) -> Optional[int]:
         return None if size is None else min(b.numel, size * b.k)
 
-    return _expect(buckets, flush, sparse, most)
+    # A pull's slices are coded at pull_value_bits (Bucket.as_pulled).
+    return _expect([b.as_pulled() for b in buckets], flush, sparse, most)

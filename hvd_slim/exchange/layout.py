@@ -53,6 +53,8 @@ class Bucket:
     k_pull_explore: int = 0
     slice_dtype: Optional[torch.dtype] = None  # sliced values (value_bits); None: comm_dtype
     slice_bits: int = 0       # 4 or 2: slices packed below a byte (wire/values.py, pack); else 0
+    # The server's pull slice (pull_value_bits), when it differs from the push's; None: the same
+    pull_slice: Optional[Tuple[torch.dtype, int]] = None
     # A shard's piece of a compressed bucket (shards.py): whether the bucket is sent whole at
     # this step, which all its pieces follow; None: decided by the sizes (sent_whole).
     whole: Optional[bool] = None
@@ -71,6 +73,14 @@ class Bucket:
         # A packed slice's wire items are its bytes (its table count is its byte count).
         """Bytes of one sliced value (pushes, and the server's ``pull="slim"`` slice)."""
         return self.slice_dtype.itemsize
+
+    def as_pulled(self) -> "Bucket":
+        """This bucket as the server's pull slice codes it (``pull_value_bits``): itself when
+        the pull's values are the push's."""
+        if self.pull_slice is None:
+            return self
+        dtype, bits = self.pull_slice
+        return dataclasses.replace(self, slice_dtype=dtype, slice_bits=bits, pull_slice=None)
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -148,6 +158,10 @@ class Layout:
             b = Bucket(len(self.buckets), kind, dtype, comm, segs, off, device=device,
                        slice_dtype=slice_dtype(config.value_bits, comm) if kind == SPARSE
                        else comm, slice_bits=config.value_bits if packed else 0)
+            pbits = config.effective_pull_value_bits
+            if kind == SPARSE and pbits != config.value_bits:
+                b.pull_slice = (slice_dtype(pbits, comm),
+                                pbits if pbits in PACKED_BITS and comm.is_floating_point else 0)
             if kind == SPARSE:
                 b.k, b.k_core, b.k_explore = slice_sizes(off, config.density, config.exploration)
                 b.k_pull, b.k_pull_core, b.k_pull_explore = slice_sizes(
@@ -155,7 +169,7 @@ class Layout:
                 if not slice_is_smaller(off, b.k, b.k_core, b.slice_bytes, b.value_bytes,
                                         b.slice_bits):
                     b.kind = DENSE  # dense fallback: no residual, exactly a dense average
-                    b.slice_dtype, b.slice_bits = comm, 0
+                    b.slice_dtype, b.slice_bits, b.pull_slice = comm, 0, None
             self.buckets.append(b)
         self.names = [n for n, _ in ordered]
         self._config = config
@@ -190,8 +204,9 @@ class Layout:
         h = hashlib.sha256()
         for b in self.buckets:
             # The device type is deliberately left out: a CPU and a CUDA replica may interoperate.
+            pulled = "" if b.pull_slice is None else f"|pull {b.pull_slice[0]}/{b.pull_slice[1]}"
             h.update(f"{b.kind}|{b.dtype}|{b.comm_dtype}|{b.slice_dtype}/{b.slice_bits}|{b.numel}|{b.k}|"
-                     f"{b.k_pull}\n".encode())
+                     f"{b.k_pull}{pulled}\n".encode())
             for s in b.segments:
                 h.update(f"{s.name}|{tuple(s.param.shape)}\n".encode())
         return int.from_bytes(h.digest()[:8], "little")

@@ -89,7 +89,9 @@ def late_verdict(layout: "Layout", config: "SlimConfig", host_sums: bool = False
         return dt in sixteen and dt != b.dtype
 
     return any((host_sums and b.dtype in sixteen) or narrowed(b.comm_dtype, b)
-               or (not b.slice_bits and narrowed(b.slice_dtype, b)) for b in layout.buckets)
+               or (not b.slice_bits and narrowed(b.slice_dtype, b))
+               or (not b.as_pulled().slice_bits and narrowed(b.as_pulled().slice_dtype, b))
+               for b in layout.buckets)
 
 
 class OrderedJob(Job):

@@ -133,7 +133,7 @@ class Puller:
                 else:
                     idx = self._indices(p, sec, t, cores)
                     try:
-                        part[idx] = section_values(sec, p.b, idx.numel())
+                        part[idx] = section_values(sec, p.b.as_pulled(), idx.numel())
                     except wm.WireError as exc:
                         raise ExchangeError(f"rank {self.rank}: {exc}") from None
             values[b.index] = (flat, True)

@@ -118,7 +118,8 @@ class Server:
             return self._verdict([(self.rank, text)], step, digest, limit)
         try:
             out = self.path.encode(wm.FLUSH_PULL if flush else wm.PULL, self.rank, step, digest,
-                                   sections, itemsizes(buckets, sections))[0]
+                                   sections,
+                                   itemsizes([b.as_pulled() for b in buckets], sections))[0]
         except BaseException:
             plan.undo()
             raise
@@ -243,8 +244,10 @@ class Server:
         sel = slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
                             role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
                             device=b.device)
-        # value_bits: what rounding loses stays in the server's residual (forgotten: delivered).
-        coded, exp, delivered = quantize(v[sel], b.slice_dtype, b.slice_bits)
+        # pull_value_bits: what rounding loses stays in the server's residual (forgotten:
+        # delivered).
+        pb = b.as_pulled()
+        coded, exp, delivered = quantize(v[sel], pb.slice_dtype, pb.slice_bits)
         plan.forget.append((mem, sel, delivered))
         mode = wm.M_SLICE if refresh else wm.M_SLICE_CACHED
         return self._checked(b, coded, delivered, sel, plan, mode, core if refresh else None, exp)

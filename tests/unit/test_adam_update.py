@@ -343,7 +343,9 @@ def test_the_update_exchange_has_its_own_defaults_where_the_user_set_none(monkey
                                              transport=tr, **kw).slim_config
 
     cfg = build()
-    assert (cfg.adam_exchange, cfg.density, cfg.value_bits) == ("update", 0.05, 2)
+    assert (cfg.adam_exchange, cfg.density, cfg.value_bits, cfg.pull_value_bits) == \
+        ("update", 0.05, 2, 8)
+    assert build(torch.optim.SGD).pull_value_bits is None
     assert build(torch.optim.SGD).density == 0.02 and build(torch.optim.SGD).value_bits == 8
     assert build(adam_exchange="gradient").density == 0.02
     assert (build(value_bits=8).density, build(value_bits=8).value_bits) == (0.05, 8)

@@ -152,7 +152,7 @@ BAD_ENV = [
     ("timeout", "-1"), ("timeout", "soon"),
     ("warmup_dense_steps", "-1"), ("warmup_dense_steps", "2.5"),
     ("warmup_decay_steps", "-2"), ("warmup_decay_steps", "later"),
-    ("adam_variance", "frozen"), ("adam_exchange", "sometimes"),
+    ("adam_variance", "frozen"), ("adam_exchange", "sometimes"), ("pull_value_bits", "3"),
     ("momentum_masking", "auto"),
     ("value_bits", "3"), ("value_bits", "eight"),
     ("warmup_start_density", "0"), ("warmup_start_density", "dense"),
@@ -193,7 +193,7 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
             "warmup_start_density": 0.5, "servers": 2, "hierarchical": False,
             "overlap": 2, "overlap_forward": False, "local_steps": 8, "outer_delay": 0, "residual_decay": 0.9,
-            "adam_exchange": "gradient"}[name]
+            "adam_exchange": "gradient", "pull_value_bits": 4}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

@@ -59,3 +59,26 @@ def test_density_one_is_exactly_dense_at_two_bits():
         for name in SHAPES:
             mean = (res[0][1][t][name].double() + res[1][1][t][name].double()) / 2
             assert torch.allclose(res[0][0][t][name].double(), mean, atol=1e-6)
+
+
+@pytest.mark.parametrize("push, pull_bits", [(2, 8), (8, 2), (4, 32)])
+@pytest.mark.parametrize("servers, device", [(1, False), (2, True)])
+def test_a_pull_at_other_bits_keeps_the_invariants_and_its_size(push, pull_bits, servers,
+                                                                 device):
+    """pull_value_bits: the server's slice at its own bits (Bucket.as_pulled), conservation and
+    identity as at one precision; every pull is decoded strictly against the size its bits
+    give (pull_expect), so a pull coded at the push's bits would be refused."""
+    kw = dict(op="sum", density=0.02, value_bits=push, servers=servers)
+    res = simulate(3, 5, device=device, pull_value_bits=pull_bits, **kw)
+    for t in range(5):
+        for name in SHAPES:
+            assert all(torch.equal(res[0][0][t][name], r[0][t][name]) for r in res)
+    fed, pulled, held = total(d for r in res for d in r[1]), total(res[0][0]), held_by_name(res)
+    for name in SHAPES:
+        assert torch.allclose(pulled[name] + held.get(name, 0), fed[name], rtol=1e-4,
+                              atol=1e-3), name
+    config = SlimConfig(min_compress_numel=1000, pull_value_bits=pull_bits, **kw)
+    layout = Layout(make_params(), config, lambda dt: dt)
+    b = layout.sparse[0]
+    assert (b.as_pulled().slice_bits or b.as_pulled().slice_dtype.itemsize * 8) == pull_bits
+    assert (b.slice_bits or b.slice_dtype.itemsize * 8) == push

@@ -88,7 +88,7 @@ def summarise(runs: List[Dict[str, Any]]) -> "OrderedDict[str, Dict[str, Any]]":
     dense = {r["seed"]: r for r in by.get("dense", [])}
     out: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
     for variant, rs in by.items():
-        ends, refs, ratios, pushed = [], [], [], []
+        ends, refs, ratios, pushed, where = [], [], [], [], []
         for r in rs:
             last = r["records"][-1]
             ends.append(float(last["val_bpb"]))
@@ -98,10 +98,14 @@ def summarise(runs: List[Dict[str, Any]]) -> "OrderedDict[str, Dict[str, Any]]":
                 mine, theirs = steps_to(_curve(r), target), steps_to(_curve(d), target)
                 refs.append(float(d["records"][-1]["val_bpb"]))
                 ratios.append(None if mine is None else mine / theirs)
+                # where dense stood when it had this run's final loss: a share of its steps
+                at = steps_to(_curve(d), float(last["val_bpb"]))
+                where.append(None if at is None else at / _curve(d)[-1][0])
             pushed.append(last["bytes_pushed"] / max(last["dense_bytes"], 1.0))
         out[variant] = {"seeds": len(rs), "end": statistics.fmean(ends),
                         "dense": statistics.fmean(refs) if refs else float("nan"),
-                        "steps_ratio": ratios, "push_ratio": 1.0 / statistics.fmean(pushed),
+                        "steps_ratio": ratios, "dense_at": where,
+                        "push_ratio": 1.0 / statistics.fmean(pushed),
                         "load": statistics.fmean(r.get("loadavg", [float("nan")])[0]
                                                  for r in rs),
                         "seconds": statistics.fmean(r["seconds"] for r in rs)}
@@ -111,8 +115,8 @@ def summarise(runs: List[Dict[str, Any]]) -> "OrderedDict[str, Dict[str, Any]]":
 def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
     """The fair-horizon table, with the targets' verdicts for the defaults."""
     out = ["| run | seeds | val bits/byte | vs dense (same seeds) | steps to dense's final "
-           "/ dense's | dense/pushed bytes, whole run | target |",
-           "|---|---:|---:|---:|---:|---:|---|"]
+           "/ dense's | dense had this loss at | dense/pushed bytes, whole run | target |",
+           "|---|---:|---:|---:|---:|---:|---:|---|"]
     for variant, r in rows.items():
         gap = r["end"] / r["dense"] - 1
         steps = r["steps_ratio"]
@@ -131,8 +135,11 @@ def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
                        f"steps ≤ {TARGETS['steps']}x")]
             verdict = "; ".join(f"{name} {'met' if ok else 'missed'}: {what}"
                                 for name, ok, what in checks)
+        at = [a for a in r["dense_at"] if a is not None]
+        at_cell = f"{100 * statistics.fmean(at):.0f}% of its steps" if at and \
+            len(at) == len(r["dense_at"]) else "its end"
         out.append(f"| {variant} | {r['seeds']} | {r['end']:.4f} | {100 * gap:+.2f}% | {cell} "
-                   f"| {r['push_ratio']:.1f}x | {verdict} |")
+                   f"| {at_cell} | {r['push_ratio']:.1f}x | {verdict} |")
     return "\n".join(out) + "\n"
 
 

@@ -47,5 +47,6 @@ def test_the_table_gives_the_gap_the_steps_ratio_and_the_bytes():
     assert rows["default"]["steps_ratio"] == [None]    # never reached dense's 2.0
     assert rows["default"]["push_ratio"] == pytest.approx(50.0)
     text = fair.table(rows)
-    assert "| default | 1 | 2.0200 | +1.00% | never | 50.0x | gap met" in text
+    assert rows["default"]["dense_at"] == [pytest.approx(198 / 200)]   # 3.0 -> 2.0 at 2.02
+    assert "| default | 1 | 2.0200 | +1.00% | never | 99% of its steps | 50.0x | gap met" in text
     assert "steps missed" in text and "bytes met: 50x" in text

@@ -144,13 +144,14 @@ def check_flush_lands_on_the_closed_form(transport: str) -> str:
 
 
 def check_adam_on_sparse_deliveries(transport: str) -> str:
-    """Adam's compressed parameters stepped by hvd_slim/inner/adam.py on the device: replicas
-    and Adam's state stay bitwise equal, and the delivery clock lives on the parameters'
-    device."""
+    """The gradient exchange's Adam (adam_exchange="gradient"): the compressed parameters
+    stepped by hvd_slim/inner/adam.py on the device: replicas and Adam's state stay bitwise
+    equal, and the delivery clock lives on the parameters' device."""
     model = Net().to(device())
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
                                    named_parameters=model.named_parameters(),
-                                   transport=transport, min_compress_numel=1000, density=0.01)
+                                   transport=transport, min_compress_numel=1000, density=0.01,
+                                   adam_exchange="gradient")
     assert opt._rescaled_params, "no parameter took the rescaled Adam path"
     train(model, opt, range(15))
     state = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in model.parameters()])
@@ -160,6 +161,21 @@ def check_adam_on_sparse_deliveries(transport: str) -> str:
               if "last_delivery" in opt.state[p]]
     assert clocks and all(c.device == device() for c in clocks)
     return f"{len(clocks)} tensors on the rescaled path"
+
+
+def check_adam_update_exchange(transport: str) -> str:
+    """AdamW's default, the update exchange (inner/adam_update.py), on the device: replicas stay
+    bitwise equal and each rank's moments live on the parameters' device."""
+    model = Net().to(device())
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   named_parameters=model.named_parameters(),
+                                   transport=transport, min_compress_numel=1000)
+    assert opt.slim_config.adam_exchange == "update"
+    train(model, opt, range(15))
+    assert_same_on_every_rank(flat(model), "replicas")
+    moments = opt.state_dict()["hvd_slim_adam"]["exp_avg_sq"]
+    assert moments and all(v.device == device() for v in moments)
+    return f"{len(moments)} bucket(s) of moments on {device()}"
 
 
 def check_resume_from_a_cpu_mapped_checkpoint(transport: str) -> str:
@@ -280,6 +296,7 @@ def check_bad_device_combinations_are_refused(_: str) -> str:
 
 PER_TRANSPORT = [check_replicas_identical, check_density_one_is_the_dense_average,
                  check_flush_lands_on_the_closed_form, check_adam_on_sparse_deliveries,
+                 check_adam_update_exchange,
                  check_resume_from_a_cpu_mapped_checkpoint, check_deterministic_algorithms]
 # Transports on which the device path keeps payloads off the host: NCCL (and Gloo on CPU tensors).
 DEVICE_RESIDENT = {"nccl", "gloo"} if ON_CPU else {"nccl"}

@@ -143,8 +143,9 @@ def main() -> None:
     runs = [r for r in every if args.report_only or r["key"] in keys]
     # The untuned battery and the language model have a report of their own (untuned.md), of
     # every battery run in the results file: a run of one group adds its rows to it.
-    print(untuned.report([r for r in every if r.get("case")], args.out))
-    print(local_grid.report([r for r in every if r.get("case")], args.out))
+    battery = [r for r in every if r.get("case") and r.get("case") != fair.CASE]
+    print(untuned.report(battery, args.out))
+    print(local_grid.report(battery, args.out))
     print(fair.report(every, args.out))
     grid = [r for r in runs if not r.get("case")]
     if grid:   # a battery-only run leaves the grid's table.md alone

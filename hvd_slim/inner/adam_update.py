@@ -26,7 +26,6 @@ small tensors) keep the wrapped optimizer's own step on the exact average gradie
 from __future__ import annotations
 
 import logging
-import math
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch

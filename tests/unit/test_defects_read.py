@@ -1,12 +1,8 @@
 """Defects found by reading the code (the house issue), each with the behaviour it broke."""
-import os
-
-import pytest
 import torch
 
 import hvd_slim
 from hvd_slim import join_sync
-from hvd_slim.config import SlimConfig
 from hvd_slim.config_env import resolve_config
 from hvd_slim.transport import FakeCluster, run_ranks
 

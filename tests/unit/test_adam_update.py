@@ -5,7 +5,6 @@ speculation (a skipped step leaves the moments alone), checkpoints, flush and th
 resolution and validation."""
 from __future__ import annotations
 
-import io
 import logging
 
 import pytest
@@ -16,6 +15,7 @@ from hvd_slim.config import ConfigError, SlimConfig
 from hvd_slim.config_env import resolve_config
 from hvd_slim.transport import FakeCluster, run_ranks
 
+from test_adam_variance import resumed_or_not
 from test_warmup import _batch, _mlp as _net   # one tanh MLP, its initial weights made once
 
 LR, WD = 1e-2, 0.1
@@ -179,26 +179,11 @@ def test_a_step_every_rank_skips_leaves_the_moments_as_they_were():
 
 @pytest.mark.parametrize("split", [2, 5])
 def test_checkpoint_resumes_bitwise_through_a_weights_only_file(split):
-    def body(rank, tr, split):
+    def make(tr):
         m = _net()
-        opt = _wrap(m, tr)
-        for t in range(8):
-            if t == split:
-                buf = io.BytesIO()
-                torch.save((m.state_dict(), opt.state_dict()), buf)
-                buf.seek(0)
-                sd_m, sd_o = torch.load(buf, weights_only=True)
-                m = _net()
-                opt = _wrap(m, tr)
-                m.load_state_dict(sd_m)
-                opt.load_state_dict(sd_o)
-            opt.zero_grad()
-            _loss(m, rank, t).backward()
-            opt.step()
-        return _flat(m)
+        return m, _wrap(m, tr)
 
-    a = run_ranks(2, lambda r, tr: body(r, tr, -1))
-    b = run_ranks(2, lambda r, tr: body(r, tr, split))
+    a, b = resumed_or_not(make, 8, split)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 

@@ -161,18 +161,19 @@ def test_live_keeps_adams_own_step_and_warm_up_steps_are_adams_own():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_checkpoint_resumes_bitwise_and_loads_from_weights_only_files():
+def resumed_or_not(make, steps: int, split: int):
+    """Every rank's parameters after ``steps`` steps of ``make(tr)`` (a model and its wrapped
+    optimizer) at 2 ranks, uninterrupted and with a checkpoint at step ``split`` round-tripped
+    through a ``weights_only`` file into a fresh model and optimizer."""
     def body(rank, tr, split):
-        m = _net()
-        opt = _wrap(m, tr, cls=torch.optim.AdamW)
-        for t in range(6):
+        m, opt = make(tr)
+        for t in range(steps):
             if t == split:
                 buf = io.BytesIO()
                 torch.save((m.state_dict(), opt.state_dict()), buf)
                 buf.seek(0)
                 sd_m, sd_o = torch.load(buf, weights_only=True)
-                m = _net()
-                opt = _wrap(m, tr, cls=torch.optim.AdamW)
+                m, opt = make(tr)
                 m.load_state_dict(sd_m)
                 opt.load_state_dict(sd_o)
             opt.zero_grad()
@@ -180,8 +181,17 @@ def test_checkpoint_resumes_bitwise_and_loads_from_weights_only_files():
             opt.step()
         return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
-    a = run_ranks(2, lambda r, tr: body(r, tr, -1))
-    b = run_ranks(2, lambda r, tr: body(r, tr, 3))
+    return (run_ranks(2, lambda r, tr: body(r, tr, -1)),
+            run_ranks(2, lambda r, tr: body(r, tr, split)))
+
+
+def _adamw(tr):
+    m = _net()
+    return m, _wrap(m, tr, cls=torch.optim.AdamW)
+
+
+def test_checkpoint_resumes_bitwise_and_loads_from_weights_only_files():
+    a, b = resumed_or_not(_adamw, 6, 3)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 

@@ -135,7 +135,7 @@ class Probe:
         start = min(1.0, 8 * a.density)
         return start * (a.density / start) ** (t / span)
 
-    def adam_dir(self, g, m, v, t, b1, b2, eps, commit=True):
+    def adam_dir(self, g, m, v, t, b1, b2, eps):
         m.mul_(b1).add_(g, alpha=1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
         bc1, bc2 = 1 - b1 ** (t + 1), 1 - b2 ** (t + 1)

@@ -10,7 +10,9 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
 - ``lm-fair-peers``: hvd_slim at 0.001, hvd_slim exchanging gradients (``adam_exchange=
   "gradient"``, the defaults before), top-k with error feedback at 0.02, PowerSGD rank 4
   (DDP's hook) and DiLoCo's own exchange at H = 32 (``local_steps=32``, ``density=1.0``,
-  32-bit values), the first seed only.
+  32-bit values), the first seed only;
+- ``lm-fair-sgd``: the same transformer with SGD and Nesterov momentum 0.9 (lr 0.5, no weight
+  decay, the same schedule), dense against hvd_slim with no keyword, the first seed only.
 
 The report (``fair.md``) gives each run's final validation bits per byte and its gap to dense
 on the same seeds, the steps it took to reach dense's final loss against dense's own, and the
@@ -30,6 +32,8 @@ LM_FAIR = {"dataset": "pystdlib", "model": "byte-lm-small", "batch_size": 8, "ep
            "train_subset": 80000, "optimizer": "adamw", "lr": 2e-3, "weight_decay": 0.1,
            "schedule": "cosine", "lr_warmup_steps": STEPS // 20, "evals_per_epoch": 20}
 CASE = "lm-fair"
+SGD_CASE = "lm-fair-sgd"
+SGD = {"optimizer": "sgd", "lr": 0.5, "momentum": 0.9, "nesterov": True, "weight_decay": 0.0}
 MAIN = (("dense", "dense", 1.0, {}), ("default", "slim", None, {}))
 PEERS = (("0.001", "slim", 0.001, {}),
          # the defaults before the update exchange: gradients into one Adam (inner/adam.py)
@@ -41,20 +45,23 @@ TARGETS = {"gap": 0.02, "bytes": 40.0, "steps": 1.25}
 
 
 def configs(group: str) -> List[Config]:
-    """The runs of ``lm-fair`` (3 seeds) or ``lm-fair-peers`` (the first seed only)."""
-    rows = MAIN if group == "lm-fair" else PEERS
+    """The runs of ``lm-fair`` (3 seeds), ``lm-fair-peers`` or ``lm-fair-sgd`` (the first seed
+    only)."""
+    rows = PEERS if group == "lm-fair-peers" else MAIN
+    case, base = (SGD_CASE, dict(LM_FAIR, **SGD)) if group == "lm-fair-sgd" else (CASE, LM_FAIR)
     out = []
     for label, method, density, extra in rows:
         extra = dict(extra)
         slim = extra.pop("slim", {})
-        spec = dict(LM_FAIR, case=CASE, variant=label, **extra)
+        spec = dict(base, case=case, variant=label, **extra)
         if group != "lm-fair":
             spec["first_seed_only"] = True
-        out.append((f"{CASE} {label}", method, density, slim, spec))
+        out.append((f"{case} {label}", method, density, slim, spec))
     return out
 
 
-GROUPS = ("lm-fair", "lm-fair-peers")
+GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd")
+CASES = {CASE: "AdamW", SGD_CASE: "SGD with Nesterov momentum"}
 
 
 def _curve(run: Dict[str, Any]) -> List[Tuple[int, float]]:
@@ -78,12 +85,13 @@ def steps_to(curve: List[Tuple[int, float]], target: float) -> Optional[float]:
     return None
 
 
-def summarise(runs: List[Dict[str, Any]]) -> "OrderedDict[str, Dict[str, Any]]":
-    """Per variant: the seeds' final bits per byte, steps to dense's final (same seed), the
-    pushed bytes' ratio to dense over the whole run."""
+def summarise(runs: List[Dict[str, Any]], case: str = CASE
+              ) -> "OrderedDict[str, Dict[str, Any]]":
+    """Per variant of ``case``: the seeds' final bits per byte, steps to dense's final (same
+    seed), the pushed bytes' ratio to dense over the whole run."""
     by: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
     for r in runs:
-        if r.get("case") == CASE and r.get("records") and not r.get("diverged"):
+        if r.get("case") == case and r.get("records") and not r.get("diverged"):
             by.setdefault(r["variant"], []).append(r)
     dense = {r["seed"]: r for r in by.get("dense", [])}
     out: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
@@ -145,14 +153,19 @@ def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
 
 def report(runs: List[Dict[str, Any]], out: str) -> str:
     """Write ``fair.md`` into ``out`` (nothing without a fair-horizon run); return its text."""
-    rows = summarise(runs)
-    if not rows:
+    parts = []
+    for case, inner in CASES.items():
+        rows = summarise(runs, case)
+        if not rows:
+            continue
+        loads = [r["load"] for r in rows.values() if r["load"] == r["load"]]
+        parts.append(f"## Language model at a fair horizon (20 bytes per parameter, 4 ranks), "
+                     f"{inner}\n\n" + table(rows)
+                     + (f"\nMachine load (1-minute average at each run's start): "
+                        f"{min(loads):.1f} to {max(loads):.1f}.\n" if loads else ""))
+    if not parts:
         return ""
-    loads = [r["load"] for r in rows.values() if r["load"] == r["load"]]
-    text = ("## Language model at a fair horizon (20 bytes per parameter, 4 ranks)\n\n"
-            + table(rows)
-            + (f"\nMachine load (1-minute average at each run's start): {min(loads):.1f} to "
-               f"{max(loads):.1f}.\n" if loads else ""))
+    text = "\n".join(parts)
     with open(os.path.join(out, "fair.md"), "w", encoding="utf-8") as f:
         f.write(text)
     return text

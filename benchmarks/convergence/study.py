@@ -143,7 +143,7 @@ def main() -> None:
     runs = [r for r in every if args.report_only or r["key"] in keys]
     # The untuned battery and the language model have a report of their own (untuned.md), of
     # every battery run in the results file: a run of one group adds its rows to it.
-    battery = [r for r in every if r.get("case") and r.get("case") != fair.CASE]
+    battery = [r for r in every if r.get("case") and r.get("case") not in fair.CASES]
     print(untuned.report(battery, args.out))
     print(local_grid.report(battery, args.out))
     print(fair.report(every, args.out))

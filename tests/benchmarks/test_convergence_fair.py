@@ -8,8 +8,13 @@ from benchmarks.convergence.plan import build_plan
 
 def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
     plan = build_plan(["pystdlib"], list(fair.GROUPS), [0, 1, 2], 4)
-    by = {}
+    by, sgd = {}, {}
     for spec in plan:
+        if spec["case"] == fair.SGD_CASE:
+            # the same transformer and schedule, with SGD and Nesterov momentum
+            assert (spec["optimizer"], spec["nesterov"], spec["momentum"]) == ("sgd", True, 0.9)
+            sgd.setdefault(spec["variant"], []).append(spec["seed"])
+            continue
         by.setdefault(spec["variant"], []).append(spec["seed"])
         assert spec["model"] == "byte-lm-small" and spec["train_subset"] == 80000
         # a cosine over the whole run, its LR warm-up 5% of it
@@ -17,6 +22,7 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
     assert by == {"dense": [0, 1, 2], "default": [0, 1, 2], "0.001": [0],
                   "gradient exchange": [0], "top-k 0.02": [0], "PowerSGD r4": [0],
                   "DiLoCo H=32": [0]}
+    assert sgd == {"dense": [0], "default": [0]}
     # the defaults pass no Slim-DP keyword at all
     assert [s for s in plan if s["variant"] == "default"][0]["slim"] == {}
     assert [s for s in plan if s["variant"] == "default"][0]["density"] is None
@@ -30,9 +36,9 @@ def test_steps_to_a_loss_interpolates_between_evaluations():
     assert fair.steps_to(curve, 1.9) is None
 
 
-def _run(variant, seed, curve, pushed, dense_bytes=1000.0):
+def _run(variant, seed, curve, pushed, dense_bytes=1000.0, case=fair.CASE):
     *points, (steps, end) = curve
-    return {"case": fair.CASE, "variant": variant, "seed": seed, "seconds": 1.0,
+    return {"case": case, "variant": variant, "seed": seed, "seconds": 1.0,
             "loadavg": [1.0, 1.0],
             "records": [{"steps": steps, "val_bpb": end, "bytes_pushed": pushed,
                          "dense_bytes": dense_bytes,
@@ -50,3 +56,15 @@ def test_the_table_gives_the_gap_the_steps_ratio_and_the_bytes():
     assert rows["default"]["dense_at"] == [pytest.approx(198 / 200)]   # 3.0 -> 2.0 at 2.02
     assert "| default | 1 | 2.0200 | +1.00% | never | 99% of its steps | 50.0x | gap met" in text
     assert "steps missed" in text and "bytes met: 50x" in text
+
+
+def test_the_report_compares_each_optimizer_with_its_own_dense(tmp_path):
+    runs = [_run("dense", 0, [(100, 3.0), (200, 2.0)], 1000.0),
+            _run("default", 0, [(100, 3.0), (200, 2.02)], 20.0),
+            _run("dense", 0, [(100, 3.0), (200, 2.5)], 1000.0, case=fair.SGD_CASE),
+            _run("default", 0, [(100, 3.0), (200, 2.55)], 25.0, case=fair.SGD_CASE)]
+    text = fair.report(runs, str(tmp_path))
+    adamw, sgd = text.split("SGD with Nesterov momentum")
+    assert "| default | 1 | 2.0200 | +1.00% |" in adamw
+    assert "| default | 1 | 2.5500 | +2.00% |" in sgd and "40.0x" in sgd
+    assert (tmp_path / "fair.md").read_text() == text

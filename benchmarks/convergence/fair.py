@@ -13,7 +13,10 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   32-bit values), the first seed only;
 - ``lm-fair-sgd``: the same transformer with SGD and Nesterov momentum 0.9 (lr 0.3, no weight
   decay, the same schedule; at lr 0.5 dense diverged), dense against hvd_slim with no keyword,
-  at every seed.
+  at every seed;
+- ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
+  exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
+  against hvd_slim with no keyword, the first seed only.
 
 The report (``fair.md``) gives each run's final validation bits per byte and its gap to dense
 on the same seeds, the steps it took to reach dense's final loss against dense's own, and the
@@ -35,6 +38,7 @@ LM_FAIR = {"dataset": "pystdlib", "model": "byte-lm-small", "batch_size": 8, "ep
 CASE = "lm-fair"
 SGD_CASE = "lm-fair-sgd"
 SGD = {"optimizer": "sgd", "lr": 0.3, "momentum": 0.9, "nesterov": True, "weight_decay": 0.0}
+BF16_CASE = "lm-fair-bf16"
 MAIN = (("dense", "dense", 1.0, {}), ("default", "slim", None, {}))
 PEERS = (("0.001", "slim", 0.001, {}),
          # the defaults before the update exchange: gradients into one Adam (inner/adam.py)
@@ -46,23 +50,26 @@ TARGETS = {"gap": 0.02, "bytes": 40.0, "steps": 1.25}
 
 
 def configs(group: str) -> List[Config]:
-    """The runs of ``lm-fair`` and ``lm-fair-sgd`` (every seed) or ``lm-fair-peers`` (the first
-    seed only)."""
+    """The runs of ``lm-fair`` and ``lm-fair-sgd`` (every seed) or ``lm-fair-peers`` and
+    ``lm-fair-bf16`` (the first seed only)."""
     rows = PEERS if group == "lm-fair-peers" else MAIN
-    case, base = (SGD_CASE, dict(LM_FAIR, **SGD)) if group == "lm-fair-sgd" else (CASE, LM_FAIR)
+    case, base = {"lm-fair-sgd": (SGD_CASE, dict(LM_FAIR, **SGD)),
+                  "lm-fair-bf16": (BF16_CASE, dict(LM_FAIR, param_dtype="bfloat16"))}.get(
+                      group, (CASE, LM_FAIR))
     out = []
     for label, method, density, extra in rows:
         extra = dict(extra)
         slim = extra.pop("slim", {})
         spec = dict(base, case=case, variant=label, **extra)
-        if group == "lm-fair-peers":
+        if group in ("lm-fair-peers", "lm-fair-bf16"):
             spec["first_seed_only"] = True
         out.append((f"{case} {label}", method, density, slim, spec))
     return out
 
 
-GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd")
-CASES = {CASE: "AdamW", SGD_CASE: "SGD with Nesterov momentum"}
+GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd", "lm-fair-bf16")
+CASES = {CASE: "AdamW", SGD_CASE: "SGD with Nesterov momentum",
+         BF16_CASE: "AdamW, bfloat16 parameters"}
 
 
 def _curve(run: Dict[str, Any]) -> List[Tuple[int, float]]:

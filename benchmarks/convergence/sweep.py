@@ -38,6 +38,8 @@ def run_one(hvd: Any, spec: Dict[str, Any], data: Tuple[Any, Any]) -> Dict[str, 
     """Train the run ``spec`` describes and return the spec with its records."""
     torch.manual_seed(spec["seed"])  # rank 0's initial weights are broadcast to every rank
     model = make_model(spec["dataset"], spec.get("model"))
+    if spec.get("param_dtype"):   # e.g. "bfloat16": the parameters (and so the gradients) in it
+        model = model.to(getattr(torch, spec["param_dtype"]))
     inner = make_inner(spec.get("optimizer", "sgd"), model, spec["lr"], spec.get("momentum", 0.9),
                        nesterov=bool(spec.get("nesterov", False)),
                        weight_decay=float(spec.get("weight_decay", 0.0)))

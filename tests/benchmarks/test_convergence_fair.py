@@ -10,6 +10,10 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
     plan = build_plan(["pystdlib"], list(fair.GROUPS), [0, 1, 2], 4)
     by, sgd = {}, {}
     for spec in plan:
+        if spec["case"] == fair.BF16_CASE:
+            assert spec["param_dtype"] == "bfloat16" and spec["optimizer"] == "adamw"
+            sgd.setdefault("bf16 " + spec["variant"], []).append(spec["seed"])
+            continue
         if spec["case"] == fair.SGD_CASE:
             # the same transformer and schedule, with SGD and Nesterov momentum
             assert (spec["optimizer"], spec["nesterov"], spec["momentum"]) == ("sgd", True, 0.9)
@@ -22,7 +26,8 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
     assert by == {"dense": [0, 1, 2], "default": [0, 1, 2], "0.001": [0],
                   "gradient exchange": [0], "top-k 0.02": [0], "PowerSGD r4": [0],
                   "DiLoCo H=32": [0]}
-    assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2]}
+    assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "bf16 dense": [0],
+                   "bf16 default": [0]}
     # the defaults pass no Slim-DP keyword at all
     assert [s for s in plan if s["variant"] == "default"][0]["slim"] == {}
     assert [s for s in plan if s["variant"] == "default"][0]["density"] is None

@@ -69,9 +69,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
         self._sparse_params = {id(p) for b in self._layout.sparse for p in b.params()}
         self._rescaled_params = adam.rescaled_parameters(self, self._layout, cfg) \
             if self._outer is None and cfg.adam_exchange != "update" else set()
-        self._exchange = build_exchange(self._layout, settings.config, settings.transport, plan,
-                                        ranks=settings.ranks,
-                                        order=[n for n, p in named if p.requires_grad])
+        self._plan = plan
+        self._exchange = self._make_exchange(settings)
         # adam_exchange="update" (resolved by DistributedOptimizer): each rank's Adam update
         # of the compressed parameters is what the exchange carries (inner/adam_update.py).
         self._adam = AdamUpdate(self, self._layout, self._exchange.size) \
@@ -122,6 +121,23 @@ class _SlimOptimizer(torch.optim.Optimizer):
                 self._exchange.grad_ready(p, self._open_round)
         return hook
 
+
+    def _make_exchange(self, settings: SlimSettings) -> Any:
+        """The exchange of this optimizer's layout on ``settings.transport``."""
+        return build_exchange(self._layout, settings.config, settings.transport, self._plan,
+                              ranks=settings.ranks, order=[
+                                  n for n, p in settings.named_parameters if p.requires_grad])
+
+    def _rebind_exchange(self, settings: SlimSettings) -> None:
+        """Elastic recovery (elastic/rebind.py): a new exchange on ``settings.transport``, taken
+        by everything that held the old one (the update exchange's rank count, the round ends
+        of ``local_steps > 1``). It starts empty; the caller loads a committed state."""
+        self._settings = settings
+        self._exchange = self._make_exchange(settings)
+        if self._adam is not None:
+            self._adam.size = self._exchange.size
+        if self._ends is not None:
+            self._ends.rebind(self._exchange)
     def _step_round(self, wait: bool = True) -> Any:
         """The join round that starts this step's exchange (join_sync), if this optimizer has
         one: run now, or (``wait=False``) queued, returning its handle."""

@@ -56,7 +56,7 @@ def window() -> float:
     raw = os.environ.get(WINDOW_ENV)
     if raw:
         return float(raw)
-    from ..runtime.api_timeout import api_timeout
+    from ..api.timeout import api_timeout
     from ..transport.mpi_api import ROLL_CALL_S
     timeout = api_timeout() or 60.0
     return min(0.5 * timeout, 30.0) + min(ROLL_CALL_S, timeout) + 5.0

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 
 def _default_bcast(obj: Any) -> Any:
-    from ..functions import broadcast_object  # imported late: functions imports the runtime
+    from ..api.functions import broadcast_object  # imported late: functions imports the runtime
     return broadcast_object(obj, 0, name="elastic state")
 
 

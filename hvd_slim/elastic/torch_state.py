@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import rebind
-from ..forward_apply import drain_all
+from ..optim.forward_apply import drain_all
 from .sampler import ElasticSampler
 from .state import ObjectState
 
@@ -46,7 +46,7 @@ class _Handler:
 
 class _ModelHandler(_Handler):
     def sync(self) -> None:
-        from ..functions import broadcast_parameters
+        from ..api.functions import broadcast_parameters
         drain_all()
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
@@ -77,7 +77,7 @@ class _OptimizerHandler(_Handler):
     def sync(self) -> None:
         # The inner optimizer's state and options from rank 0; the exchange's state stays each
         # rank's own (residuals are per rank).
-        from ..functions import broadcast_optimizer_state
+        from ..api.functions import broadcast_optimizer_state
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
@@ -86,7 +86,7 @@ class _SamplerHandler(_Handler):
         self.value.reset()   # repartition over the new ranks
 
     def sync(self) -> None:
-        from ..functions import broadcast_object
+        from ..api.functions import broadcast_object
         self.value.load_state_dict(broadcast_object(self.value.state_dict(), 0,
                                                     name="ElasticSampler state"))
 

@@ -12,7 +12,7 @@ failed transport (or a sum of finite values that overflows after the round, a 16
 or host's: then :func:`late_verdict` has ``step()`` wait for every stage instead), and
 ``step()`` may hand the step over as a :class:`Deferred`: each stage is
 settled, and its parameters stepped, only when the next forward pass reaches them
-(hvd_slim/forward_apply.py). When it is not clear the stages run in backward order and the
+(hvd_slim/optim/forward_apply.py). When it is not clear the stages run in backward order and the
 step is settled as one, as without ``overlap_forward``.
 
 Every rank decides from the round's answer alone, so all make the same collectives in the same

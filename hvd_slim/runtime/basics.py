@@ -127,7 +127,7 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
                         cross_rank=cross.Get_rank(), cross_size=cross.Get_size())
         if horovod.initialized_horovod() is not None:
             horovod.register_exit_barrier()
-    from . import process_sets as sets
+    from ..api import process_sets as sets
     try:
         sets.init_sets(process_sets)
     except BaseException:
@@ -153,10 +153,10 @@ def shutdown() -> None:
         torch_dist.close_all()
     if state is None:
         return
-    engine = sys.modules.get("hvd_slim.runtime.engine")
+    engine = sys.modules.get("hvd_slim.api.engine")
     if engine is not None:   # its thread must be done with the communicators first
         engine.stop()
-    from . import process_sets as sets
+    from ..api import process_sets as sets
     sets.clear(_mpi())
     if state.transport is not None:
         state.transport.close()

@@ -89,7 +89,7 @@ def resolve(transport: Any, device: torch.device,
             raise ValueError(f"{source}={transport!r} cannot run the exchange inside "
                              f"process_set={process_set!r}: hvd_slim runs a process set's "
                              f"exchange on MPI only; pass transport=\"mpi\" (or \"auto\")")
-        from . import process_sets
+        from ..api import process_sets
         return process_sets.exchange_transport(process_set)
     if transport == "auto":
         transport = choose_auto(device)

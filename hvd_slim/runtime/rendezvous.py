@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import basics, env, horovod
-from . import engine
+from ..api import engine
 
 TIMEOUT_ENV = "HVD_SLIM_TRANSPORT_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0

@@ -10,8 +10,8 @@ import torch
 from mpi4py import MPI
 
 import hvd_slim as hvd
-from hvd_slim import join_sync
-from hvd_slim.runtime.checks import MismatchError
+from hvd_slim.optim import join_sync
+from hvd_slim.api.checks import MismatchError
 
 from test_optimizer_mpi import (Net, assert_same_on_every_rank, batch, flat, flat_grads,
                                  held_residual, loss_of, wrap)

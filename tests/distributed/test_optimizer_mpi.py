@@ -149,7 +149,7 @@ INNER = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
 @pytest.mark.parametrize("inner", sorted(INNER))
 def test_density_one_matches_mpi_allreduce_averaging(inner, servers, shape):
     """The parity test: density 1.0 sends every bucket dense, so the wrapped optimizer's own
-    step runs on the exact average (momentum correction and inner/adam.py stay out of it),
+    step runs on the exact average (momentum correction and optim/inner/adam.py stay out of it),
     with one server or a server shard per rank."""
     model, ref = Net(), Net()
     opt = wrap(model, opt=INNER[inner](model.parameters()), density=1.0,
@@ -166,7 +166,7 @@ def test_density_one_matches_mpi_allreduce_averaging(inner, servers, shape):
 
 def test_adam_at_one_percent_keeps_replicas_identical():
     """The gradient exchange: after 3 dense warm-up steps hvd_slim steps the compressed
-    parameters itself (inner/adam.py): parameters and Adam's state stay bitwise equal on every
+    parameters itself (optim/inner/adam.py): parameters and Adam's state stay bitwise equal on every
     rank."""
     model = Net()
     opt = wrap(model, opt=torch.optim.Adam(model.parameters(), lr=1e-3), density=0.01,

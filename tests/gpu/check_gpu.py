@@ -145,7 +145,7 @@ def check_flush_lands_on_the_closed_form(transport: str) -> str:
 
 def check_adam_on_sparse_deliveries(transport: str) -> str:
     """The gradient exchange's Adam (adam_exchange="gradient"): the compressed parameters
-    stepped by hvd_slim/inner/adam.py on the device: replicas and Adam's state stay bitwise
+    stepped by hvd_slim/optim/inner/adam.py on the device: replicas and Adam's state stay bitwise
     equal, and the delivery clock lives on the parameters' device."""
     model = Net().to(device())
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
@@ -164,7 +164,7 @@ def check_adam_on_sparse_deliveries(transport: str) -> str:
 
 
 def check_adam_update_exchange(transport: str) -> str:
-    """AdamW's default, the update exchange (inner/adam_update.py), on the device: replicas stay
+    """AdamW's default, the update exchange (optim/inner/adam_update.py), on the device: replicas stay
     bitwise equal and each rank's moments live on the parameters' device."""
     model = Net().to(device())
     opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),

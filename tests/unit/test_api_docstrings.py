@@ -12,11 +12,11 @@ import pytest
 import hvd_slim
 from hvd_slim.runtime import basics
 
-API_MODULES = ("hvd_slim.collectives", "hvd_slim.collectives_async", "hvd_slim.functions",
-               "hvd_slim.collectives_scatter", "hvd_slim.collectives_alltoall",
-               "hvd_slim.collectives_grouped", "hvd_slim.collectives_sparse", "hvd_slim.timeline",
-               "hvd_slim.runtime.basics", "hvd_slim.runtime.build_flags", "hvd_slim.optimizer", "hvd_slim.distributed_optimizer",
-               "hvd_slim.sync_batch_norm")
+API_MODULES = ("hvd_slim.api.collectives", "hvd_slim.api.async_ops", "hvd_slim.api.functions",
+               "hvd_slim.api.scatter", "hvd_slim.api.alltoall",
+               "hvd_slim.api.grouped", "hvd_slim.api.sparse", "hvd_slim.api.timeline",
+               "hvd_slim.runtime.basics", "hvd_slim.runtime.build_flags", "hvd_slim.optim.optimizer", "hvd_slim.optim.distributed_optimizer",
+               "hvd_slim.api.sync_batch_norm")
 SECTION = re.compile(r"^(Args|Arguments|Returns|Raises|Yields|Examples?|Notes?|Attributes):\s*$")
 # An entry of the Args section: four spaces, the name (``*args``/``**kwargs`` with their stars),
 # an optional ``(type)``, then a colon.

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import hvd_slim
-from hvd_slim import join_sync
-from hvd_slim.config_env import resolve_config
+from hvd_slim.optim import join_sync
+from hvd_slim.config.env import resolve_config
 from hvd_slim.transport import FakeCluster, run_ranks
 
 

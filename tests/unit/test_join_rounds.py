@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hvd_slim.runtime.engine_rounds import (ALLREDUCE, FLUSH, JOIN, STEP, JoinState, Round, Sig,
+from hvd_slim.api.engine_rounds import (ALLREDUCE, FLUSH, JOIN, STEP, JoinState, Round, Sig,
                                             header)
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import torch
 
 import hvd_slim
 from hvd_slim.config import ENV_KEYWORDS, ConfigError, SlimConfig
-from hvd_slim.config_env import resolve_config
+from hvd_slim.config.env import resolve_config
 from hvd_slim.transport import FakeCluster
 
 
@@ -85,7 +85,7 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
      r"^warmup_start_density \(0.001\) must not be below density \(0.01\)"),
     (dict(warmup_decay_steps=-1), r"^warmup_decay_steps must be >= 0"),
     (dict(transport="carrier-pigeon"), r"transport='carrier-pigeon' is not a transport"),
-    (dict(op=hvd_slim.collectives.Sum, gradient_predivide_factor=2.0),
+    (dict(op=hvd_slim.api.collectives.Sum, gradient_predivide_factor=2.0),
      r"gradient_predivide_factor not supported with op != Average"),
     (dict(gradient_predivide_factor=float("nan")), r"gradient_predivide_factor must be a finite"),
     (dict(gradient_predivide_factor=0), r"gradient_predivide_factor must be a finite number > 0"),

@@ -14,7 +14,7 @@ from hvd_slim.runtime import basics, choose_transport, env, horovod, rendezvous
 from hvd_slim.transport import FakeCluster, TransportError
 from hvd_slim.transport import torch_dist
 from hvd_slim.transport.torch_frames import TensorFrames
-from hvd_slim.wrapping import parameter_device
+from hvd_slim.optim.wrapping import parameter_device
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
                "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE",

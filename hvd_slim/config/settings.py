@@ -102,12 +102,12 @@ class SlimConfig:
     # gradient joins it (memory/residual.py); 1.0 keeps everything until it is sent. Below 1,
     # SparseLoCo's decayed accumulator: unsent mass fades over about 1/(1 - beta) steps.
     residual_decay: float = 1.0
-    # Adam/AdamW: "rescaled" feeds exp_avg_sq each delivered value as per-step means of the steps
-    # it sums (optim/inner/adam.py); "live": Adam's own step on the bursts; "auto": rescaled for Adam
+    # Adam/AdamW: "rescaled" feeds exp_avg_sq each delivered value as per-step means of the steps it
+    # sums (optim/inner/adam.py); "live": Adam's own step on the bursts; "auto": rescaled for Adam
     adam_variance: str = "auto"
-    # Adam/AdamW: "update" exchanges each rank's Adam update (its own moments on its own
-    # gradient) instead of the gradient (optim/inner/adam_update.py); "gradient": the gradient into one
-    # shared Adam, as adam_variance says; "auto": "update" for torch's Adam and AdamW
+    # Adam/AdamW: "update" exchanges each rank's Adam update (its own moments on its own gradient)
+    # instead of the gradient (optim/inner/adam_update.py); "gradient": the gradient into one shared
+    # Adam, as adam_variance says; "auto": "update" for torch's Adam and AdamW
     adam_exchange: str = "auto"
     # --- server and reduction ----------------------------------------------------------------
     pull: str = "slim"                 # "slim": server keeps a residual; "union": exact union
@@ -115,16 +115,16 @@ class SlimConfig:
     # Server shards: each aggregates 1/S of every bucket (exchange/shards.py); "auto": see
     # servers_for. Shard 0 is server_rank's, the others evenly spaced after it.
     servers: Any = 1
-    # Node-local aggregation (exchange/hierarchy.py): the ranks of each host first combine their
-    # gradients over the local link, then one exchange per local rank runs between the hosts.
+    # Node-local aggregation (exchange/hosts/hierarchy.py): the ranks of each host first combine
+    # their gradients over the local link, then one exchange per local rank runs between the hosts.
     hierarchical: bool = False
-    # Overlap with backward (exchange/overlap.py): the model is cut into this many stages in
+    # Overlap with backward (exchange/overlap/staged.py): the model is cut into this many stages in
     # backward order, each exchanged as soon as its gradients are ready; 1: all in step().
     # True means config_checks.OVERLAP_STAGES, False 1.
     overlap: int = 1
-    # With overlap > 1 (exchange/overlap_order.py, hvd_slim/optim/forward_apply.py): once backward is
-    # over the stages nearest the input go first (P3's order), and step() returns before the
-    # rest is back; each stage's update lands when the next forward pass reaches its modules.
+    # With overlap > 1 (exchange/overlap/order.py, hvd_slim/optim/forward_apply.py): once backward
+    # is over the stages nearest the input go first (P3's order), and step() returns before the rest
+    # is back; each stage's update lands when the next forward pass reaches its modules.
     overlap_forward: bool = False
     # Local steps (outer/rounds.py): the wrapped optimizer steps alone this many times, then
     # the pseudo-gradient (global - local parameters) goes through the exchange to an outer

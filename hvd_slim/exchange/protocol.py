@@ -1,6 +1,6 @@
 """What the optimizer asks of an exchange: the contract :class:`SlimExchange` (flat),
-:class:`~hvd_slim.exchange.hierarchy.HierarchicalExchange` (hosts first) and
-:class:`~hvd_slim.exchange.overlap.StagedExchange` (overlap with backward) all meet, so that
+:class:`~hvd_slim.exchange.hosts.hierarchy.HierarchicalExchange` (hosts first) and
+:class:`~hvd_slim.exchange.overlap.staged.StagedExchange` (overlap with backward) all meet, so that
 ``build_exchange`` can hand out any of them; and what a staged exchange asks of each stage
 (:class:`Stage`: the first two meet it)."""
 from __future__ import annotations
@@ -62,8 +62,9 @@ class OverlappedExchange(Exchange, Protocol):
 
 @runtime_checkable
 class Stage(Exchange, Protocol):
-    """An exchange whose step comes apart, so that several make one step (exchange/overlap.py):
-    the local phases, the collective ones, and an outcome that commits, drops or keeps. What
+    """An exchange whose step comes apart, so that several make one step
+    (exchange/overlap/staged.py): the local phases, the collective ones, and an outcome that
+    commits, drops or keeps. What
     :meth:`prepare` returns has ``report`` (a NaN/Inf this rank found, or None); what
     :meth:`communicate` returns has ``pulled`` (None: every rank skips the step). The staged
     exchange also reads each stage's layout and settings, runs its one handshake and its

@@ -96,7 +96,7 @@ class Puller:
         """What the pull delivers, per bucket of step ``t`` (absent: nothing), as one flat
         tensor and whether ``p.grad`` may view it, with the pull cores it carries. The cores
         are returned, not kept, so a step that is then dropped leaves them as they were (a
-        host's spread, exchange/hierarchy.py, needs the values before the commit). But a
+        host's spread, exchange/hosts/hierarchy.py, needs the values before the commit). But a
         compressed bucket's values are scattered in place into the buffer this rank keeps for
         it (``_pulled``, zeroed first), which the last committed pull's ``p.grad`` views: call
         it only where that view may be overwritten (at the commit, :meth:`write`; in the

@@ -4,8 +4,8 @@
 
 with the handshake once, before the first push (and again after a checkpoint is loaded).
 :meth:`SlimExchange.step` fixes this order for the flat exchange (the hosts-first and
-staged exchanges, exchange/hierarchy.py and exchange/overlap.py, order theirs around it): one
-call a phase, the worker's (:class:`~hvd_slim.exchange.worker.Worker`) and the server's
+staged exchanges, exchange/hosts/hierarchy.py and exchange/overlap/staged.py, order theirs around
+it): one call a phase, the worker's (:class:`~hvd_slim.exchange.worker.Worker`) and the server's
 (:class:`~hvd_slim.exchange.server.Server`) halves on their own objects, the collective phases
 in step_wire.py.
 It reads each parameter's ``.grad`` and writes the pulled update back into it; the wrapped
@@ -32,7 +32,7 @@ from ..wire import message as wm
 from . import checkpoint, handshake, step_wire
 from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
 from .layout import Layout
-from .overlap_runner import exclusive
+from .overlap.runner import exclusive
 from .server import Server
 from .shards import ShardPlan, ShardView
 from .stats import ExchangeStats
@@ -128,7 +128,7 @@ class SlimExchange:
         """Every phase of a step but its outcome: compensate, select, push, aggregate and pull.
         Nothing of the exchange is committed yet (the worker's proposals and the server's plan
         wait for :meth:`settle`), so a caller running several exchanges as one step
-        (exchange/overlap.py) commits all or none. A skip (``pulled`` None) is settled by the
+        (exchange/overlap/staged.py) commits all or none. A skip (``pulled`` None) is settled by the
         caller too; an error is settled here (a NaN/Inf under ``"raise"``: nothing changes;
         any other failure: this rank's gradient is kept in its residual) and raised."""
         return self.communicate(self.prepare())

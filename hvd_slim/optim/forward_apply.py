@@ -1,7 +1,7 @@
 """``overlap_forward=True`` on the optimizer's side: a step's updates land stage by stage, as
 the next forward pass reaches them (P3's per-layer wait; docs/design.md §2 "Overlap").
 
-``step()`` hands a :class:`~hvd_slim.exchange.overlap_order.Deferred` step to
+``step()`` hands a :class:`~hvd_slim.exchange.overlap.order.Deferred` step to
 :meth:`ForwardApply.defer` together with what the wrapped optimizer's step must see then: the
 param groups' hyperparameters as they were (a scheduler stepped right after ``step()`` must not
 change this step's learning rate). A forward pre-hook on every module (one global hook, which

@@ -45,9 +45,9 @@ def local_comm(mpi: Any, job: Any) -> Any:
 
 def host_transports(mpi: Any, job: Any, local: Any) -> tuple:
     """``(hosts, local transport, cross transport)`` for ``hierarchical=True``
-    (exchange/hierarchy.py): each rank's host number (the rank order of the hosts' first ranks),
-    the exchange's transport among this host's ranks (rank order) and among the ranks of this
-    local rank on every host (numbered by host). Collective over ``job``."""
+    (exchange/hosts/hierarchy.py): each rank's host number (the rank order of the hosts' first
+    ranks), the exchange's transport among this host's ranks (rank order) and among the ranks of
+    this local rank on every host (numbered by host). Collective over ``job``."""
     from ..transport.mpi import MpiTransport
     first = int(local.allreduce(job.Get_rank(), op=mpi.MPI.MIN))
     firsts = [int(f) for f in job.allgather(first)]

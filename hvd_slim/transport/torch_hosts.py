@@ -1,5 +1,5 @@
 """The host and cross-host transports of ``hierarchical=True`` on Gloo or NCCL: process groups
-among each host's ranks and among the l-th ranks of every host (exchange/hierarchy.py).
+among each host's ranks and among the l-th ranks of every host (exchange/hosts/hierarchy.py).
 
 Hosts are named as hvd_slim names them everywhere (runtime/hosts.py): by
 ``HVD_SLIM_HOST_KEY`` where it is set, else by the machine's host name; the keys are gathered
@@ -27,7 +27,7 @@ def host_transports(world: TorchDistTransport) -> Tuple[List[int], TorchDistTran
     per world transport; collective on first call."""
     if id(world) in _made and not world._closed:
         return _made[id(world)]
-    from ..exchange.hierarchy import host_table
+    from ..exchange.hosts.hierarchy import host_table
     keys: List[Any] = [None] * world.size
     dist.all_gather_object(keys, os.environ.get(HOST_KEY_VAR) or socket.gethostname(),
                            group=world.group)

@@ -39,7 +39,7 @@ assert HEADER.size == 32 and ENTRY.size == 16
 PUSH, PULL, FLUSH_PUSH, FLUSH_PULL, ERROR = 1, 2, 3, 4, 5
 # Control (see control.py): the first-step handshake, and the decisions a step can end in.
 HELLO, AGREED, DESCRIBE, DESCRIPTION, NONFINITE, SKIP = 6, 7, 8, 9, 10, 11
-# The schedule round of ``overlap_forward`` (exchange/overlap_order.py): flags in ``extra``.
+# The schedule round of ``overlap_forward`` (exchange/overlap/order.py): flags in ``extra``.
 ORDER = 12
 KIND_NAMES = {PUSH: "push", PULL: "pull", FLUSH_PUSH: "flush push", FLUSH_PULL: "flush pull",
               ERROR: "error", HELLO: "hello", AGREED: "agreed", DESCRIBE: "describe request",

@@ -1,6 +1,6 @@
-"""``overlap_forward=True`` (exchange/overlap_order.py, hvd_slim/optim/forward_apply.py) on simulated
-ranks: after backward the stages nearest the input go first, ``step()`` hands the step over,
-and each stage's update lands when the next forward pass reaches its modules. Whatever the
+"""``overlap_forward=True`` (exchange/overlap/order.py, hvd_slim/optim/forward_apply.py) on
+simulated ranks: after backward the stages nearest the input go first, ``step()`` hands the step
+over, and each stage's update lands when the next forward pass reaches its modules. Whatever the
 schedule, the training is bitwise the one ``overlap`` alone gives."""
 import copy
 import warnings
@@ -12,8 +12,8 @@ import hvd_slim
 from hvd_slim.config import ConfigError, SlimConfig
 from hvd_slim.config.env import resolve_config
 from hvd_slim.exchange import Layout
-from hvd_slim.exchange.overlap import StagedExchange
-from hvd_slim.exchange.overlap_order import Deferred
+from hvd_slim.exchange.overlap.staged import StagedExchange
+from hvd_slim.exchange.overlap.order import Deferred
 from hvd_slim.transport import FakeCluster, run_ranks
 
 from test_exchange import grad_for, make_params

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from .layout import Layout
-from .stats import ExchangeStats
+from ..layout import Layout
+from ..stats import ExchangeStats
 
 # Counted once per step by every stage alike, or by the staged exchange itself.
 _PER_STEP = ("steps", "flushes")

@@ -4,10 +4,11 @@ The trainable parameters, in backward order (the reverse of ``named_parameters``
 about the order in which autograd finishes them), are cut into S stages of about equal size.
 Each stage is a :class:`SlimExchange` of its own (its residual, selection, server state and
 budget: ``density`` of the stage's coordinates, so the step's budget is the same in total), or
-with ``hierarchical=True`` a host-first ``HierarchicalExchange`` (exchange/hierarchy.py, with
-its own carry); both meet :class:`~hvd_slim.exchange.protocol.Stage`. A stage's exchange starts on the communication thread (exchange/overlap_runner.py) as soon as
-the gradient hook has seen the last of its parameters' gradients, while backward goes on with
-the stages before it; ``step()`` waits for the rest.
+with ``hierarchical=True`` a host-first ``HierarchicalExchange`` (exchange/hosts/hierarchy.py, with
+its own carry); both meet :class:`~hvd_slim.exchange.protocol.Stage`. A stage's exchange starts on
+the communication thread (exchange/overlap/runner.py) as soon as the gradient hook has seen the last
+of its parameters' gradients, while backward goes on with the stages before it; ``step()`` waits for
+the rest.
 
 The S exchanges are one step: each is only begun on the thread (:meth:`SlimExchange.begin`,
 nothing committed), and the step is settled on the caller's thread when all are back. Every
@@ -24,17 +25,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..config import SlimConfig
-from ..transport.base import Transport
-from . import checkpoint, handshake
-from .describe import stages_text
-from .errors import NonFiniteGradientError
-from .layout import Layout
-from .overlap_order import Deferred, OrderedJob, late_verdict
-from .overlap_runner import Job, ends_step, runner_for
-from .overlap_stats import StagedStats
-from .protocol import Stage
-from .step import Pending, SlimExchange
+from ...config import SlimConfig
+from ...transport.base import Transport
+from .. import checkpoint, handshake
+from ..describe import stages_text
+from ..errors import NonFiniteGradientError
+from ..layout import Layout
+from .order import Deferred, OrderedJob, late_verdict
+from .runner import Job, ends_step, runner_for
+from .stats import StagedStats
+from ..protocol import Stage
+from ..step import Pending, SlimExchange
 
 Opener = Optional[Callable[[], Optional[Callable[[], Any]]]]
 
@@ -131,7 +132,7 @@ class StagedExchange:
         """:meth:`SlimExchange.step` for every stage: the stages not begun yet run now. With
         ``defer`` (``overlap_forward``, on a communication thread), once every rank's gradients
         are in and none has a NaN/Inf, return a :class:`Deferred` instead of waiting for the
-        rest (exchange/overlap_order.py)."""
+        rest (exchange/overlap/order.py)."""
         if self._job is None:
             self._start(opener)
         job, self._job = self._job, None

@@ -1,6 +1,6 @@
-"""The messages of the host phases of ``hierarchical=True`` (hierarchy.py), among the L ranks
-of one host. Both end in one byte (a flag, or a verdict), so every piece starts 8-byte aligned
-and is read in place.
+"""The messages of the host phases of ``hierarchical=True`` (exchange/hosts/hierarchy.py), among the
+L ranks of one host. Both end in one byte (a flag, or a verdict), so every piece starts 8-byte
+aligned and is read in place.
 
 * **Reduction** (to local rank j): piece j of every bucket of this rank's gradient, read
   straight from the parameters' ``.grad``, then a flag byte: whether this rank's gradient had
@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .layout import SPARSE, Layout
+from ..layout import SPARSE, Layout
 
 OK, SKIPPED, FAILED, NONFINITE = 0, 1, 2, 3   # the spread's verdict byte
 BAD, CARRIED = 1, 2   # the reduction's flag bits

@@ -1,5 +1,5 @@
-"""The checkpointed state of ``hierarchical=True`` (exchange/hierarchy.py): this rank's piece of
-its host's exchange, its carry (its own gradient of a failed step that no host reduction
+"""The checkpointed state of ``hierarchical=True`` (exchange/hosts/hierarchy.py): this rank's piece
+of its host's exchange, its carry (its own gradient of a failed step that no host reduction
 took in yet, added to the next one), and its step count: a rank whose pieces are all empty has
 no cross exchange to hold it, yet its count must agree with the others' (the handshake compares
 them, and ``overlap`` takes its count from the first stage, where a small stage leaves some
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Dict
 
 import torch
 
-from . import checkpoint
-from .layout import SPARSE
+from .. import checkpoint
+from ..layout import SPARSE
 
 if TYPE_CHECKING:   # pragma: no cover
     from .hierarchy import HierarchicalExchange

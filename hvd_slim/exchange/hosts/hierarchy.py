@@ -19,10 +19,11 @@ cross exchange sees it and every rank skips or raises alike. Step 3 carries each
 verdict, so a rank whose pieces are all empty (tiny buckets) still follows it.
 
 The step comes apart as :class:`SlimExchange`'s does (prepare, communicate, then settle, drop
-or absorb), so each stage of ``overlap`` can be one (exchange/overlap.py). A failure after
+or absorb), so each stage of ``overlap`` can be one (exchange/overlap/staged.py). A failure after
 step 1 keeps the host's gradient in its residual pieces; one before, this rank's own in its
-carry (host_phases.py, with the host collectives). The flush: host_flush.py; the checkpoint
-(pieces, carry, step count): host_state.py; the host messages: host_wire.py.
+carry (exchange/hosts/phases.py, with the host collectives). The flush: exchange/hosts/flush.py; the
+checkpoint (pieces, carry, step count): exchange/hosts/state.py; the host messages:
+exchange/hosts/wire.py.
 """
 from __future__ import annotations
 
@@ -31,17 +32,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..config import ConfigError, SlimConfig
-from ..transport.base import Transport
-from . import handshake, host_flush, host_state
-from .errors import NonFiniteGradientError
-from .finite import nonfinite_text
-from .host_phases import HostPending, HostPhases, HostPrepared, watch
-from .host_wire import FAILED, NONFINITE, OK, SKIPPED, cuts
-from .layout import SPARSE, Layout
-from .overlap_runner import exclusive
-from .stats import ExchangeStats
-from .step import Pending, SlimExchange
+from ...config import ConfigError, SlimConfig
+from ...transport.base import Transport
+from .. import handshake
+from . import flush as host_flush, state as host_state
+from ..errors import NonFiniteGradientError
+from ..finite import nonfinite_text
+from .phases import HostPending, HostPhases, HostPrepared, watch
+from .wire import FAILED, NONFINITE, OK, SKIPPED, cuts
+from ..layout import SPARSE, Layout
+from ..overlap.runner import exclusive
+from ..stats import ExchangeStats
+from ..step import Pending, SlimExchange
 
 
 def host_table(hosts: Sequence[int]) -> List[List[int]]:
@@ -98,7 +100,8 @@ class HierarchicalExchange:
         self.host_phases = HostPhases(layout, config, local, self.rank, self.host,
                                       table[self.host], self.stats)
         # Steps, when this rank has no pieces (and so no cross exchange to count them); in the
-        # checkpoint, as a staged exchange's count can be its first stage's (exchange/overlap.py).
+        # checkpoint, as a staged exchange's count can be its first stage's
+        # (exchange/overlap/staged.py).
         self._steps = 0
         self._agreed = False
 
@@ -245,7 +248,7 @@ class HierarchicalExchange:
 
     def _collective(self, fn: Any, what: str) -> Any:
         """Collectives of the whole job under the exchange timeout (an overlapped step's
-        handshake, exchange/overlap.py)."""
+        handshake, exchange/overlap/staged.py)."""
         return watch(self.transport, self.cfg.timeout, fn, what)
 
     def _handshake(self, t: int) -> None:

@@ -26,15 +26,15 @@ import threading
 
 import torch
 
-from ..wire import control
-from ..wire import message as wm
-from .handshake import ROOT
-from .overlap_runner import Job, ends_step
+from ...wire import control
+from ...wire import message as wm
+from ..handshake import ROOT
+from .runner import Job, ends_step
 
 if TYPE_CHECKING:   # pragma: no cover
-    from ..config import SlimConfig
-    from .layout import Layout
-    from .protocol import Stage
+    from ...config import SlimConfig
+    from ..layout import Layout
+    from ..protocol import Stage
 
 # ORDER flags: this rank's gradients are all in; none of its stages not begun found NaN/Inf.
 FINAL, CLEAR = 1, 2
@@ -78,7 +78,7 @@ def late_verdict(layout: "Layout", config: "SlimConfig", host_sums: bool = False
     aggregated, after the schedule round, so ``overlap_forward`` must not hand such a step
     over before every stage is back. FP8 and packed values are scaled to fit, and
     ``nonfinite="propagate"`` refuses nothing. ``host_sums``: each stage is hosts first
-    (exchange/hierarchy.py), whose host reduction adds the local ranks' gradients in the
+    (exchange/hosts/hierarchy.py), whose host reduction adds the local ranks' gradients in the
     bucket's own dtype, so a 16-bit bucket's finite gradients can sum to an Inf that only
     that stage's cross exchange finds."""
     if config.nonfinite == "propagate":

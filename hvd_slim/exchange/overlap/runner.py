@@ -1,4 +1,4 @@
-"""The communication thread of ``overlap`` (exchange/overlap.py): one per transport, as
+"""The communication thread of ``overlap`` (exchange/overlap/staged.py): one per transport, as
 Horovod's background loop is one per process.
 
 Every rank must make an exchange transport's collectives in the same order. The main thread
@@ -36,7 +36,7 @@ class Job:
     ``outcomes`` (the same by stage index) and ``error`` (the exception that ended it, and the
     stage it came from, -1 for ``first``). ``finished[s]`` is set once stage ``s`` is back (or
     the job ended without it). ``prepared`` holds stages whose local phases ran but whose
-    exchange did not (only an ordered job prepares ahead: exchange/overlap_order.py)."""
+    exchange did not (only an ordered job prepares ahead: exchange/overlap/order.py)."""
 
     def __init__(self, stages: List[Stage], first: Optional[Callable[[], Any]] = None) -> None:
         self.stages, self.first = stages, first

@@ -1,5 +1,5 @@
-"""The flush of ``hierarchical=True`` (exchange/hierarchy.py): every residual of every host, and
-every rank's carry, sent densely into the compressed ``p.grad`` (dense-bucket grads are
+"""The flush of ``hierarchical=True`` (exchange/hosts/hierarchy.py): every residual of every host,
+and every rank's carry, sent densely into the compressed ``p.grad`` (dense-bucket grads are
 untouched), so that after ``optimizer.flush()`` nothing computed is pending.
 
 1. Every rank's carry goes into its host's residual pieces first, as a step that failed after
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import NonFiniteGradientError
-from .host_wire import FAILED, NONFINITE, OK
+from ..errors import NonFiniteGradientError
+from .wire import FAILED, NONFINITE, OK
 
 if TYPE_CHECKING:   # pragma: no cover
     from .hierarchy import HierarchicalExchange

@@ -1,5 +1,5 @@
-"""The host phases of ``hierarchical=True`` (exchange/hierarchy.py): the collectives among the
-L ranks of one host, over its local transport, in the byte layouts of host_wire.py.
+"""The host phases of ``hierarchical=True`` (exchange/hosts/hierarchy.py): the collectives among the
+L ranks of one host, over its local transport, in the byte layouts of exchange/hosts/wire.py.
 
 * :meth:`HostPhases.reduce`: this rank's pieces of the step become the host's sum (or mean)
   of them, every local rank's carry added;
@@ -19,12 +19,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..config import SlimConfig
-from ..transport.base import Transport, TransportTimeout
-from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
-from .host_wire import BAD, CARRIED, FAILED, NONFINITE, OK, SKIPPED, HostFrames
-from .layout import SPARSE, Layout
-from .step import Pending
+from ...config import SlimConfig
+from ...transport.base import Transport, TransportTimeout
+from ..errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
+from .wire import BAD, CARRIED, FAILED, NONFINITE, OK, SKIPPED, HostFrames
+from ..layout import SPARSE, Layout
+from ..step import Pending
 
 
 def watch(transport: Transport, timeout: float, fn: Callable[[], Any], what: str,
@@ -40,7 +40,7 @@ def watch(transport: Transport, timeout: float, fn: Callable[[], Any], what: str
 
 @dataclass
 class HostPrepared:
-    """What ``HierarchicalExchange.prepare`` (exchange/hierarchy.py) read: step ``t``, this
+    """What ``HierarchicalExchange.prepare`` (exchange/hosts/hierarchy.py) read: step ``t``, this
     rank's own NaN/Inf report, and its host reduction's messages."""
 
     t: int

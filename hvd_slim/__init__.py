@@ -4,35 +4,33 @@
 ``rank``, collectives and ``broadcast_*`` helpers, and a ``DistributedOptimizer`` whose
 exchange sends a small, well-chosen slice of each gradient instead of all of it. See README.md.
 """
-from .api.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce,
-                          allreduce_, broadcast, broadcast_)
+from . import elastic
 from .api.alltoall import alltoall, alltoall_async
-from .api.async_ops import (allgather_async, allreduce_async, allreduce_async_,
-                                broadcast_async, broadcast_async_, poll, synchronize)
+from .api.async_ops import (allgather_async, allreduce_async, allreduce_async_, broadcast_async,
+                            broadcast_async_, poll, synchronize)
+from .api.checks import MismatchError
+from .api.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce,
+                              allreduce_, broadcast, broadcast_)
+from .api.compression import Compression
+from .api.functions import (allgather_object, barrier, broadcast_object, broadcast_optimizer_state,
+                            broadcast_parameters, join)
 from .api.grouped import (grouped_allgather, grouped_allgather_async, grouped_allreduce,
-                                  grouped_allreduce_, grouped_allreduce_async,
-                                  grouped_allreduce_async_, grouped_reducescatter,
-                                  grouped_reducescatter_async)
+                          grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+                          grouped_reducescatter, grouped_reducescatter_async)
+from .api.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .api.scatter import reducescatter, reducescatter_async
 from .api.sparse import sparse_allreduce_async
-from . import elastic
-from .api.compression import Compression
+from .api.sync_batch_norm import SyncBatchNorm
+from .api.timeline import start_timeline, stop_timeline
 from .config import ConfigError, SlimConfig
+from .elastic.errors import HostsUpdatedInterrupt
 from .exchange import ExchangeError
 from .exchange.errors import NonFiniteGradientError
-from .api.functions import (allgather_object, barrier, broadcast_object, broadcast_optimizer_state,
-                        broadcast_parameters, join)
 from .optim.distributed_optimizer import DistributedOptimizer
 from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                       gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                       mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
                       size)
-from .api.checks import MismatchError
-from .api.process_sets import (ProcessSet, add_process_set, global_process_set,
-                                   remove_process_set)
-from .api.sync_batch_norm import SyncBatchNorm
-from .elastic.errors import HostsUpdatedInterrupt
-from .api.timeline import start_timeline, stop_timeline
 from .transport.base import HorovodInternalError, TransportError, TransportTimeout
 
 __version__ = "0.1.0"

@@ -16,9 +16,9 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from .ops import _bytes, _differentiable, _direct, _host_copy, on_group
 from .async_ops import _queued
 from .checks import agree, check_tensor_args, label
+from .ops import _bytes, _differentiable, _direct, _host_copy, on_group
 
 __all__ = ["alltoall", "alltoall_async"]
 

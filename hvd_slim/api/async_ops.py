@@ -13,9 +13,9 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from .ops import _allgather, _allreduce, _broadcast, _resolve_op
 from . import engine
 from .checks import check_tensor_args, label
+from .ops import _allgather, _allreduce, _broadcast, _resolve_op
 
 
 def _handle(result: Any) -> int:

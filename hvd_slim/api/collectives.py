@@ -10,11 +10,10 @@ from typing import Any, Optional
 
 import torch
 
-from .ops import (Adasum, Average, Max, Min, Product, Sum, _allgather, _allreduce,
-                             _AllgatherFn, _AllreduceFn, _broadcast, _BroadcastFn,
-                             _differentiable, _resolve_op)
-from .compression import Compression
 from .checks import check_tensor_args
+from .compression import Compression
+from .ops import (Adasum, Average, Max, Min, Product, Sum, _allgather, _AllgatherFn, _allreduce,
+                  _AllreduceFn, _broadcast, _BroadcastFn, _differentiable, _resolve_op)
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_",
            "allgather", "broadcast", "broadcast_"]

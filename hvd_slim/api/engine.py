@@ -36,8 +36,8 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from . import timeout as api_timeout
 from ..runtime import basics
+from . import timeout as api_timeout
 from .engine_queue import Engine, Job
 from .engine_rounds import FLUSH, GENERIC, STEP, Round, Sig
 from .process_sets import Group, resolve

@@ -17,9 +17,8 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 from ..transport.base import TransportError, TransportTimeout
 from . import timeout as api_timeout
-from .engine_rounds import (ALLREDUCE, BARRIER, EXCHANGES, FUSE_BYTES, FUSE_MAX, GENERIC, JOIN,
-                            FLUSH, JoinState, Round, Sig, exchange, explain, header,
-                            joined_refusal)
+from .engine_rounds import (ALLREDUCE, BARRIER, EXCHANGES, FLUSH, FUSE_BYTES, FUSE_MAX, GENERIC,
+                            JOIN, JoinState, Round, Sig, exchange, explain, header, joined_refusal)
 from .process_sets import Group
 
 _handles = itertools.count(1)

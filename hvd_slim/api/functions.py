@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .ops import _broadcast, on_group
 from ..optim.forward_apply import drain_all
 from ..runtime import basics
 from . import engine
-from .timeout import operation
 from .checks import check_root_rank
 from .engine_rounds import BARRIER, JOIN, Sig
+from .ops import _broadcast, on_group
+from .timeout import operation
 
 if TYPE_CHECKING:   # pragma: no cover
     from ..transport.mpi_api import MpiCollectives

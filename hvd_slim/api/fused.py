@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from . import adasum
-from .ops import (_HALF, _MPI_OPS, _REDUCIBLE, Adasum, Average, _bytes, _host_copy, _scale_,
-                             on_group)
 from .checks import agree_many, label
+from .ops import _HALF, _MPI_OPS, _REDUCIBLE, Adasum, Average, _bytes, _host_copy, _scale_, on_group
+from .process_sets import resolve
 
 
 def _mixed_devices(tensors: Sequence[torch.Tensor]) -> int:
@@ -123,7 +123,6 @@ class GroupedAllgatherFn(torch.autograd.Function):
                                  process_set=ctx.ps)
         rows = allgather_many([torch.tensor([s[0] if len(s) else 1]) for s in ctx.shapes], None, what,
                               ctx.ps)
-        from .process_sets import resolve
         r = resolve(what, ctx.ps).rank
         mine = [g.narrow(0, int(n[:r].sum()), int(n[r])).reshape(s)
                 for g, n, s in zip(reduced, rows, ctx.shapes)]

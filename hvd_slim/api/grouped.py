@@ -11,14 +11,14 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from .ops import Average, _resolve_op
 from .async_ops import _queued
-from .fused import (GroupedAllgatherFn, GroupedAllreduceFn, GroupedReducescatterFn,
-                                allgather_many, allreduce_many)
+from .checks import check_tensor_args
+from .compression import Compression
+from .fused import (GroupedAllgatherFn, GroupedAllreduceFn, GroupedReducescatterFn, allgather_many,
+                    allreduce_many)
+from .ops import Average, _resolve_op
 from .scatter import _check as _check_scatter
 from .scatter import reducescatter_many
-from .compression import Compression
-from .checks import check_tensor_args
 
 __all__ = ["grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
            "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",

@@ -20,13 +20,12 @@ from typing import Any, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import adasum, timeline
 from ..runtime import basics
-from . import engine
+from ..transport.bounds import check_length
+from . import adasum, engine, timeline
 from .checks import label
 from .engine_rounds import ALLGATHER, ALLREDUCE, BROADCAST, Sig
 from .process_sets import Group, resolve
-from ..transport.bounds import check_length
 
 # Horovod's reduce-op values.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5

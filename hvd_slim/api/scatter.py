@@ -16,12 +16,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .ops import (_HALF, _MPI_OPS, _REDUCIBLE, Adasum, Average, Max, Min, Product, Sum,
-                             _differentiable, _host_copy, _scale_, on_group)
 from .async_ops import _queued
-from .fused import allgather_many
-from .compression import Compression
 from .checks import agree_many, check_tensor_args, label
+from .compression import Compression
+from .fused import allgather_many
+from .ops import (_HALF, _MPI_OPS, _REDUCIBLE, Adasum, Average, Max, Min, Product, Sum,
+                  _differentiable, _host_copy, _scale_, on_group)
 from .process_sets import resolve
 
 __all__ = ["reducescatter", "reducescatter_async"]

@@ -13,10 +13,10 @@ from typing import Any, Optional
 
 import torch
 
-from .ops import Average, Sum, on_group
-from .async_ops import _handle
-from .fused import allgather_many
+from .async_ops import _handle, synchronize
 from .checks import agree, label
+from .fused import allgather_many
+from .ops import Average, Sum, on_group
 
 __all__ = ["sparse_allreduce_async", "SparseHandle"]
 
@@ -26,7 +26,6 @@ class SparseHandle(int):
     :func:`poll`, callable (no arguments) like the function Horovod returns."""
 
     def __call__(self) -> Optional[torch.Tensor]:
-        from .async_ops import synchronize
         return synchronize(self)
 
 

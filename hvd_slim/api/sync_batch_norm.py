@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .ops import Sum
-from .collectives import allgather, allreduce
 from ..runtime import basics
+from .collectives import allgather, allreduce
+from .ops import Sum
 
 __all__ = ["SyncBatchNorm"]
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Mapping, Optional, T
 
 from ..config import DEFAULT_TIMEOUT, ENV_PREFIX
 from ..config.env import resolve_config
-from ..transport.base import TransportTimeout
 from ..runtime import abort
+from ..transport.base import TransportTimeout
 
 if TYPE_CHECKING:   # pragma: no cover
     from ..transport.mpi_api import MpiCollectives

@@ -14,11 +14,11 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
+from ..wire.values import VALUE_BITS
 # ConfigError stays importable from here, where every caller has always found it.
 from .checks import (ConfigError, _check_fraction, _check_int, _check_local_steps,
-                            _check_outer_delay, _check_overlap, _check_overlap_forward,
-                            _check_timeout, _is_number)
-from ..wire.values import VALUE_BITS
+                     _check_outer_delay, _check_overlap, _check_overlap_forward, _check_timeout,
+                     _is_number)
 
 PULL_MODES = ("slim", "union")
 OPS = ("average", "sum")

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..runtime import basics
+
 
 def is_slim_optimizer(optimizer: Any) -> bool:
     """Whether ``optimizer`` is an hvd_slim ``DistributedOptimizer``."""
@@ -37,7 +39,6 @@ def rebind(optimizer: torch.optim.Optimizer) -> bool:
     """
     if not is_slim_optimizer(optimizer):
         return False
-    from ..runtime import basics
     old = current_transport(optimizer)
     if old.name != "mpi":
         raise RuntimeError(f"hvd_slim.elastic: an optimizer on the {old.name!r} transport cannot "

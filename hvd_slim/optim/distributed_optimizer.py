@@ -10,6 +10,7 @@ import torch
 
 from .inner.adam_update import resolve_mode
 from .optimizer import _SlimOptimizer
+from .outside_set import outside_set_optimizer
 from .wrapping import named_parameter_list, resolve_settings
 
 log = logging.getLogger("hvd_slim")
@@ -145,7 +146,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                                 gradient_predivide_factor, num_groups, groups, sparse_as_dense,
                                 process_set, slim_kwargs)
     if not settings.included:
-        from .outside_set import outside_set_optimizer
         return outside_set_optimizer(optimizer, settings)
     mode, why = resolve_mode(optimizer, settings.config, type(optimizer))
     if why is not None:

@@ -24,8 +24,9 @@ from typing import Any, List, Optional
 
 import torch
 
-from ..runtime import basics
 from ..api import engine
+from ..api.functions import allgather_object, broadcast_optimizer_state, broadcast_parameters
+from ..runtime import basics
 
 __all__ = ["register", "after_join"]
 
@@ -64,7 +65,6 @@ def after_join(served: List[int], root: int) -> List[int]:
     """Collective, at the end of ``join`` on every rank: make each optimizer that exchanged
     while a rank had joined equal to ``root``'s (the last rank to join) where it is not. Returns
     the ids of the optimizers that were broadcast."""
-    from ..api.functions import allgather_object, broadcast_optimizer_state, broadcast_parameters
     fixed = []
     for oid in served:
         opt = engine.registered(oid)

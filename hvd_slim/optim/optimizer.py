@@ -17,18 +17,18 @@ from typing import Any, Dict, List
 
 import torch
 
-from . import join_sync
+from ..api import engine
 from ..exchange import SPARSE, Layout
 from ..exchange.build import build_exchange
-from ..exchange.protocol import OverlappedExchange
-from .forward_apply import ForwardApply
 from ..exchange.errors import NonFiniteGradientError
-from .inner import adam, wrapped
-from .inner.adam_update import AdamUpdate
+from ..exchange.protocol import OverlappedExchange
 from ..outer import OuterRounds
 from ..outer.ends import RoundEnds
-from ..api import engine
 from ..runtime.horovod import called_by_horovod_state_init
+from . import join_sync
+from .forward_apply import ForwardApply
+from .inner import adam, wrapped
+from .inner.adam_update import AdamUpdate
 from .wrapping import SlimSettings, adopt_source, comm_dtype_fn, momentum_plan
 
 log = logging.getLogger("hvd_slim")

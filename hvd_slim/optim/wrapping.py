@@ -8,9 +8,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from ..api import process_sets as sets
+from ..api.collectives import Adasum, Average, Sum
+from ..api.compression import Compression
 from ..config import ENV_KEYWORDS, ENV_PREFIX, SlimConfig
 from ..config.env import resolve_config
 from ..exchange.layout import Layout
+from ..outer import check_outer_optimizer, describe_outer_optimizer
+from ..runtime import basics
+from ..runtime.choose_transport import resolve
 from ..transport.base import Transport
 
 SLIM_KEYWORDS = set(ENV_KEYWORDS) | {"transport", "outer_optimizer"}
@@ -79,7 +85,6 @@ def comm_dtype_fn(compression: Any) -> Callable[[torch.dtype], torch.dtype]:
 
 def _check_horovod_args(backward_passes_per_step, op, gradient_predivide_factor, num_groups,
                         groups) -> str:
-    from ..api.collectives import Adasum, Average, Sum
 
     if op is None or op == Adasum:   # Adasum: refused once the density is known
         op = Average
@@ -118,14 +123,12 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
     if unknown:
         raise TypeError(f"DistributedOptimizer() got unexpected keyword arguments "
                         f"{sorted(unknown)}; Slim-DP keywords are {sorted(SLIM_KEYWORDS)}")
-    from ..api.collectives import Adasum
 
     adasum = op is not None and op == Adasum
     op_name = _check_horovod_args(backward_passes_per_step, op, gradient_predivide_factor,
                                   num_groups, groups)
     members = process_set_ranks(process_set)
     if compression is None:
-        from ..api.compression import Compression
         compression = Compression.none
     for attr in ("compress", "decompress"):
         if not callable(getattr(compression, attr, None)):
@@ -142,7 +145,6 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
     config = resolve_config(explicit)
     if adasum:
         raise ValueError(_adasum_refusal(config))
-    from ..outer import check_outer_optimizer, describe_outer_optimizer
     outer = check_outer_optimizer(outer, [p for _, p in named if p.requires_grad],
                                   config.local_steps, config.env_note("local_steps"))
     if config.local_steps > 1:   # ranks stepping other outer optimizers would drift apart
@@ -152,7 +154,6 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
         config.check_world(transport.size)
         return SlimSettings(config, named, compression, transport, outer=outer)
     config.for_ranks(members)   # server_rank must be in the set: checked on every rank alike
-    from ..runtime import basics
     if basics.rank() not in members:   # Horovod: outside its set the optimizer steps alone
         parameter_device(named)
         return SlimSettings(config, named, compression, None, members)
@@ -170,7 +171,6 @@ def process_set_ranks(process_set: Any) -> Optional[List[int]]:
     registered set's ranks."""
     if process_set is None:
         return None
-    from ..api import process_sets as sets
     if not isinstance(process_set, sets.ProcessSet):
         raise ValueError(f"process_set must be an hvd.ProcessSet registered with "
                          f"hvd.add_process_set() or hvd.init(process_sets=...), "
@@ -191,7 +191,6 @@ def _resolve_transport(transport: Any, named: List[Tuple[str, torch.Tensor]],
     device = parameter_device(named)
     if isinstance(transport, Transport):
         return transport
-    from ..runtime.choose_transport import resolve
     return resolve(transport, device, process_set=process_set)
 
 

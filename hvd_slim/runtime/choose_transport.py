@@ -19,6 +19,7 @@ from typing import Any, List, Mapping, Optional
 
 import torch
 
+from ..transport.torch_dist import available_backends
 from . import basics, horovod
 from .rendezvous import torch_transport, torchrun_env
 
@@ -33,7 +34,6 @@ def available(device: torch.device) -> List[str]:
         out.append("mpi")
     try:
         import torch.distributed as dist
-        from ..transport.torch_dist import available_backends
         out += available_backends(cuda=device.type == "cuda") if dist.is_available() else []
     except ImportError:  # a torch build without torch.distributed
         pass

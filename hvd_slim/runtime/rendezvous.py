@@ -25,8 +25,9 @@ from typing import Any, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from . import basics, env, horovod
 from ..api import engine
+from ..transport import torch_dist
+from . import basics, env, horovod
 
 TIMEOUT_ENV = "HVD_SLIM_TRANSPORT_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -67,7 +68,6 @@ def torchrun_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[
 def torch_transport(backend: str, device: torch.device) -> Any:
     """The cached :class:`TorchDistTransport` for ``(backend, device)``, started on first use.
     Collective: every rank must ask for the same transports in the same order."""
-    from ..transport import torch_dist
     import torch.distributed as dist
 
     # Gloo frames live on the host whatever the parameters' device: one Gloo group serves all.

@@ -14,7 +14,7 @@ from hvd_slim.optim import join_sync
 from hvd_slim.api.checks import MismatchError
 
 from test_optimizer_mpi import (Net, assert_same_on_every_rank, batch, flat, flat_grads,
-                                 held_residual, loss_of, wrap)
+                                held_residual, loss_of, wrap)
 
 COMM = MPI.COMM_WORLD
 

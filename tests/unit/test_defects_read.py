@@ -106,13 +106,17 @@ def test_rounds_after_an_elastic_rebind_run_on_the_new_transport(monkeypatch, de
     new_of = {}
     monkeypatch.setattr(basics, "world_transport", lambda: new_of[threading.get_ident()])
 
+    torch.manual_seed(0)
+    init = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 3)).state_dict()
+
     def dead(*args, **kwargs):
         raise RuntimeError("the old transport was used after the rebind")
 
     def body(rank, tr):
         tr.name = "mpi"   # rebind moves MPI exchanges only
-        torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+        m.load_state_dict(init)   # not the global generator, which the rank threads share
         opt = hvd_slim.DistributedOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
             named_parameters=m.named_parameters(), transport=tr, local_steps=2,

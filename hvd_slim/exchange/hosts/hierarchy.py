@@ -35,15 +35,16 @@ import torch
 from ...config import ConfigError, SlimConfig
 from ...transport.base import Transport
 from .. import handshake
-from . import flush as host_flush, state as host_state
 from ..errors import NonFiniteGradientError
 from ..finite import nonfinite_text
-from .phases import HostPending, HostPhases, HostPrepared, watch
-from .wire import FAILED, NONFINITE, OK, SKIPPED, cuts
 from ..layout import SPARSE, Layout
 from ..overlap.runner import exclusive
 from ..stats import ExchangeStats
 from ..step import Pending, SlimExchange
+from . import flush as host_flush
+from . import state as host_state
+from .phases import HostPending, HostPhases, HostPrepared, watch
+from .wire import FAILED, NONFINITE, OK, SKIPPED, cuts
 
 
 def host_table(hosts: Sequence[int]) -> List[List[int]]:

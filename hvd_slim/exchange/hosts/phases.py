@@ -22,9 +22,9 @@ import torch
 from ...config import SlimConfig
 from ...transport.base import Transport, TransportTimeout
 from ..errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
-from .wire import BAD, CARRIED, FAILED, NONFINITE, OK, SKIPPED, HostFrames
 from ..layout import SPARSE, Layout
 from ..step import Pending
+from .wire import BAD, CARRIED, FAILED, NONFINITE, OK, SKIPPED, HostFrames
 
 
 def watch(transport: Transport, timeout: float, fn: Callable[[], Any], what: str,

@@ -20,9 +20,8 @@ order; the round costs one gather and one broadcast of 32 bytes a stage.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set
-
 import threading
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set
 
 import torch
 

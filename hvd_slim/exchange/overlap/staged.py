@@ -31,11 +31,11 @@ from .. import checkpoint, handshake
 from ..describe import stages_text
 from ..errors import NonFiniteGradientError
 from ..layout import Layout
+from ..protocol import Stage
+from ..step import Pending, SlimExchange
 from .order import Deferred, OrderedJob, late_verdict
 from .runner import Job, ends_step, runner_for
 from .stats import StagedStats
-from ..protocol import Stage
-from ..step import Pending, SlimExchange
 
 Opener = Optional[Callable[[], Optional[Callable[[], Any]]]]
 

@@ -22,7 +22,7 @@ Interface, for collectives of any module:
 * :func:`register_exchange` and :func:`exchange_round`: a ``DistributedOptimizer`` on the whole
   job gets an id (the same on every rank: optimizers are made in the same order) and starts
   each exchange with a round, in which a joined rank learns to run that exchange with zero
-  gradients (``optimizer._serve_joined``; :mod:`hvd_slim.optim.join_sync`).
+  gradients (``optimizer._serve_joined``; :mod:`hvd_slim.api.join`).
 
 Without MPI_THREAD_MULTIPLE two threads may not use MPI at once, and the optimizer's exchange
 runs on the caller's: then there is no thread, each call runs on the caller's thread as it is

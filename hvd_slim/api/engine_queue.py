@@ -56,7 +56,7 @@ class Engine:
         self._held = 0
         self._stopping = False
         self.joins = JoinState()
-        # id -> the optimizer whose exchange starts with a round (join_sync), or None if gone
+        # id -> the optimizer whose exchange starts with a round (api/join.py), or None if gone
         self._find_exchange = find_exchange
         self._thread: Optional[threading.Thread] = None
         if threaded:

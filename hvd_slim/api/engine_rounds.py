@@ -11,7 +11,7 @@ the round is a function of the rows every rank holds, which is what lets a rank 
 (zeros for an allreduce, nothing for a barrier), while they refuse what Horovod refuses under
 join (allgather, broadcast, anything else). A ``DistributedOptimizer`` on the whole job starts
 each exchange (STEP) and flush (FLUSH) with a round too, so a joined rank runs that exchange
-with zero gradients (:mod:`hvd_slim.optim.join_sync`).
+with zero gradients (:mod:`hvd_slim.api.join`).
 
 The joined ranks are recorded per round on the job's own group (:class:`JoinState`); every rank
 sees the same rows, so all agree on who joined when, and so on the last rank to join.

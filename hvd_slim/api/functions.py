@@ -1,5 +1,5 @@
 """Horovod's higher-level helpers: ``broadcast_object``, ``allgather_object``,
-``broadcast_parameters``, ``broadcast_optimizer_state``, ``join`` and ``barrier``.
+``broadcast_parameters``, ``broadcast_optimizer_state`` and ``barrier`` (``join``: join.py).
 
 Every function is collective: all ranks must call it, in the same order. Each runs on the job
 communicator's :class:`~hvd_slim.transport.mpi_api.MpiCollectives`, handed out by the runtime
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..optim.forward_apply import drain_all
 from ..runtime import basics
 from . import engine
 from .checks import check_root_rank
-from .engine_rounds import BARRIER, JOIN, Sig
+from .engine_rounds import BARRIER, Sig
 from .ops import _broadcast, on_group
+from .pending import drain_all
 from .timeout import operation
 
 if TYPE_CHECKING:   # pragma: no cover
@@ -309,47 +309,6 @@ def _broadcast_state(optimizer: torch.optim.Optimizer, root: int,
         optimizer.state[optimizer.param_groups[g]["params"][i]][key] = value
     for group, opts in zip(optimizer.param_groups, options):
         group.update(opts)
-
-
-def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join``, meanwhile taking part in the others' calls.
-
-    Collective, as in Horovod: a rank that has joined (its calls queued before ``join`` done
-    first) serves the collectives the other ranks still make until they too have joined. In
-    an allreduce it contributes zeros (an ``Average`` still divides by ``size()``, as in
-    Horovod); it waits in a barrier with them. An allgather, a broadcast or any other call
-    made while a rank has joined raises a RuntimeError on the ranks that made it (Horovod
-    refuses them too), and the joined rank goes on waiting. Each wait is bounded by
-    ``HVD_SLIM_TIMEOUT``. Collectives on other process sets are not served: a joined rank
-    in such a set keeps its other ranks waiting until they time out.
-
-    A ``DistributedOptimizer`` on the whole job keeps training: a joined rank takes part in
-    its exchanges with zero gradients and steps as the others do. When the last rank joins,
-    each optimizer that stepped meanwhile is compared across ranks (a digest of parameters,
-    state and options) and, if they differ (the others clipped or scaled between
-    ``synchronize()`` and ``step()``), broadcast from the last rank to join, so every replica
-    is equal again (:mod:`hvd_slim.optim.join_sync`). An optimizer inside a process set is not
-    served.
-
-    Args:
-        device: Accepted for Horovod compatibility and ignored (default -1).
-
-    Returns:
-        The rank that joined last, the same on every rank: by the order of the collective
-        rounds in which the ranks were seen joining (not by clocks); of ranks seen joining in
-        the same round, the highest.
-
-    Raises:
-        MismatchError: ranks that have not joined made mismatched calls meanwhile (on those).
-        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
-    """
-    from ..optim import join_sync
-    drain_all()   # overlap_forward: this rank's last step lands before it is compared
-    last, served = engine.submit("join", None, None, lambda jobs, rnd: None, Sig(JOIN, "join"),
-                                 wait=True)
-    drain_all()
-    join_sync.after_join(served, last)
-    return int(last)
 
 
 def barrier(process_set: Any = None) -> None:

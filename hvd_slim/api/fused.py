@@ -127,22 +127,3 @@ class GroupedAllgatherFn(torch.autograd.Function):
         mine = [g.narrow(0, int(n[:r].sum()), int(n[r])).reshape(s)
                 for g, n, s in zip(reduced, rows, ctx.shapes)]
         return (None, None, *mine)
-
-
-class GroupedReducescatterFn(torch.autograd.Function):
-    """Differentiable grouped reduce-scatter, with Horovod's gradient (api/scatter.py)."""
-
-    @staticmethod
-    def forward(ctx: Any, op: int, pre: float, post: float, name: Optional[str], process_set: Any,
-                *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        from .scatter import reducescatter_many
-        ctx.args = (op, pre, post, name, process_set)
-        return tuple(reducescatter_many(tensors, op, pre, post, name, "grouped_reducescatter",
-                                        process_set))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        from .scatter import gather_grads
-        op, pre, post, name, ps = ctx.args
-        back = gather_grads(grads, op, pre, post, name, "grouped_reducescatter (backward)", ps)
-        return (None, None, None, None, None, *back)

@@ -14,9 +14,9 @@ import torch
 from .async_ops import _queued
 from .checks import check_tensor_args
 from .compression import Compression
-from .fused import (GroupedAllgatherFn, GroupedAllreduceFn, GroupedReducescatterFn, allgather_many,
-                    allreduce_many)
+from .fused import GroupedAllgatherFn, GroupedAllreduceFn, allgather_many, allreduce_many
 from .ops import Average, _resolve_op
+from .scatter import GroupedReducescatterFn
 from .scatter import _check as _check_scatter
 from .scatter import reducescatter_many
 

@@ -1,6 +1,7 @@
-"""Horovod's process sets: :class:`ProcessSet`, ``global_process_set``, :func:`add_process_set`
-and :func:`remove_process_set`, and :func:`resolve`, which every collective's ``process_set=``
-argument goes through.
+"""Horovod's process sets: :class:`ProcessSet`, ``global_process_set``, the registry of sets
+(:func:`register`, :func:`remove`; the public ``add_process_set`` and ``remove_process_set`` run
+them on the engine: api/lifecycle.py), and :func:`resolve`, which every collective's
+``process_set=`` argument goes through.
 
 A registered set owns a communicator of its own (a ``Split`` of the job communicator) and the
 :class:`~hvd_slim.transport.mpi_api.MpiCollectives` on it, so a collective inside a set never
@@ -17,7 +18,7 @@ from __future__ import annotations
 import itertools
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -70,12 +71,20 @@ class ProcessSet:
                              f"got {type(ranks_or_comm).__name__}")
 
     def size(self) -> Optional[int]:
-        """The number of ranks in the set, or None while it is not registered."""
+        """The number of ranks in the set.
+
+        Returns:
+            The number of ranks, or None while the set is not registered.
+        """
         return None if self.process_set_id is None else len(_entry(self).ranks)
 
     def rank(self) -> Optional[int]:
-        """This rank's position in the set (the rank within its collectives' results), or None
-        while the set is not registered. Collectives still take job ranks (``root_rank``)."""
+        """This rank's position in the set (the rank within its collectives' results).
+        Collectives still take job ranks (``root_rank``).
+
+        Returns:
+            The position, or None while the set is not registered or on a rank outside it.
+        """
         if self.process_set_id is None:
             return None
         ranks = _entry(self).ranks
@@ -83,15 +92,31 @@ class ProcessSet:
         return ranks.index(me) if me in ranks else None
 
     def included(self) -> Optional[bool]:
-        """Whether this rank is in the set, or None when its ranks are not known yet."""
+        """Whether this rank is in the set.
+
+        Returns:
+            True or False, or None when its ranks are not known yet (a set built from a
+            communicator before ``init`` registered it).
+        """
         return None if self.ranks is None else basics.rank() in self.ranks
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 
-# The job-wide set; its ranks are filled in at init.
-global_process_set = ProcessSet([])
+class _JobSet(ProcessSet):
+    """``global_process_set``: every rank of the running job (no ranks before ``init``)."""
+
+    @property   # type: ignore[override]
+    def ranks(self) -> Optional[List[int]]:
+        return list(range(basics.size())) if basics.is_initialized() else []
+
+    @ranks.setter
+    def ranks(self, value: Optional[List[int]]) -> None:
+        pass   # set by ProcessSet.__init__ only: the job decides
+
+
+global_process_set = _JobSet([])
 global_process_set.process_set_id = 0
 _registry: Dict[int, _Entry] = {}
 _ids = itertools.count(1)
@@ -143,7 +168,7 @@ def resolve(what: str, process_set: Any) -> Group:
     return Group(entry.ranks, entry.ranks.index(me), len(entry.ranks), entry.api)
 
 
-def _register(ranks: List[int], what: str) -> int:
+def register(ranks: List[int], what: str) -> int:
     """Collective over the job: check ``ranks`` on every rank, split off its communicator."""
     api = basics.job_collectives()
     size, me = basics.size(), basics.rank()
@@ -167,7 +192,7 @@ def _register(ranks: List[int], what: str) -> int:
         raise ValueError(f"{what}: a process set with ranks {ranks} exists already; reuse it")
     mpi = basics._mpi()
     comm = mpi.split_members(basics.job_comm(), me in ranks, me)
-    from ..transport.mpi_api import MpiCollectives
+    from ..transport.mpi_api import MpiCollectives  # importable: init() imported mpi4py
     ps_id = next(_ids)
     member = me in ranks
     # The optimizer's exchange gets a Dup of its own now, while every member is here: made
@@ -178,55 +203,15 @@ def _register(ranks: List[int], what: str) -> int:
     return ps_id
 
 
-def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
-    """Register a process set and return it.
 
-    Collective over every rank of the job, in the same order on each (like Horovod's dynamic
-    process sets); hvd_slim needs no ``HOROVOD_DYNAMIC_PROCESS_SETS`` for it.
-
-    Args:
-        process_set: A :class:`ProcessSet` built from ranks, or a sequence of job ranks.
-
-    Returns:
-        The registered :class:`ProcessSet` (``process_set_id`` set).
-
-    Raises:
-        ValueError: a rank listed twice or out of range, an empty set, a set with those ranks
-            already registered, or a ``ProcessSet`` built from a communicator.
-        MismatchError: the ranks passed different sets (raised on every rank).
-    """
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.ranks is None:
-        raise ValueError("add_process_set: a ProcessSet built from an MPI communicator can only be "
-                         "registered by hvd.init(process_sets=[...]); build it from a list of ranks")
-    if ps.process_set_id is not None:
-        raise ValueError(f"add_process_set: {ps!r} is registered already")
-    from . import engine
-    with engine.on_group("add_process_set", None):
-        ps.process_set_id = _register(ps.ranks, "add_process_set")
-    return ps
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister a process set and free its communicator.
-
-    Collective over every rank of the job.
-
-    Args:
-        process_set: A registered :class:`ProcessSet`.
-
-    Returns:
-        True when it was removed; False for ``global_process_set`` or a set not registered.
-    """
-    if not isinstance(process_set, ProcessSet) or process_set.process_set_id in (None, 0):
-        return False
+def remove(process_set: ProcessSet, barrier: Callable[[], None]) -> bool:
+    """Unregister ``process_set``: forget it, wait in ``barrier`` (so no rank frees the set
+    while another still uses it), free its communicators. False when it was not registered."""
     entry = _registry.pop(process_set.process_set_id, None)
     process_set.process_set_id = None
     if entry is None:
         return False
-    from . import engine
-    with engine.on_group("remove_process_set", None) as group:
-        group.api.barrier()   # no rank frees the set while another still uses it
+    barrier()
     _free(entry, basics._mpi())
     return True
 
@@ -259,31 +244,6 @@ def exchange_transport(process_set: ProcessSet) -> Any:
     return entry.transport
 
 
-def init_sets(process_sets: Any) -> None:
-    """``init(process_sets=...)``: register each listed set (None or "dynamic": none)."""
-    global_process_set.ranks = list(range(basics.size()))
-    if process_sets is None or process_sets == "dynamic":
-        return
-    if not isinstance(process_sets, (list, tuple)) or \
-            not all(isinstance(p, ProcessSet) for p in process_sets):
-        raise ValueError("hvd_slim.init(process_sets=...): expected a list of hvd.ProcessSet or "
-                         "'dynamic'")
-    from . import engine
-    with engine.on_group("init(process_sets=...)", None) as group:
-        _init_each(group.api, process_sets)
-
-
-def _init_each(api: Any, process_sets: List[ProcessSet]) -> None:
-    for ps in process_sets:
-        if ps.ranks is None:   # from a communicator: its members, by their job rank
-            member = ps.mpi_comm is not None and basics._mpi().is_communicator(ps.mpi_comm)
-            flags = api.allgather_int64([int(member)])[:, 0]
-            ps.ranks = [r for r in range(basics.size()) if flags[r]]
-        if ps.ranks == global_process_set.ranks:
-            ps.process_set_id = 0
-        else:
-            ps.process_set_id = _register(ps.ranks, "init(process_sets=...)")
-
 
 def clear(mpi: Any) -> None:
     """``shutdown``: free every set's communicator (through ``mpi``, the runtime's
@@ -291,4 +251,3 @@ def clear(mpi: Any) -> None:
     for entry in _registry.values():
         _free(entry, mpi)
     _registry.clear()
-    global_process_set.ranks = []

@@ -112,6 +112,23 @@ def gather_grads(grads: Sequence[torch.Tensor], op: int, pre: float, post: float
     return allgather_many(scaled, name, what, process_set)
 
 
+class GroupedReducescatterFn(torch.autograd.Function):
+    """Differentiable grouped reduce-scatter, with Horovod's gradient (its gradient: :func:`gather_grads`)."""
+
+    @staticmethod
+    def forward(ctx: Any, op: int, pre: float, post: float, name: Optional[str], process_set: Any,
+                *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.args = (op, pre, post, name, process_set)
+        return tuple(reducescatter_many(tensors, op, pre, post, name, "grouped_reducescatter",
+                                        process_set))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        op, pre, post, name, ps = ctx.args
+        back = gather_grads(grads, op, pre, post, name, "grouped_reducescatter (backward)", ps)
+        return (None, None, None, None, None, *back)
+
+
 def _check(what: str, tensor: Any, name: Any, compression: Any, op: Any, prescale_factor: Any,
            postscale_factor: Any) -> int:
     check_tensor_args(what, tensor, name)

@@ -31,6 +31,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from ..api import lifecycle
 from ..api.timeout import api_timeout
 from ..runtime import abort, basics
 
@@ -144,8 +145,8 @@ def recover(wait: Optional[float] = None) -> List[int]:
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)   # no MPI_Finalize: it would wait for the ranks that went on without it
-    basics.shutdown()
-    basics.init(comm=survivors)
+    lifecycle.shutdown()
+    lifecycle.init(comm=survivors)
     return survivors
 
 

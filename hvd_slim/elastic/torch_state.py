@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..api import functions
-from ..optim.forward_apply import drain_all
+from ..api.pending import drain_all
 from ..runtime import basics
 from . import rebind
 from .sampler import ElasticSampler

@@ -7,10 +7,11 @@ from typing import Callable, Dict, Optional, Sequence
 
 from ..config import ConfigError, SlimConfig
 from ..runtime import basics
+from ..runtime.hosts import host_table
+from ..runtime.torch_hosts import host_transports
 from ..transport.base import Transport
 from ..transport.torch_dist import TorchDistTransport
-from ..transport.torch_hosts import host_transports
-from .hosts.hierarchy import HierarchicalExchange, host_table
+from .hosts.hierarchy import HierarchicalExchange
 from .layout import Layout
 from .overlap.staged import StagedExchange
 from .protocol import Exchange

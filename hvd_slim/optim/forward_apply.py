@@ -25,8 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 
-# Every optimizer with a step in flight, for :func:`drain_all` (broadcasts, elastic commits).
-_live: "weakref.WeakSet[ForwardApply]" = weakref.WeakSet()
+from ..api import pending
 
 
 class ForwardApply:
@@ -65,7 +64,7 @@ class ForwardApply:
         self._grads = {id(p): (None, None) if p.grad is None else
                        (weakref.ref(p.grad), p.grad._version)
                        for ps in self.stage_params for p in ps}
-        _live.add(self)
+        pending.track(self)   # broadcasts, join and elastic commits drain it first
 
     def apply(self, k: int) -> None:
         """Commit stage ``k`` and step its parameters (a no-op when it is not pending)."""
@@ -127,7 +126,7 @@ class ForwardApply:
 
     def _forget(self) -> None:
         self.deferred, self._groups, self._grads = None, [], {}
-        _live.discard(self)
+        pending.untrack(self)
 
 
 # Under torch.compile the hook runs as Python, outside the graph (a graph break where a stage is
@@ -161,12 +160,6 @@ def _own_parameters(module: torch.nn.Module) -> List[torch.Tensor]:
         if isinstance(child, (torch.nn.ParameterList, torch.nn.ParameterDict)):
             out += [p for p in child._parameters.values() if p is not None]
     return out
-
-
-def drain_all() -> None:
-    """Apply every optimizer's deferred updates (before parameters are read or sent)."""
-    for fa in list(_live):
-        fa.drain()
 
 
 def _stale(name: str) -> None:

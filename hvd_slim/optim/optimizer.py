@@ -18,6 +18,7 @@ from typing import Any, Dict, List
 import torch
 
 from ..api import engine
+from ..api import join as api_join
 from ..exchange import SPARSE, Layout
 from ..exchange.build import build_exchange
 from ..exchange.errors import NonFiniteGradientError
@@ -25,7 +26,6 @@ from ..exchange.protocol import OverlappedExchange
 from ..outer import OuterRounds
 from ..outer.ends import RoundEnds
 from ..runtime.horovod import called_by_horovod_state_init
-from . import join_sync
 from .forward_apply import ForwardApply
 from .inner import adam, wrapped
 from .inner.adam_update import AdamUpdate
@@ -102,8 +102,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
             _HOOKS[id(p)] = (weakref.ref(p, lambda _r, key=id(p): _HOOKS.pop(key, None)),
                              handle)
             self._hook_handles.append(handle)
-        # Each exchange starts with a round a joined rank serves (join_sync); None: no round.
-        self._join_id = join_sync.register(self, settings.ranks, settings.transport)
+        # Each exchange starts with a round a joined rank serves (api/join.py); None: no round.
+        self._join_id = api_join.register(self, settings.ranks, settings.transport)
 
     # --- hooks -------------------------------------------------------------------------------
     def _make_hook(self, p: torch.Tensor):
@@ -139,7 +139,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         if self._ends is not None:
             self._ends.rebind(self._exchange)
     def _step_round(self, wait: bool = True) -> Any:
-        """The join round that starts this step's exchange (join_sync), if this optimizer has
+        """The join round that starts this step's exchange (api/join.py), if this optimizer has
         one: run now, or (``wait=False``) queued, returning its handle."""
         if self._join_id is not None:
             return engine.exchange_round(f"the exchange of step {self._exchange.step_count}",
@@ -171,7 +171,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         ``nonfinite="flag"`` (default) every ``p.grad`` is then NaN on every rank, so a
         ``torch.amp.GradScaler`` on each rank sees ``found_inf``, skips its step and lowers its
         scale alike; under ``"skip"`` they keep this rank's gradients. A rank inside
-        ``hvd.join()`` takes part with zero gradients (:mod:`hvd_slim.optim.join_sync`).
+        ``hvd.join()`` takes part with zero gradients (:mod:`hvd_slim.api.join`).
 
         With ``adam_exchange="update"`` (torch's Adam and AdamW by default) the compressed
         parameters' ``p.grad`` then hold the average of the ranks' Adam updates, not of their

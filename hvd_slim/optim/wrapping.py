@@ -16,8 +16,8 @@ from ..config.env import resolve_config
 from ..exchange.layout import Layout
 from ..outer import check_outer_optimizer, describe_outer_optimizer
 from ..runtime import basics
-from ..runtime.choose_transport import resolve
 from ..transport.base import Transport
+from .transport_choice import resolve
 
 SLIM_KEYWORDS = set(ENV_KEYWORDS) | {"transport", "outer_optimizer"}
 
@@ -186,7 +186,7 @@ def process_set_ranks(process_set: Any) -> Optional[List[int]]:
 def _resolve_transport(transport: Any, named: List[Tuple[str, torch.Tensor]],
                        process_set: Any = None) -> Transport:
     """A Transport instance is used as given; a name (or ``HVD_SLIM_TRANSPORT``) is resolved by
-    :func:`hvd_slim.runtime.choose_transport.resolve` for the device the parameters live on
+    :func:`hvd_slim.optim.transport_choice.resolve` for the device the parameters live on
     (and the process set the exchange runs in, if any)."""
     device = parameter_device(named)
     if isinstance(transport, Transport):

@@ -65,8 +65,8 @@ def _abort(nodeid: str, text: str) -> None:
 
 def pytest_sessionstart(session: Any) -> None:
     if UNDER_MPI:
-        import hvd_slim.runtime as runtime
-        runtime.init()
+        import hvd_slim
+        hvd_slim.init()
 
 
 def pytest_collectreport(report: Any) -> None:

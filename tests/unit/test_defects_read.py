@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hvd_slim
-from hvd_slim.optim import join_sync
+from hvd_slim.api import join as api_join
 from hvd_slim.config.env import resolve_config
 from hvd_slim.transport import FakeCluster, run_ranks
 
@@ -17,10 +17,10 @@ def test_join_digests_a_bfloat16_model_and_its_state():
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     m(torch.ones(2, 8, dtype=torch.bfloat16)).sum().backward()
     opt.step()
-    a = join_sync._digest(opt)
+    a = api_join._digest(opt)
     with torch.no_grad():
         m.weight[0, 0] += 1
-    assert join_sync._digest(opt) != a
+    assert api_join._digest(opt) != a
 
 
 def test_a_rebuilt_optimizer_over_the_same_parameters_trains():

@@ -5,7 +5,8 @@ import torch
 
 from hvd_slim.config import ConfigError, SlimConfig
 from hvd_slim.exchange import Layout
-from hvd_slim.exchange.hosts.hierarchy import HierarchicalExchange, host_table
+from hvd_slim.exchange.hosts.hierarchy import HierarchicalExchange
+from hvd_slim.runtime.hosts import host_table
 from hvd_slim.exchange.hosts.wire import cuts
 from hvd_slim.exchange.errors import NonFiniteGradientError
 from hvd_slim.transport import run_ranks

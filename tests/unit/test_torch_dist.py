@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import hvd_slim
-from hvd_slim.runtime import basics, choose_transport, env, horovod, rendezvous
+from hvd_slim.runtime import basics, env, horovod
+from hvd_slim.optim import transport_choice as choose_transport, rendezvous
 from hvd_slim.transport import FakeCluster, TransportError
 from hvd_slim.transport import torch_dist
 from hvd_slim.transport.torch_frames import TensorFrames

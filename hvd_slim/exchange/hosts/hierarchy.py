@@ -28,11 +28,12 @@ exchange/hosts/wire.py.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ...config import ConfigError, SlimConfig
+from ...runtime.hosts import host_table
 from ...transport.base import Transport
 from .. import handshake
 from ..errors import NonFiniteGradientError
@@ -45,22 +46,6 @@ from . import flush as host_flush
 from . import state as host_state
 from .phases import HostPending, HostPhases, HostPrepared, watch
 from .wire import FAILED, NONFINITE, OK, SKIPPED, cuts
-
-
-def host_table(hosts: Sequence[int]) -> List[List[int]]:
-    """The ranks of each host (hosts numbered 0..H-1, each host's ranks in rank order) from each
-    rank's host number; a ValueError naming the hosts unless every host has as many ranks."""
-    by_host: Dict[int, List[int]] = {}
-    for r, h in enumerate(hosts):
-        by_host.setdefault(int(h), []).append(r)
-    table = [by_host[h] for h in sorted(by_host)]
-    if len({len(t) for t in table}) > 1:
-        listed = "; ".join(f"host {h} has {len(t)} (ranks {', '.join(map(str, t))})"
-                           for h, t in enumerate(table))
-        raise ConfigError(f"hierarchical=True needs as many ranks on every host, but {listed}. "
-                          "Launch the same number of ranks per host, or pass "
-                          "hierarchical=False", "hierarchical")
-    return table
 
 
 class HierarchicalExchange:

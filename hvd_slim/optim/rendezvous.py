@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from ..api import engine
+from ..runtime import basics, env, horovod
 from ..transport import torch_dist
-from . import basics, env, horovod
 
 TIMEOUT_ENV = "HVD_SLIM_TRANSPORT_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0

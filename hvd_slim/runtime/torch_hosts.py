@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch.distributed as dist
 
-from ..runtime.hosts import HOST_KEY_VAR, host_colors
-from .torch_dist import TorchDistTransport
+from ..transport.torch_dist import TorchDistTransport
+from .hosts import HOST_KEY_VAR, host_colors, host_table
 
 _made: Dict[int, Tuple[List[int], TorchDistTransport, TorchDistTransport]] = {}
 
@@ -27,7 +27,6 @@ def host_transports(world: TorchDistTransport) -> Tuple[List[int], TorchDistTran
     per world transport; collective on first call."""
     if id(world) in _made and not world._closed:
         return _made[id(world)]
-    from ..exchange.hosts.hierarchy import host_table
     keys: List[Any] = [None] * world.size
     dist.all_gather_object(keys, os.environ.get(HOST_KEY_VAR) or socket.gethostname(),
                            group=world.group)

@@ -19,8 +19,9 @@ from typing import Any, List, Mapping, Optional
 
 import torch
 
+from ..api import process_sets
+from ..runtime import basics, horovod
 from ..transport.torch_dist import available_backends
-from . import basics, horovod
 from .rendezvous import torch_transport, torchrun_env
 
 TRANSPORT_ENV = "HVD_SLIM_TRANSPORT"
@@ -89,7 +90,6 @@ def resolve(transport: Any, device: torch.device,
             raise ValueError(f"{source}={transport!r} cannot run the exchange inside "
                              f"process_set={process_set!r}: hvd_slim runs a process set's "
                              f"exchange on MPI only; pass transport=\"mpi\" (or \"auto\")")
-        from ..api import process_sets
         return process_sets.exchange_transport(process_set)
     if transport == "auto":
         transport = choose_auto(device)

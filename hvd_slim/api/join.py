@@ -24,11 +24,13 @@ from typing import Any, List, Optional
 
 import torch
 
-from ..api import engine
-from ..api.functions import allgather_object, broadcast_optimizer_state, broadcast_parameters
 from ..runtime import basics
+from . import engine
+from .engine_rounds import JOIN, Sig
+from .functions import allgather_object, broadcast_optimizer_state, broadcast_parameters
+from .pending import drain_all
 
-__all__ = ["register", "after_join"]
+__all__ = ["join", "register", "after_join"]
 
 
 def register(optimizer: Any, ranks: Optional[List[int]], transport: Any) -> Optional[int]:
@@ -80,3 +82,43 @@ def after_join(served: List[int], root: int) -> List[int]:
         broadcast_optimizer_state(opt, root)
         fixed.append(oid)
     return fixed
+
+
+def join(device: int = -1) -> int:
+    """Wait until every rank has called ``join``, meanwhile taking part in the others' calls.
+
+    Collective, as in Horovod: a rank that has joined (its calls queued before ``join`` done
+    first) serves the collectives the other ranks still make until they too have joined. In
+    an allreduce it contributes zeros (an ``Average`` still divides by ``size()``, as in
+    Horovod); it waits in a barrier with them. An allgather, a broadcast or any other call
+    made while a rank has joined raises a RuntimeError on the ranks that made it (Horovod
+    refuses them too), and the joined rank goes on waiting. Each wait is bounded by
+    ``HVD_SLIM_TIMEOUT``. Collectives on other process sets are not served: a joined rank
+    in such a set keeps its other ranks waiting until they time out.
+
+    A ``DistributedOptimizer`` on the whole job keeps training: a joined rank takes part in
+    its exchanges with zero gradients and steps as the others do. When the last rank joins,
+    each optimizer that stepped meanwhile is compared across ranks (a digest of parameters,
+    state and options) and, if they differ (the others clipped or scaled between
+    ``synchronize()`` and ``step()``), broadcast from the last rank to join, so every replica
+    is equal again (:func:`after_join`). An optimizer inside a process set is not
+    served.
+
+    Args:
+        device: Accepted for Horovod compatibility and ignored (default -1).
+
+    Returns:
+        The rank that joined last, the same on every rank: by the order of the collective
+        rounds in which the ranks were seen joining (not by clocks); of ranks seen joining in
+        the same round, the highest.
+
+    Raises:
+        MismatchError: ranks that have not joined made mismatched calls meanwhile (on those).
+        TransportTimeout: a rank did not arrive within ``HVD_SLIM_TIMEOUT`` seconds.
+    """
+    drain_all()   # overlap_forward: this rank's last step lands before it is compared
+    last, served = engine.submit("join", None, None, lambda jobs, rnd: None, Sig(JOIN, "join"),
+                                 wait=True)
+    drain_all()
+    after_join(served, last)
+    return int(last)

@@ -55,12 +55,12 @@ def _parse_env(name: str, text: str) -> Any:
                           f"{name} ({_ENV_FORMS.get(name, 'a number')}): {exc}", name) from None
 
 
-_INT_FIELDS = ("refresh_interval", "min_compress_numel", "server_rank", "seed", "servers",
+_INT_FIELDS = ("min_compress_numel", "server_rank", "seed", "servers",
                "overlap", "local_steps", "outer_delay", "warmup_dense_steps",
                "warmup_decay_steps", "value_bits", "pull_value_bits")
 # What each variable accepts, for parse errors.
 _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a number in (0, 1] "
-              "or none", "refresh_interval": "an integer >= 1", "min_compress_numel":
+              "or none", "min_compress_numel":
               "an integer >= 0", "server_rank": "an integer rank", "seed": "an integer >= 0",
               "timeout": "seconds > 0, or 0/none to wait forever", "density": "a number in (0, 1]",
               "exploration": "a number in [0, 1]", "magnitude_weight": "a number >= 0",
@@ -78,6 +78,11 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "residual_decay": "a number in (0, 1]"}
 
 
+# Keywords hvd_slim no longer has: a leftover variable is refused, not silently ignored.
+RETIRED = {"refresh_interval": "a core kept for several steps diverged or lost accuracy, "
+                               "docs/keywords.md; every step selects anew"}
+
+
 def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None
                    ) -> SlimConfig:
     """Build a config from explicitly passed keywords, then ``HVD_SLIM_*`` variables, then defaults.
@@ -85,6 +90,11 @@ def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, s
     A validation error caused by a value from the environment names the variable.
     """
     environ = os.environ if environ is None else environ
+    for name, why in RETIRED.items():
+        var = ENV_PREFIX + name.upper()
+        if var in environ:
+            raise ConfigError(f"environment variable {var} is set, but {name} was removed from "
+                              f"hvd_slim ({why}); unset it", name)
     values: Dict[str, Any] = {}
     from_env: Dict[str, str] = {}
     for name in ENV_KEYWORDS:

@@ -35,8 +35,21 @@ ADAM_EXCHANGE_MODES = ("auto", "update", "gradient")
 # more coordinates at fewer bits (docs/accuracy.md, "Transformers").
 UPDATE_DEFAULTS = {"density": 0.05, "value_bits": 2, "pull_value_bits": 8}
 ENV_PREFIX = "HVD_SLIM_"
+
+
+class _Unset:
+    """The default of every Slim-DP keyword of ``DistributedOptimizer``: not given, so
+    ``HVD_SLIM_<NAME>`` applies, else the built-in default. (None cannot stand for it: an
+    explicit ``timeout=None`` means waiting forever.)"""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
 # Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
-ENV_KEYWORDS = ("density", "exploration", "refresh_interval", "magnitude_weight",
+ENV_KEYWORDS = ("density", "exploration", "magnitude_weight",
                 "momentum_correction", "pull", "pull_density", "min_compress_numel",
                 "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
@@ -82,7 +95,6 @@ class SlimConfig:
     # --- selection ---------------------------------------------------------------------------
     exploration: float = 0.1           # epsilon: share of each slice given to random exploration
     magnitude_weight: float = 0.0      # lambda in |a| + lambda*|w|; 0 = gradient magnitude only
-    refresh_interval: int = 1          # q: re-select the core every q steps (q > 1 is expert-only)
     value_bits: int = 8                # bits of each sliced value: 2, 4 (packed), 8 (scaled fp8),
     #                                    16 (bf16), 32
     # The server's pull slice (pull="slim") at these bits; None: value_bits
@@ -157,7 +169,7 @@ class SlimConfig:
             raise ConfigError(f"magnitude_weight must be a finite number >= 0, got {w!r}",
                               "magnitude_weight")
         norm["magnitude_weight"] = float(w)
-        for name, low in (("refresh_interval", 1), ("min_compress_numel", 0),
+        for name, low in (("min_compress_numel", 0),
                           ("server_rank", 0), ("backward_passes_per_step", 1), ("seed", 0),
                           ("warmup_dense_steps", 0)):
             norm[name] = _check_int(name, getattr(self, name), low)
@@ -180,11 +192,6 @@ class SlimConfig:
                                   f"({norm['density']!r}): the warm-up falls from it to density",
                                   "warmup_start_density")
             norm["warmup_start_density"] = start
-        explicit = norm["warmup_dense_steps"] + (norm.get("warmup_decay_steps") or 0)
-        if norm["refresh_interval"] > 1 and explicit:
-            raise ConfigError("a warm-up (warmup_dense_steps/warmup_decay_steps) needs "
-                              "refresh_interval=1: a cached core cannot outlive a slice size that "
-                              "changes every step", "refresh_interval")
         mm = self.momentum_masking
         norm["momentum_masking"] = float(mm) if isinstance(mm, bool) else \
             _check_fraction("momentum_masking", mm, low_open=False)
@@ -247,7 +254,7 @@ class SlimConfig:
         where 1% was asked for.)"""
         if self.warmup_decay_steps is not None:
             return self.warmup_decay_steps
-        if self.refresh_interval > 1 or self.effective_warmup_start_density <= self.density:
+        if self.effective_warmup_start_density <= self.density:
             return 0
         return math.ceil(1.0 / (self.density * self.local_steps))
 

@@ -15,11 +15,6 @@ from ..wire.values import FP8, packed_nbytes
 from .layout import DENSE, Bucket, slice_is_smaller, sent_whole
 
 
-def is_refresh(step: int, refresh_interval: int) -> bool:
-    """Steps on which cores are re-selected and their indices travel."""
-    return step % refresh_interval == 0
-
-
 def pull_is_dense(b: Bucket) -> bool:
     """Whether a ``pull="slim"`` slice of ``b`` would not be smaller than ``b`` sent dense."""
     b = b.as_pulled()
@@ -73,11 +68,11 @@ def message_bound(expect: List[wm.Expect]) -> int:
     return total
 
 
-def _slice_modes(step: int, q: int, k: int, k_core: int, bits: int = 0) -> Modes:
-    """A slice of ``k`` values (packed at ``bits``: its bytes): core indices travel on refresh
-    steps only."""
+def _slice_modes(k: int, k_core: int, bits: int = 0) -> Modes:
+    """A slice of ``k`` values (packed at ``bits``: its bytes) and its ``k_core`` core
+    indices (the explored ones are derived on both sides, never sent)."""
     n = packed_nbytes(k, bits) if bits else k
-    return {wm.M_SLICE: (n, k_core)} if is_refresh(step, q) else {wm.M_SLICE_CACHED: (n, 0)}
+    return {wm.M_SLICE: (n, k_core)}
 
 
 def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes],
@@ -101,15 +96,15 @@ def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes
     return out
 
 
-def push_expect(buckets: List[Bucket], step: int, q: int, flush: bool = False) -> List[wm.Expect]:
-    """What the server accepts from a worker at ``step``."""
+def push_expect(buckets: List[Bucket], flush: bool = False) -> List[wm.Expect]:
+    """What the server accepts from a worker, for a step's ``buckets`` (their sizes at it)."""
     return _expect(buckets, flush, lambda b: {wm.M_DENSE: (b.numel, 0)} if sent_whole(b)
-                   else _slice_modes(step, q, b.k, b.k_core, b.slice_bits))
+                   else _slice_modes(b.k, b.k_core, b.slice_bits))
 
 
-def pull_expect(buckets: List[Bucket], step: int, q: int, pull: str, flush: bool = False,
+def pull_expect(buckets: List[Bucket], pull: str, flush: bool = False,
                 size: Optional[int] = None) -> List[wm.Expect]:
-    """What a worker accepts from the server at ``step``. ``size`` (the number of ranks) bounds
+    """What a worker accepts from the server, for a step's ``buckets``. ``size`` (the number of ranks) bounds
     a union pull: its explicit section holds at most the ``size * k`` coordinates the workers
     pushed; without it the bound assumes all d coordinates (dense)."""
     def sparse(b: Bucket) -> Modes:
@@ -117,7 +112,7 @@ def pull_expect(buckets: List[Bucket], step: int, q: int, pull: str, flush: bool
             return {wm.M_EXPLICIT: None, wm.M_DENSE: (b.numel, 0)}
         if pull_is_dense(b):
             return {wm.M_DENSE: (b.numel, 0)}
-        return _slice_modes(step, q, b.k_pull, b.k_pull_core, b.slice_bits)
+        return _slice_modes(b.k_pull, b.k_pull_core, b.slice_bits)
 
     def most(b: Bucket) -> Optional[int]:
         return None if size is None else min(b.numel, size * b.k)

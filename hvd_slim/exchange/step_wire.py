@@ -25,8 +25,7 @@ def push(ex: "SlimExchange", sections: List[List[wm.Section]], report: Optional[
     start = time.perf_counter()
     for s in range(ex.servers):
         buckets = ex.shards.shard_buckets(t, s)
-        bound = message_bound(push_expect(buckets, t, ex.cfg.refresh_interval,
-                                          flush=flush))
+        bound = message_bound(push_expect(buckets, flush=flush))
         if report is None:
             buf, sizes = ex.path.encode(kind, ex.rank, t, ex.digest, sections[s],
                                         itemsizes(buckets, sections[s]))
@@ -101,8 +100,7 @@ def pull(ex: "SlimExchange", reply: Any, t: int, flush: bool = False, defer: boo
 def pull_bounds(ex: "SlimExchange", t: int, flush: bool) -> List[int]:
     """The most bytes each shard's pull of step ``t`` can take (every rank computes the
     same)."""
-    return [message_bound(pull_expect(ex.shards.shard_buckets(t, s), t,
-                                      ex.cfg.refresh_interval, ex.cfg.pull, flush,
+    return [message_bound(pull_expect(ex.shards.shard_buckets(t, s), ex.cfg.pull, flush,
                                       size=ex.size))
             for s in range(ex.servers)]
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple, Union
 
 import torch
 
 from .inner.adam_update import resolve_mode
 from .optimizer import _SlimOptimizer
 from .outside_set import outside_set_optimizer
-from .wrapping import named_parameter_list, resolve_settings
+from ..config import UNSET
+from .wrapping import SLIM_KEYWORDS, named_parameter_list, resolve_settings
 
 log = logging.getLogger("hvd_slim")
 
@@ -21,15 +22,38 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          compression: Any = None, backward_passes_per_step: int = 1,
                          op: Any = None, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-                         process_set: Any = None, **slim_kwargs: Any) -> torch.optim.Optimizer:
+                         process_set: Any = None, *,
+                         # what to tune (README, "DistributedOptimizer keywords")
+                         density: float = UNSET, value_bits: int = UNSET,
+                         pull_value_bits: Optional[int] = UNSET, exploration: float = UNSET,
+                         servers: Union[int, str] = UNSET, hierarchical: bool = UNSET,
+                         overlap: Union[bool, int] = UNSET, local_steps: int = UNSET,
+                         adam_exchange: str = UNSET, nonfinite: str = UNSET,
+                         timeout: Optional[float] = UNSET, transport: Any = UNSET,
+                         # the rest (docs/keywords.md; experimental ones say so there)
+                         momentum_correction: Optional[bool] = UNSET,
+                         momentum_masking: Union[bool, float] = UNSET,
+                         pull: str = UNSET, pull_density: Optional[float] = UNSET,
+                         min_compress_numel: int = UNSET, magnitude_weight: float = UNSET,
+                         server_rank: int = UNSET, seed: int = UNSET,
+                         warmup_dense_steps: int = UNSET,
+                         warmup_decay_steps: Optional[int] = UNSET,
+                         warmup_start_density: Optional[float] = UNSET,
+                         overlap_forward: bool = UNSET, outer_optimizer: Any = UNSET,
+                         outer_delay: int = UNSET, residual_decay: float = UNSET,
+                         adam_variance: str = UNSET) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that each ``step()`` exchanges gradients with Slim-DP.
 
     Build it on every rank alike: starting the transport (and, inside Horovod, hvd_slim itself)
     is collective. Every argument is validated here, before any state is built; errors name the
     argument, or the environment variable it came from. Horovod's arguments keep Horovod's
-    meaning; the Slim-DP keywords are tabulated in README.md ("DistributedOptimizer keywords")
-    and explained in docs/design.md. Each Slim-DP keyword not given reads ``HVD_SLIM_<NAME>``
-    from the environment, then its default.
+    meaning; the Slim-DP keywords a user tunes are tabulated in README.md ("DistributedOptimizer
+    keywords"), the rest in docs/keywords.md, and docs/design.md explains them.
+
+    The Slim-DP keywords (from ``density`` on) are keyword-only. Each one left unset reads
+    ``HVD_SLIM_<NAME>`` from the environment, then takes its default (for torch's Adam and AdamW
+    the update exchange's own: ``density=0.05``, ``value_bits=2``, ``pull_value_bits=8``).
+    Tune ``density`` first, then ``value_bits``.
 
     Args:
         optimizer: The ``torch.optim.Optimizer`` to wrap, not yet wrapped by hvd_slim.
@@ -55,68 +79,66 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             (``transport="gloo"``/``"nccl"`` raise ValueError there), with ``server_rank`` a
             job rank in the set (default: its first). Build it on every rank alike: as in
             Horovod, a rank outside the set gets the plain optimizer (no exchange).
-        **slim_kwargs: The Slim-DP keywords, one line each here:
-
-            * ``density``: fraction of the compressed coordinates each worker pushes.
-            * ``value_bits``: 2, 4, 8, 16 or 32, the precision of sliced values; what rounding
-              loses stays in the residual.
-            * ``exploration``: share of the slice spent on random coordinates.
-            * ``refresh_interval``: re-select the core every that many steps.
-            * ``magnitude_weight``: weight of ``|w|`` next to ``|a|`` in the selection.
-            * ``momentum_correction``: DGC-style local velocity (default: on for SGD with
-              momentum).
-            * ``momentum_masking``: share of the local velocity dropped where a coordinate is
-              sent.
-            * ``pull``: ``"slim"`` (the server keeps a residual) or ``"union"``.
-            * ``pull_density``: slice size of the server's pull (``pull="slim"``).
-            * ``min_compress_numel``: tensors smaller than this are fused and sent dense.
-            * ``server_rank``: the job rank that aggregates (it is also a worker).
-            * ``servers``: server shards, 1 to the number of ranks, or ``"auto"``: each
-              aggregates about 1/S of every tensor, so no rank's link carries every push
-              (shard 0 on ``server_rank``, the others evenly spaced after it).
-            * ``hierarchical``: with several ranks per host, combine each host's gradients
-              first, then exchange between the hosts.
-            * ``overlap``: ``True`` (4 stages) or a number of stages, each exchanged as soon as
-              its gradients are ready in backward, on a communication thread.
-            * ``overlap_forward``: with ``overlap``, once backward is over send the stages
-              nearest the input first and let ``step()`` return before the rest is back;
-              each stage's update is applied when the next forward pass reaches its modules
-              (``model.state_dict()`` lands them first; call ``optimizer.apply_updates()``
-              before reading parameters outside a forward otherwise).
-            * ``local_steps``: H > 1 steps the wrapped optimizer H times on local gradients,
-              then exchanges the pseudo-gradient ``global - local`` for an outer step.
-            * ``outer_optimizer``: with ``local_steps``, a ``torch.optim.Optimizer`` over the
-              same parameters (default SGD, lr 0.7, Nesterov momentum 0.9).
-            * ``outer_delay``: with ``local_steps``, ``1`` overlaps a round's exchange with
-              the next round and applies its outer step one round late; ``0`` (default)
-              waits for it at the round's end.
-            * ``residual_decay``: each step the worker's residual is multiplied by this
-              before the new gradient joins it; ``1.0`` (default) keeps every unsent value
-              until it is sent. Below 1 it is SparseLoCo's decayed error feedback, which with
-              ``local_steps`` takes the place of the outer optimizer's momentum.
-            * ``seed``: keys the exploration generator.
-            * ``warmup_dense_steps``, ``warmup_decay_steps`` and ``warmup_start_density``:
-              dense first steps, then a geometric decay from the start density to the
-              targets; by default 8x denser over 1/density steps.
-            * ``adam_exchange``: ``"auto"`` | ``"update"`` | ``"gradient"``; for Adam and
-              AdamW, what travels: each rank's own Adam update (``"update"``, what
-              ``"auto"`` picks for torch's Adam and AdamW; ``step()`` applies the delivered
-              average as a parameter delta) or the gradient into one shared Adam.
-            * ``adam_variance``: ``"auto"`` | ``"rescaled"`` | ``"live"``; with
-              ``adam_exchange="gradient"``, feed the second moment per-step values
-              (optim/inner/adam.py).
-            * ``nonfinite``: what a NaN/Inf gradient on any rank does. ``"flag"`` (default):
-              every rank skips the step (residuals, velocities and server state untouched,
-              the wrapped optimizer not stepped) and gets NaN in every ``p.grad``, so
-              ``torch.amp.GradScaler`` skips and backs off on every rank alike; ``"skip"``:
-              the same, ``p.grad`` keeping this rank's gradients; ``"raise"``:
-              NonFiniteGradientError on every rank; ``"propagate"``: no check.
-            * ``timeout``: seconds a rank waits in the exchange before failing; 0 waits
-              forever.
-            * ``transport``: ``"mpi"``, ``"gloo"``, ``"nccl"`` or ``"auto"`` (default
-              ``HVD_SLIM_TRANSPORT``, else ``"auto"``: NCCL for CUDA parameters when
-              available, Gloo under torchrun before hvd_slim starts, else MPI), or a
-              transport instance (tests).
+        density: Fraction of the compressed coordinates each worker pushes (default 0.02).
+        value_bits: 2, 4, 8 (default), 16 or 32: the precision of sliced values; what rounding
+            loses stays in the residual.
+        pull_value_bits: The same for the server's slice (default None: ``value_bits``).
+        exploration: Share of each slice spent on seeded random coordinates (default 0.1).
+        servers: Server shards, 1 (default) to the number of ranks, or ``"auto"``: each
+            aggregates about 1/S of every tensor, so no rank's link carries every push.
+        hierarchical: With several ranks per host, combine each host's gradients first, then
+            exchange between the hosts (default False).
+        overlap: ``True`` (4 stages) or a number of stages, each exchanged as soon as its
+            gradients are ready in backward, on a communication thread (default 1: none).
+        local_steps: H > 1 steps the wrapped optimizer H times on local gradients, then
+            exchanges the pseudo-gradient ``global - local`` for an outer step (default 1).
+        adam_exchange: ``"auto"`` (default) | ``"update"`` | ``"gradient"``; for Adam and
+            AdamW, what travels: each rank's own Adam update (what ``"auto"`` picks for torch's
+            Adam and AdamW; ``step()`` applies the delivered average as a parameter delta) or
+            the gradient into one shared Adam.
+        nonfinite: What a NaN/Inf gradient on any rank does. ``"flag"`` (default): every rank
+            skips the step (residuals, velocities and server state untouched, the wrapped
+            optimizer not stepped) and gets NaN in every ``p.grad``, so
+            ``torch.amp.GradScaler`` skips and backs off on every rank alike; ``"skip"``: the
+            same, ``p.grad`` keeping this rank's gradients; ``"raise"``:
+            NonFiniteGradientError on every rank; ``"propagate"``: no check.
+        timeout: Seconds a rank waits in the exchange before failing (default 600); None or
+            0 waits forever.
+        transport: ``"mpi"``, ``"gloo"``, ``"nccl"`` or ``"auto"`` (default: NCCL for CUDA
+            parameters when available, Gloo under torchrun before hvd_slim starts, else MPI),
+            or a transport instance (tests).
+        momentum_correction: DGC-style local velocity (default None: on for SGD with momentum).
+        momentum_masking: Share of the local velocity dropped where a coordinate is sent
+            (default 0.0).
+        pull: ``"slim"`` (default: the server keeps a residual and pulls a slice) or
+            ``"union"`` (the exact sum of what was pushed).
+        pull_density: Slice size of the server's pull with ``pull="slim"`` (default None:
+            derived from ``density``).
+        min_compress_numel: Tensors smaller than this are fused and sent dense (default 4096).
+        magnitude_weight: Weight of ``|w|`` next to ``|a|`` in the significance score
+            (default 0.0).
+        server_rank: The job rank that aggregates; it is also a worker (default 0).
+        seed: Keys the exploration generator every replica shares (default 0).
+        warmup_dense_steps: Dense first steps (default 0).
+        warmup_decay_steps: Steps of the geometric decay from ``warmup_start_density`` to
+            ``density`` (default None: 1/density steps).
+        warmup_start_density: Where that decay starts (default None: 8x ``density``).
+        overlap_forward: With ``overlap``, once backward is over send the stages nearest the
+            input first and let ``step()`` return before the rest is back; each stage's update
+            is applied when the next forward pass reaches its modules (``model.state_dict()``
+            lands them first; call ``optimizer.apply_updates()`` before reading parameters
+            outside a forward otherwise). Default False.
+        outer_optimizer: With ``local_steps``, a ``torch.optim.Optimizer`` over the same
+            parameters (default None: SGD, lr 0.7, Nesterov momentum 0.9).
+        outer_delay: With ``local_steps``, ``1`` overlaps a round's exchange with the next
+            round and applies its outer step one round late; ``0`` (default) waits for it at
+            the round's end.
+        residual_decay: Each step the worker's residual is multiplied by this before the new
+            gradient joins it; ``1.0`` (default) keeps every unsent value until it is sent.
+            Below 1 it is SparseLoCo's decayed error feedback.
+        adam_variance: ``"auto"`` (default) | ``"rescaled"`` | ``"live"``; with
+            ``adam_exchange="gradient"``, how the second moment sees sparse deliveries
+            (optim/inner/adam.py).
 
     Returns:
         An instance of a class created on the fly that subclasses ``optimizer``'s class (same
@@ -135,6 +157,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ConfigError: (a ValueError) a value out of range or conflicting with another: a
             Slim-DP keyword, ``backward_passes_per_step`` or ``gradient_predivide_factor``.
     """
+    # The Slim-DP keywords given (UNSET: not given, so HVD_SLIM_<NAME> or the default applies).
+    slim_kwargs = {k: v for k, v in locals().items() if k in SLIM_KEYWORDS and v is not UNSET}
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")

@@ -180,10 +180,10 @@ def check_adam_update_exchange(transport: str) -> str:
 
 def check_resume_from_a_cpu_mapped_checkpoint(transport: str) -> str:
     """A checkpoint saved from the GPU and loaded with ``map_location="cpu"`` (how a script
-    loads one anywhere) resumes bitwise as an uninterrupted run: residuals, cached push and pull
-    cores (``refresh_interval=2``) and, with local steps, a delayed outer step in flight."""
+    loads one anywhere) resumes bitwise as an uninterrupted run: residuals, selectors and,
+    with local steps, a delayed outer step in flight."""
     done = []
-    for kw in (dict(refresh_interval=2, warmup_decay_steps=0), dict(local_steps=2, outer_delay=1)):
+    for kw in (dict(warmup_decay_steps=0), dict(local_steps=2, outer_delay=1)):
         def run(steps, state=None):
             model = Net().to(device())
             opt = wrap(model, transport, density=0.01, **kw)

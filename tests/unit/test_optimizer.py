@@ -276,7 +276,6 @@ def _opt():
     (dict(density="x"), "density must be a number"),
     (dict(exploration=1.5), "exploration must be in"),
     (dict(pull_density=2.0), "pull_density must be in"),
-    (dict(refresh_interval=0), "refresh_interval must be >= 1"),
     (dict(backward_passes_per_step=0), "backward_passes_per_step must be >= 1"),
     (dict(min_compress_numel=-1), "min_compress_numel must be >= 0"),
     (dict(pull="both"), "pull must be one of"),

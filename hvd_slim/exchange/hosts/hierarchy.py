@@ -261,7 +261,7 @@ class HierarchicalExchange:
             return SKIPPED, None, [], pending
         # The values the pull delivers, before the commit (the render is kept for it).
         pending.rendered = self.inner.worker.puller.render(pending.pulled, pending.t)
-        values, _ = pending.rendered
+        values = pending.rendered
         by_name: Dict[str, torch.Tensor] = {}
         for ib in self.inner.layout.buckets:
             got = values.get(ib.index)

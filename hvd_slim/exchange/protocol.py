@@ -68,7 +68,7 @@ class Stage(Exchange, Protocol):
     :meth:`prepare` returns has ``report`` (a NaN/Inf this rank found, or None); what
     :meth:`communicate` returns has ``pulled`` (None: every rank skips the step). The staged
     exchange also reads each stage's layout and settings, runs its one handshake and its
-    schedule rounds through the first stage's :meth:`_collective`, and then marks every stage
+    schedule rounds through the first stage's :meth:`collective`, and then marks every stage
     ``_agreed``."""
 
     layout: Any   # the stage's Layout
@@ -77,7 +77,7 @@ class Stage(Exchange, Protocol):
     in_set: bool
     _agreed: bool
 
-    def _collective(self, fn: Callable[[], Any], what: str) -> Any:
+    def collective(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn``'s collectives of the whole job (or set) under the exchange timeout."""
 
     def prepare(self) -> Any:

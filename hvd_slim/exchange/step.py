@@ -27,15 +27,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from ..config import SlimConfig
-from ..transport.base import Transport, TransportTimeout
+from ..transport.base import Transport
 from ..wire import message as wm
 from . import checkpoint, handshake, step_wire
-from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
+from .errors import ExchangeError, NonFiniteGradientError
 from .layout import Layout
 from .overlap.runner import exclusive
 from .server import Server
 from .shards import ShardPlan, ShardView
 from .stats import ExchangeStats
+from .timeout import watched
 from .wirepath import WirePath, wire_path
 from .worker import Worker
 
@@ -249,18 +250,14 @@ class SlimExchange:
         """Once per exchange (and again after loading a checkpoint), before the first push:
         every rank checks that all run the same model and settings."""
         if not self._agreed:
-            self._collective(lambda: handshake.check_agreement(self, t),
+            self.collective(lambda: handshake.check_agreement(self, t),
                              f"the handshake of step {t}")
             self._agreed = True
 
-    def _collective(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run collectives under the exchange timeout; a timeout error says what to do."""
-        try:
-            with self.transport.watch(self.cfg.timeout, what):
-                return fn()
-        except TransportTimeout as exc:
-            raise TransportTimeout(f"{exc}. {TIMEOUT_ADVICE} (now {self.cfg.timeout:g} s)"
-                                   ) from None
+    def collective(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()``'s collectives over this exchange's transport, under the exchange timeout
+        (``what``: what a timeout error names)."""
+        return watched(self.transport, self.cfg.timeout, fn, what)
 
     # --- checkpoint --------------------------------------------------------------------------
     def residual_norm(self) -> float:

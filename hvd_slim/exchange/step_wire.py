@@ -42,7 +42,7 @@ def push(ex: "SlimExchange", sections: List[List[wm.Section]], report: Optional[
         gather = lambda: ex.path.gather(ex.transport, bufs[0], ex.roots[0], bounds[0])
     else:
         gather = lambda: ex.path.gather_many(ex.transport, bufs, ex.roots, bounds)
-    gathered = ex._collective(gather, f"the push of step {t}")
+    gathered = ex.collective(gather, f"the push of step {t}")
     ex.stats.timed("push", start)
     sent = ex.transport.stats.bytes_sent - before
     ex.stats.bytes_pushed += sent
@@ -83,7 +83,7 @@ def pull(ex: "SlimExchange", reply: Any, t: int, flush: bool = False, defer: boo
         else:
             bcast = lambda: ex.path.broadcast_many(ex.transport, reply, ex.roots, bounds)
         start = time.perf_counter()
-        bufs = ex._collective(bcast, f"the pull of step {t}")
+        bufs = ex.collective(bcast, f"the pull of step {t}")
         start = ex.stats.timed("pull", start)
         received = ex.transport.stats.bytes_received - before
         ex.stats.bytes_pulled += received

@@ -28,7 +28,7 @@ exchange/hosts/wire.py.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -42,9 +42,10 @@ from ..layout import SPARSE, Layout
 from ..overlap.runner import exclusive
 from ..stats import ExchangeStats
 from ..step import Pending, SlimExchange
+from ..timeout import watched
 from . import flush as host_flush
 from . import state as host_state
-from .phases import HostPending, HostPhases, HostPrepared, watch
+from .phases import HostPending, HostPhases, HostPrepared
 from .wire import FAILED, NONFINITE, OK, SKIPPED, cuts
 
 
@@ -232,16 +233,16 @@ class HierarchicalExchange:
         with exclusive(self.transport):   # as in step(); a no-op on the runner's own thread
             host_flush.flush(self)
 
-    def _collective(self, fn: Any, what: str) -> Any:
-        """Collectives of the whole job under the exchange timeout (an overlapped step's
-        handshake, exchange/overlap/staged.py)."""
-        return watch(self.transport, self.cfg.timeout, fn, what)
+    def collective(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()``'s collectives of the whole job under the exchange timeout (the handshake,
+        an overlapped step's schedule rounds: exchange/overlap/staged.py)."""
+        return watched(self.transport, self.cfg.timeout, fn, what)
 
     def _handshake(self, t: int) -> None:
         """Once (and after a load): all ranks of the job agree on the model and settings (the
         same collective as a flat exchange's, so a rank without ``hierarchical`` is named)."""
         if not self._agreed:
-            self._collective(lambda: handshake.check_agreement(self, t),
+            self.collective(lambda: handshake.check_agreement(self, t),
                              f"the handshake of step {t}")
             self._agreed = True
 

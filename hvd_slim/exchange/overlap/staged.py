@@ -231,8 +231,8 @@ class StagedExchange:
         model and settings (the same collective as a flat exchange's, so a rank with another
         ``overlap`` is named)."""
         if not self._agreed:
-            self.stages[0]._collective(lambda: handshake.check_agreement(self, t),
-                                       f"the handshake of step {t}")
+            self.stages[0].collective(lambda: handshake.check_agreement(self, t),
+                                      f"the handshake of step {t}")
             for st in self.stages:
                 st._agreed = True
             self._agreed = True

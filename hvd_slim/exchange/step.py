@@ -106,7 +106,7 @@ class SlimExchange:
         if self.shard is not None:
             view = layout if self.servers == 1 else ShardView(self.shards, self.shard)
             self.server = Server(view, config, self.size, self.rank, self.path)
-        self._agreed = False   # the handshake has not run yet
+        self.agreement = handshake.Agreement()   # the handshake has not run yet
 
     # --- the step ----------------------------------------------------------------------------
     def step(self) -> bool:
@@ -159,7 +159,7 @@ class SlimExchange:
         try:
             # The first collective comes after the local phases, so a failed handshake keeps
             # this step's gradient in the residual (absorb) like any other failure.
-            self._handshake(t)
+            self.agreement.ensure(self, t, self.collective)
             pushed = step_wire.push(self, prep.sections, prep.report, t)
             reply = step_wire.aggregate(self, pushed, t)
             pulled = step_wire.pull(self, reply, t, defer=True)
@@ -226,7 +226,7 @@ class SlimExchange:
         self.stats.last = {}
         before = step_wire.traffic(self)
         try:
-            self._handshake(t)
+            self.agreement.ensure(self, t, self.collective)
             pushed = step_wire.push(self, sections, None, t, flush=True)
             reply = step_wire.aggregate(self, pushed, t, flush=True)
             pulled = step_wire.pull(self, reply, t, flush=True)
@@ -241,19 +241,11 @@ class SlimExchange:
     def agree(self) -> None:
         """Run the handshake now unless it has run (``local_steps``: at the first local step,
         so a rank with other settings is named before a round's work is done). Collective."""
-        if not self._agreed:
+        if not self.agreement.done:
             with exclusive(self.transport):
-                self._handshake(self.step_count)
+                self.agreement.ensure(self, self.step_count, self.collective)
 
     # --- phases ------------------------------------------------------------------------------
-    def _handshake(self, t: int) -> None:
-        """Once per exchange (and again after loading a checkpoint), before the first push:
-        every rank checks that all run the same model and settings."""
-        if not self._agreed:
-            self.collective(lambda: handshake.check_agreement(self, t),
-                             f"the handshake of step {t}")
-            self._agreed = True
-
     def collective(self, fn: Callable[[], Any], what: str) -> Any:
         """``fn()``'s collectives over this exchange's transport, under the exchange timeout
         (``what``: what a timeout error names)."""
@@ -284,4 +276,4 @@ class SlimExchange:
         checkpoint.validate(self, state)
         checkpoint.load(self, state)
         self.worker.drop_pending()
-        self._agreed = False
+        self.agreement.reset()

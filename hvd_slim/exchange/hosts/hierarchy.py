@@ -90,7 +90,9 @@ class HierarchicalExchange:
         # checkpoint, as a staged exchange's count can be its first stage's
         # (exchange/overlap/staged.py).
         self._steps = 0
-        self._agreed = False
+        # The handshake runs among all ranks of the job, the same collective as a flat
+        # exchange's, so a rank without ``hierarchical`` is named.
+        self.agreement = handshake.Agreement()
 
     def _build_inner(self, momentum: Dict[int, dict], hosts: Sequence[int]) -> tuple:
         """This rank's pieces as stand-in parameters, and the cross exchange over them."""
@@ -168,7 +170,7 @@ class HierarchicalExchange:
         gradient in keeps it in the carry; one after, in the host's residual pieces."""
         t, host = prep.t, self.host_phases
         try:
-            self._handshake(t)
+            self.agreement.ensure(self, t, self.collective)
             host.reduce(t, self.pieces, prep.payloads)
         except BaseException:
             host.keep_own(prep.payloads)
@@ -238,14 +240,6 @@ class HierarchicalExchange:
         an overlapped step's schedule rounds: exchange/overlap/staged.py)."""
         return watched(self.transport, self.cfg.timeout, fn, what)
 
-    def _handshake(self, t: int) -> None:
-        """Once (and after a load): all ranks of the job agree on the model and settings (the
-        same collective as a flat exchange's, so a rank without ``hierarchical`` is named)."""
-        if not self._agreed:
-            self.collective(lambda: handshake.check_agreement(self, t),
-                             f"the handshake of step {t}")
-            self._agreed = True
-
     def _begin_inner(self) -> Tuple[int, Optional[BaseException], list, Optional[Pending]]:
         """Step 2 begun: its verdict and error for the spread, this rank's pulled pieces, and
         the cross exchange's pending step (None after a failure, which the cross exchange
@@ -289,5 +283,8 @@ class HierarchicalExchange:
         host_state.validate(self, state)
 
     def load_state_dict(self, state: dict) -> None:
+        """Validate, then load ``state`` (a refused state changes nothing); the next step
+        repeats the handshake."""
         host_state.load(self, state)
+        self.agreement.reset()
 

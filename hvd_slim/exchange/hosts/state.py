@@ -93,4 +93,3 @@ def load(ex: "HierarchicalExchange", state: dict) -> None:
         ex.stats.load_state_dict(state.get("stats") or {})
     ex.host_phases.carry = {i: c.detach().cpu().clone()
                             for i, c in state.get("carry", {}).items()}
-    ex._agreed = False

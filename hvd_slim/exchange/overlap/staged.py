@@ -107,7 +107,7 @@ class StagedExchange:
         self._waiting = list(self._sizes)
         self._runner = runner_for(transport, threaded)
         self._job: Optional[Job] = None
-        self._agreed = False
+        self.agreement = handshake.Agreement()
         self._late_verdict = late_verdict(layout, config, host_sums=make_stage is not None)
 
     @property
@@ -230,12 +230,9 @@ class StagedExchange:
         """Once (and after a load), before the first stage: every rank agrees on the whole
         model and settings (the same collective as a flat exchange's, so a rank with another
         ``overlap`` is named)."""
-        if not self._agreed:
-            self.stages[0].collective(lambda: handshake.check_agreement(self, t),
-                                      f"the handshake of step {t}")
-            for st in self.stages:
-                st._agreed = True
-            self._agreed = True
+        self.agreement.ensure(self, t, self.stages[0].collective)
+        for st in self.stages:   # it covers every stage: none runs a handshake of its own
+            st.agreement.mark()
 
     # --- state -------------------------------------------------------------------------------
     def held_residuals(self) -> Dict[int, torch.Tensor]:
@@ -295,7 +292,7 @@ class StagedExchange:
         for st, saved in zip(self.stages, state["stages"]):
             st.load_state_dict(saved)
         self.stats.skipped_steps = int(state.get("skipped_steps", 0))
-        self._agreed = False
+        self.agreement.reset()
 
 
 def _flush_stage(st: Stage) -> Callable[[], Any]:

@@ -285,6 +285,8 @@ class HierarchicalExchange:
     def load_state_dict(self, state: dict) -> None:
         """Validate, then load ``state`` (a refused state changes nothing); the next step
         repeats the handshake."""
-        host_state.load(self, state)
+        steps = host_state.load(self, state)
+        if self.inner is None:   # else the cross exchange counts them
+            self._steps = steps
         self.agreement.reset()
 

@@ -29,7 +29,7 @@ import torch
 from ..config import SlimConfig
 from ..transport.base import Transport
 from ..wire import message as wm
-from . import checkpoint, handshake, step_wire
+from . import checkpoint, handshake, outcome, step_wire
 from .errors import ExchangeError, NonFiniteGradientError
 from .layout import Layout
 from .overlap.runner import exclusive
@@ -116,14 +116,7 @@ class SlimExchange:
         is NaN on every rank (``"flag"``) or as the caller left it (``"skip"``)."""
         with exclusive(self.transport):   # after any overlapped step queued on the transport
             pending = self.begin()
-        if pending.pulled is None:
-            self.settle(pending, commit=False)
-            self.stats.skipped_steps += 1
-            if self.cfg.nonfinite == "flag":
-                self.flag_grads()
-            return False
-        self.settle(pending, commit=True)
-        return True
+        return outcome.finish(self, pending)
 
     def begin(self) -> "Pending":
         """Every phase of a step but its outcome: compensate, select, push, aggregate and pull.

@@ -35,7 +35,7 @@ import torch
 from ...config import ConfigError, SlimConfig
 from ...runtime.hosts import host_table
 from ...transport.base import Transport
-from .. import handshake
+from .. import handshake, outcome
 from ..errors import NonFiniteGradientError
 from ..finite import nonfinite_text
 from ..layout import SPARSE, Layout
@@ -134,14 +134,7 @@ class HierarchicalExchange:
         # optimizer's communication thread may use them too: after its queued steps, alone.
         with exclusive(self.transport):
             pending = self.begin()
-        if pending.pulled is None:
-            self.settle(pending, commit=False)
-            self.stats.skipped_steps += 1
-            if self.cfg.nonfinite == "flag":
-                self.flag_grads()
-            return False
-        self.settle(pending, commit=True)
-        return True
+        return outcome.finish(self, pending)
 
     def begin(self) -> HostPending:
         """Every phase of a step but its outcome (:meth:`SlimExchange.begin`): reduce, the cross

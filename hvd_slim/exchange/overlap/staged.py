@@ -27,7 +27,7 @@ import torch
 
 from ...config import SlimConfig
 from ...transport.base import Transport
-from .. import checkpoint, handshake
+from .. import checkpoint, handshake, outcome
 from ..describe import stages_text
 from ..errors import NonFiniteGradientError
 from ..layout import Layout
@@ -177,12 +177,8 @@ class StagedExchange:
         skipped = [k for k, out in begun.items() if ends_step(out)]
         if skipped:   # a stage every rank skipped
             self._drop(begun, prepared)
-            self.stats.skipped_steps += 1
             self.stats.last_skip = self.stages[skipped[0]].stats.last_skip
-            if self.cfg.nonfinite == "flag":
-                for st in self.stages:
-                    st.flag_grads()
-            return False
+            return outcome.skipped(self.stats, self.cfg.nonfinite, self.flag_grads)
         for k in sorted(begun):
             self.stages[k].settle(begun[k], commit=True)
         return True
@@ -212,6 +208,11 @@ class StagedExchange:
                 st.absorb(prepared[k])
             elif k != failed:
                 st.absorb(None)
+
+    def flag_grads(self) -> None:
+        """A step every rank skipped under ``nonfinite="flag"``: every stage's gradients NaN."""
+        for st in self.stages:
+            st.flag_grads()
 
     def flush(self) -> None:
         """:meth:`SlimExchange.flush`, stage by stage (on the communication thread, in turn)."""

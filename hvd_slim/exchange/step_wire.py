@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 from ..wire import control
 from ..wire import message as wm
-from .expect import message_bound, pull_expect, push_expect
+from .expect import message_bound, pull_bounds, push_expect
 from .sections import itemsizes
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def aggregate(ex: "SlimExchange", gathered: Optional[List[Any]], t: int,
     raises, also for a failure of the server itself). None on the other ranks."""
     if ex.server is None:
         return None
-    bound = pull_bounds(ex, t, flush)[ex.shard]
+    bound = _pull_bounds(ex, t, flush)[ex.shard]
     start = time.perf_counter()
     try:
         reply = ex.server.serve(gathered, t, ex.digest, flush, limit=bound)
@@ -76,7 +76,7 @@ def pull(ex: "SlimExchange", reply: Any, t: int, flush: bool = False, defer: boo
     pull leaves it to :meth:`SlimExchange.settle`."""
     sections = None
     try:
-        bounds = pull_bounds(ex, t, flush)
+        bounds = _pull_bounds(ex, t, flush)
         before = ex.transport.stats.bytes_received
         if ex.servers == 1:
             bcast = lambda: [ex.path.broadcast(ex.transport, reply, ex.roots[0], bounds[0])]
@@ -98,13 +98,10 @@ def pull(ex: "SlimExchange", reply: Any, t: int, flush: bool = False, defer: boo
     return sections
 
 
-def pull_bounds(ex: "SlimExchange", t: int, flush: bool) -> List[int]:
-    """The most bytes each shard's pull of step ``t`` can take (every rank computes the
-    same)."""
-    return [message_bound(pull_expect(ex.shards.shard_buckets(t, s), t,
-                                      ex.cfg.refresh_interval, ex.cfg.pull, flush,
-                                      size=ex.size))
-            for s in range(ex.servers)]
+def _pull_bounds(ex: "SlimExchange", t: int, flush: bool) -> List[int]:
+    """:func:`~hvd_slim.exchange.expect.pull_bounds` of ``ex``'s shards and settings: the
+    server's reply and every rank's broadcast are cut to the same bounds."""
+    return pull_bounds(ex.shards, t, ex.cfg.refresh_interval, ex.cfg.pull, flush, ex.size)
 
 
 def traffic(ex: "SlimExchange") -> tuple:

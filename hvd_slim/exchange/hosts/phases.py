@@ -132,7 +132,7 @@ class HostPhases:
             payload, list(range(L)), [f.spread_bound(j) for j in range(L)]),
             f"the host spread of step {t}")
         before, self._reduced = self._reduced, (0, 0)
-        self.stats._add(local_bytes_sent=before[0] + len(payload) * (L - 1),
+        self.stats.add(local_bytes_sent=before[0] + len(payload) * (L - 1),
                         local_bytes_received=before[1] + sum(len(p) for j, p in enumerate(got)
                                                              if j != me))
         try:

@@ -238,7 +238,7 @@ class SlimExchange:
             with exclusive(self.transport):
                 self.agreement.ensure(self, self.step_count, self.collective)
 
-    # --- phases ------------------------------------------------------------------------------
+    # --- collectives -------------------------------------------------------------------------
     def collective(self, fn: Callable[[], Any], what: str) -> Any:
         """``fn()``'s collectives over this exchange's transport, under the exchange timeout
         (``what``: what a timeout error names)."""

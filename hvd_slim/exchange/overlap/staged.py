@@ -16,8 +16,8 @@ rank sees the same verdicts in the same order, so all commit together, or all dr
 NaN/Inf under ``"flag"``/``"skip"``: a skipped stage ends the step, and the stages before it
 are dropped exactly, so nothing of the exchange changes), or all raise (``"raise"``: nothing
 changes; any other failure: every stage keeps this rank's gradient in its residual, or a
-host-first stage never reduced in its carry, as a flat exchange does). The pulled values are written into ``p.grad`` only then, on the caller's
-thread.
+host-first stage never reduced in its carry, as a flat exchange does). The pulled values are
+written into ``p.grad`` only then, on the caller's thread.
 """
 from __future__ import annotations
 

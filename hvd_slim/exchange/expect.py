@@ -13,6 +13,7 @@ from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
 from ..wire.values import FP8, packed_nbytes
 from .layout import DENSE, Bucket, slice_is_smaller, sent_whole
+from .shards import ShardPlan
 
 
 def pull_is_dense(b: Bucket) -> bool:
@@ -119,3 +120,19 @@ def pull_expect(buckets: List[Bucket], pull: str, flush: bool = False,
 
     # A pull's slices are coded at pull_value_bits (Bucket.as_pulled).
     return _expect([b.as_pulled() for b in buckets], flush, sparse, most)
+
+
+def shard_pull_expects(shards: ShardPlan, step: int, pull: str, flush: bool,
+                       size: int) -> List[List[wm.Expect]]:
+    """:func:`pull_expect` of every shard's pull of ``step``, in shard order: what the reply of
+    each shard's server may hold, bounded by the ``size`` ranks (every rank computes the
+    same)."""
+    return [pull_expect(shards.shard_buckets(step, s), pull, flush, size=size)
+            for s in range(shards.servers)]
+
+
+def pull_bounds(shards: ShardPlan, step: int, pull: str, flush: bool,
+                size: int) -> List[int]:
+    """The most bytes each shard's pull of ``step`` can take (:func:`shard_pull_expects`)."""
+    return [message_bound(expect)
+            for expect in shard_pull_expects(shards, step, pull, flush, size)]

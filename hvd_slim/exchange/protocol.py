@@ -9,6 +9,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checka
 
 import torch
 
+from .handshake import Agreement
+
 
 @runtime_checkable
 class Exchange(Protocol):
@@ -68,16 +70,16 @@ class Stage(Exchange, Protocol):
     :meth:`prepare` returns has ``report`` (a NaN/Inf this rank found, or None); what
     :meth:`communicate` returns has ``pulled`` (None: every rank skips the step). The staged
     exchange also reads each stage's layout and settings, runs its one handshake and its
-    schedule rounds through the first stage's :meth:`_collective`, and then marks every stage
-    ``_agreed``."""
+    schedule rounds through the first stage's :meth:`collective`, and then marks every stage's
+    ``agreement``."""
 
     layout: Any   # the stage's Layout
     cfg: Any   # its SlimConfig (a process set's: server_rank in the set's numbering)
     ranks: List[int]
     in_set: bool
-    _agreed: bool
+    agreement: Agreement   # whether its ranks agreed (the handshake ran)
 
-    def _collective(self, fn: Callable[[], Any], what: str) -> Any:
+    def collective(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn``'s collectives of the whole job (or set) under the exchange timeout."""
 
     def prepare(self) -> Any:

@@ -15,7 +15,7 @@ from ..selection import ROLE_PULL, slice_indices
 from ..wire import control
 from ..wire import message as wm
 from .errors import ExchangeError, NonFiniteGradientError
-from .expect import pull_expect
+from .expect import shard_pull_expects
 from .layout import DENSE, Layout
 from .sections import indices_on, section_values
 from .shards import Piece, ShardPlan
@@ -57,10 +57,9 @@ class Puller:
                             digest=self.digest, who=who)
                         return None
             out = []
-            for s, (buf, who, root) in enumerate(zip(bufs, whos, roots)):
-                # The world size bounds a union pull: at most ``size * k`` coordinates a bucket.
-                expect = pull_expect(self.shards.shard_buckets(t, s), self.cfg.pull, flush,
-                                     size=self.size)
+            # The world size bounds a union pull: at most ``size * k`` coordinates a bucket.
+            expects = shard_pull_expects(self.shards, t, self.cfg.pull, flush, self.size)
+            for buf, who, root, expect in zip(bufs, whos, roots, expects):
                 out.append(self.path.decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
                                             sender=root, step=t, digest=self.digest,
                                             expect=expect, who=who))

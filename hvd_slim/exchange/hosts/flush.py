@@ -24,7 +24,7 @@ if TYPE_CHECKING:   # pragma: no cover
 def flush(ex: "HierarchicalExchange") -> None:
     """:meth:`HierarchicalExchange.flush`, on the caller's side of ``exclusive``."""
     t = ex.step_count
-    ex._handshake(t)
+    ex.agreement.ensure(ex, t, ex.collective)
     flush_carry(ex, t)
     for _, p in ex.pieces.values():
         p.grad = None   # the flush fills the compressed pieces only

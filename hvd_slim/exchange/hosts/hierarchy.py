@@ -28,23 +28,24 @@ exchange/hosts/wire.py.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ...config import ConfigError, SlimConfig
 from ...runtime.hosts import host_table
 from ...transport.base import Transport
-from .. import handshake
+from .. import handshake, outcome
 from ..errors import NonFiniteGradientError
 from ..finite import nonfinite_text
 from ..layout import SPARSE, Layout
 from ..overlap.runner import exclusive
 from ..stats import ExchangeStats
 from ..step import Pending, SlimExchange
+from ..timeout import watched
 from . import flush as host_flush
 from . import state as host_state
-from .phases import HostPending, HostPhases, HostPrepared, watch
+from .phases import HostPending, HostPhases, HostPrepared
 from .wire import FAILED, NONFINITE, OK, SKIPPED, cuts
 
 
@@ -89,7 +90,9 @@ class HierarchicalExchange:
         # checkpoint, as a staged exchange's count can be its first stage's
         # (exchange/overlap/staged.py).
         self._steps = 0
-        self._agreed = False
+        # The handshake runs among all ranks of the job, the same collective as a flat
+        # exchange's, so a rank without ``hierarchical`` is named.
+        self.agreement = handshake.Agreement()
 
     def _build_inner(self, momentum: Dict[int, dict], hosts: Sequence[int]) -> tuple:
         """This rank's pieces as stand-in parameters, and the cross exchange over them."""
@@ -131,14 +134,7 @@ class HierarchicalExchange:
         # optimizer's communication thread may use them too: after its queued steps, alone.
         with exclusive(self.transport):
             pending = self.begin()
-        if pending.pulled is None:
-            self.settle(pending, commit=False)
-            self.stats.skipped_steps += 1
-            if self.cfg.nonfinite == "flag":
-                self.flag_grads()
-            return False
-        self.settle(pending, commit=True)
-        return True
+        return outcome.finish(self, pending)
 
     def begin(self) -> HostPending:
         """Every phase of a step but its outcome (:meth:`SlimExchange.begin`): reduce, the cross
@@ -167,7 +163,7 @@ class HierarchicalExchange:
         gradient in keeps it in the carry; one after, in the host's residual pieces."""
         t, host = prep.t, self.host_phases
         try:
-            self._handshake(t)
+            self.agreement.ensure(self, t, self.collective)
             host.reduce(t, self.pieces, prep.payloads)
         except BaseException:
             host.keep_own(prep.payloads)
@@ -232,18 +228,10 @@ class HierarchicalExchange:
         with exclusive(self.transport):   # as in step(); a no-op on the runner's own thread
             host_flush.flush(self)
 
-    def _collective(self, fn: Any, what: str) -> Any:
-        """Collectives of the whole job under the exchange timeout (an overlapped step's
-        handshake, exchange/overlap/staged.py)."""
-        return watch(self.transport, self.cfg.timeout, fn, what)
-
-    def _handshake(self, t: int) -> None:
-        """Once (and after a load): all ranks of the job agree on the model and settings (the
-        same collective as a flat exchange's, so a rank without ``hierarchical`` is named)."""
-        if not self._agreed:
-            self._collective(lambda: handshake.check_agreement(self, t),
-                             f"the handshake of step {t}")
-            self._agreed = True
+    def collective(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()``'s collectives of the whole job under the exchange timeout (the handshake,
+        an overlapped step's schedule rounds: exchange/overlap/staged.py)."""
+        return watched(self.transport, self.cfg.timeout, fn, what)
 
     def _begin_inner(self) -> Tuple[int, Optional[BaseException], list, Optional[Pending]]:
         """Step 2 begun: its verdict and error for the spread, this rank's pulled pieces, and
@@ -288,5 +276,10 @@ class HierarchicalExchange:
         host_state.validate(self, state)
 
     def load_state_dict(self, state: dict) -> None:
-        host_state.load(self, state)
+        """Validate, then load ``state`` (a refused state changes nothing); the next step
+        repeats the handshake."""
+        steps = host_state.load(self, state)
+        if self.inner is None:   # else the cross exchange counts them
+            self._steps = steps
+        self.agreement.reset()
 

@@ -20,22 +20,12 @@ import numpy as np
 import torch
 
 from ...config import SlimConfig
-from ...transport.base import Transport, TransportTimeout
-from ..errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
+from ...transport.base import Transport
+from ..errors import ExchangeError, NonFiniteGradientError
 from ..layout import SPARSE, Layout
 from ..step import Pending
+from ..timeout import watched
 from .wire import BAD, CARRIED, FAILED, NONFINITE, OK, SKIPPED, HostFrames
-
-
-def watch(transport: Transport, timeout: float, fn: Callable[[], Any], what: str,
-          where: str = "") -> Any:
-    """Run collectives under the exchange timeout; a timeout error says what to do (and
-    ``where``: how a host's local ranks map to job ranks)."""
-    try:
-        with transport.watch(timeout, what):
-            return fn()
-    except TransportTimeout as exc:
-        raise TransportTimeout(f"{exc}{where}. {TIMEOUT_ADVICE} (now {timeout:g} s)") from None
 
 
 @dataclass
@@ -80,7 +70,7 @@ class HostPhases:
         self.verdicts: Optional[List[int]] = None
 
     def _watch(self, fn: Callable[[], Any], what: str) -> Any:
-        return watch(self.local, self.cfg.timeout, fn, what, self.where)
+        return watched(self.local, self.cfg.timeout, fn, what, self.where)
 
     def encode(self) -> Tuple[List[np.ndarray], bool]:
         """The local half of :meth:`reduce`: this rank's gradient (plus its carry) copied into
@@ -142,7 +132,7 @@ class HostPhases:
             payload, list(range(L)), [f.spread_bound(j) for j in range(L)]),
             f"the host spread of step {t}")
         before, self._reduced = self._reduced, (0, 0)
-        self.stats._add(local_bytes_sent=before[0] + len(payload) * (L - 1),
+        self.stats.add(local_bytes_sent=before[0] + len(payload) * (L - 1),
                         local_bytes_received=before[1] + sum(len(p) for j, p in enumerate(got)
                                                              if j != me))
         try:

@@ -83,14 +83,15 @@ def validate(ex: "HierarchicalExchange", state: dict) -> None:
         raise ValueError("hvd_slim checkpoint: 'stats' must be a dict of figures")
 
 
-def load(ex: "HierarchicalExchange", state: dict) -> None:
-    """Validate, then load ``state`` (a refused state changes nothing)."""
+def load(ex: "HierarchicalExchange", state: dict) -> int:
+    """Validate, then load ``state`` into ``ex``'s cross exchange (or, without pieces, its
+    figures) and carry; a refused state changes nothing. Returns the saved step count, which a
+    rank without pieces keeps itself."""
     validate(ex, state)
     if ex.inner is not None:
         ex.inner.load_state_dict(state["inner"])
     else:
-        ex._steps = state.get("step", 0)
         ex.stats.load_state_dict(state.get("stats") or {})
     ex.host_phases.carry = {i: c.detach().cpu().clone()
                             for i, c in state.get("carry", {}).items()}
-    ex._agreed = False
+    return state.get("step", 0)

@@ -68,7 +68,7 @@ def order_round(ex: "Stage", t: int, digest: int, flags: int) -> int:
         return control.decode_order(buf, sender=ROOT, step=t, digest=digest,
                                     who=f"schedule round of step {t} from rank {ROOT}")
 
-    return ex._collective(run, f"the schedule round of step {t}")
+    return ex.collective(run, f"the schedule round of step {t}")
 
 
 def late_verdict(layout: "Layout", config: "SlimConfig", host_sums: bool = False) -> bool:

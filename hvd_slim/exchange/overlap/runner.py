@@ -90,8 +90,10 @@ class Runner:
     """The thread of one transport and its queue of steps; ``threaded=False`` runs each step
     on the thread that waits for it (MPI without MPI_THREAD_MULTIPLE)."""
 
-    def __init__(self, threaded: bool) -> None:
-        self.threaded = threaded
+    def __init__(self, threaded: bool, transport: Any = None) -> None:
+        # The transport it runs for: runners are found by the transport's id, which a
+        # transport made after that one was freed may reuse.
+        self.threaded, self.transport = threaded, transport
         self._cv = threading.Condition()
         self._jobs: deque = deque()
         self._thread: Optional[threading.Thread] = None
@@ -176,9 +178,8 @@ def runner_for(transport: Any, threaded: bool) -> Runner:
     transports are)."""
     with _lock:
         runner = _runners.get(id(transport))
-        if runner is None or getattr(runner, "_transport", None) is not transport:
-            runner = Runner(threaded)
-            runner._transport = transport   # type: ignore[attr-defined]
+        if runner is None or runner.transport is not transport:
+            runner = Runner(threaded, transport)
             _runners[id(transport)] = runner
         return runner
 
@@ -188,7 +189,7 @@ def exclusive(transport: Any) -> Iterator[None]:
     """Around a use of ``transport`` outside its runner (a flat exchange's step or flush): after
     every overlapped step queued on it, and alone."""
     runner = _runners.get(id(transport))
-    if runner is None or getattr(runner, "_transport", None) is not transport:
+    if runner is None or runner.transport is not transport:
         yield
         return
     with runner.exclusive():

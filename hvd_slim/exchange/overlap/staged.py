@@ -16,8 +16,8 @@ rank sees the same verdicts in the same order, so all commit together, or all dr
 NaN/Inf under ``"flag"``/``"skip"``: a skipped stage ends the step, and the stages before it
 are dropped exactly, so nothing of the exchange changes), or all raise (``"raise"``: nothing
 changes; any other failure: every stage keeps this rank's gradient in its residual, or a
-host-first stage never reduced in its carry, as a flat exchange does). The pulled values are written into ``p.grad`` only then, on the caller's
-thread.
+host-first stage never reduced in its carry, as a flat exchange does). The pulled values are
+written into ``p.grad`` only then, on the caller's thread.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 
 from ...config import SlimConfig
 from ...transport.base import Transport
-from .. import checkpoint, handshake
+from .. import checkpoint, handshake, outcome
 from ..describe import stages_text
 from ..errors import NonFiniteGradientError
 from ..layout import Layout
@@ -107,7 +107,7 @@ class StagedExchange:
         self._waiting = list(self._sizes)
         self._runner = runner_for(transport, threaded)
         self._job: Optional[Job] = None
-        self._agreed = False
+        self.agreement = handshake.Agreement()
         self._late_verdict = late_verdict(layout, config, host_sums=make_stage is not None)
 
     @property
@@ -177,12 +177,8 @@ class StagedExchange:
         skipped = [k for k, out in begun.items() if ends_step(out)]
         if skipped:   # a stage every rank skipped
             self._drop(begun, prepared)
-            self.stats.skipped_steps += 1
             self.stats.last_skip = self.stages[skipped[0]].stats.last_skip
-            if self.cfg.nonfinite == "flag":
-                for st in self.stages:
-                    st.flag_grads()
-            return False
+            return outcome.skipped(self.stats, self.cfg.nonfinite, self.flag_grads)
         for k in sorted(begun):
             self.stages[k].settle(begun[k], commit=True)
         return True
@@ -213,6 +209,11 @@ class StagedExchange:
             elif k != failed:
                 st.absorb(None)
 
+    def flag_grads(self) -> None:
+        """A step every rank skipped under ``nonfinite="flag"``: every stage's gradients NaN."""
+        for st in self.stages:
+            st.flag_grads()
+
     def flush(self) -> None:
         """:meth:`SlimExchange.flush`, stage by stage (on the communication thread, in turn)."""
         t = self.step_count
@@ -230,12 +231,9 @@ class StagedExchange:
         """Once (and after a load), before the first stage: every rank agrees on the whole
         model and settings (the same collective as a flat exchange's, so a rank with another
         ``overlap`` is named)."""
-        if not self._agreed:
-            self.stages[0]._collective(lambda: handshake.check_agreement(self, t),
-                                       f"the handshake of step {t}")
-            for st in self.stages:
-                st._agreed = True
-            self._agreed = True
+        self.agreement.ensure(self, t, self.stages[0].collective)
+        for st in self.stages:   # it covers every stage: none runs a handshake of its own
+            st.agreement.mark()
 
     # --- state -------------------------------------------------------------------------------
     def held_residuals(self) -> Dict[int, torch.Tensor]:
@@ -295,7 +293,7 @@ class StagedExchange:
         for st, saved in zip(self.stages, state["stages"]):
             st.load_state_dict(saved)
         self.stats.skipped_steps = int(state.get("skipped_steps", 0))
-        self._agreed = False
+        self.agreement.reset()
 
 
 def _flush_stage(st: Stage) -> Callable[[], Any]:

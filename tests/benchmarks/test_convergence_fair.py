@@ -22,7 +22,7 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
     assert by == {"dense": [0, 1, 2], "default": [0, 1, 2], "0.001": [0],
                   "gradient exchange": [0], "top-k 0.02": [0], "PowerSGD r4": [0],
                   "DiLoCo H=32": [0]}
-    assert sgd == {"dense": [0], "default": [0]}
+    assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2]}
     # the defaults pass no Slim-DP keyword at all
     assert [s for s in plan if s["variant"] == "default"][0]["slim"] == {}
     assert [s for s in plan if s["variant"] == "default"][0]["density"] is None

@@ -106,7 +106,7 @@ def run_density(model: str, n: int, density: float, device: torch.device, steps:
                 wm.PUSH, w.rank, t, rk.digest, s, itemsizes(buckets, s)))
             got["encode"] += ms
             bufs.append(buf)
-        expect = push_expect(buckets, t, config.refresh_interval, False)
+        expect = push_expect(buckets, False)
         for j, buf in enumerate(bufs):
             _, ms = _timed(device, lambda j=j, buf=buf: rk.path.decode(
                 buf, kind=wm.PUSH, sender=j, step=t, digest=rk.digest, expect=expect,

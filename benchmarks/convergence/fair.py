@@ -41,7 +41,7 @@ SGD = {"optimizer": "sgd", "lr": 0.3, "momentum": 0.9, "nesterov": True, "weight
 BF16_CASE = "lm-fair-bf16"
 MAIN = (("dense", "dense", 1.0, {}), ("default", "slim", None, {}))
 PEERS = (("0.001", "slim", 0.001, {}),
-         # the defaults before the update exchange: gradients into one Adam (inner/adam.py)
+         # the defaults before the update exchange: gradients into one Adam (optim/inner/adam.py)
          ("gradient exchange", "slim", None, {"slim": {"adam_exchange": "gradient"}}),
          ("top-k 0.02", "topk", 0.02, {}),
          ("PowerSGD r4", "powersgd", 1.0, {"powersgd_rank": 4}),

@@ -58,7 +58,6 @@ def configs(group: str) -> List[Config]:
             knobs = [("mc=off", {"momentum_correction": False}, {}),
                      ("mc masking off", {"momentum_masking": False}, {}),
                      ("mc masking 0.5", {"momentum_masking": 0.5}, {}),
-                     ("q=4", {"refresh_interval": 4}, {}),
                      ("lambda=0.1", {"magnitude_weight": 0.1}, {}),
                      ("pull_density=4d", {"pull_density": 4 * d}, {}),
                      ("dense warm-up 10%", {}, {"dense_warmup_fraction": 0.1}),

@@ -36,7 +36,7 @@ class PowerSGDOptimizer:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from hvd_slim.runtime.rendezvous import torch_transport
+        from hvd_slim.optim.rendezvous import torch_transport
         torch_transport("gloo", torch.device("cpu"))  # a Gloo group over this MPI job
         self.optimizer, self.size = optimizer, size
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -64,7 +64,6 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
     s.add_argument("--momentum-correction", choices=("on", "off"), default=None)
     s.add_argument("--momentum-masking", default=None, metavar="on|off|SHARE",
                    help="share of the velocity dropped where sent (on = 1, off = 0)")
-    s.add_argument("--refresh-interval", type=int, default=None)
     s.add_argument("--magnitude-weight", type=float, default=None)
     s.add_argument("--warmup-dense-steps", type=int, default=None,
                    help="first optimizer steps exchanged dense (exactly dense momentum SGD)")
@@ -82,7 +81,7 @@ def build_parser(dataset: str = "mnist") -> argparse.ArgumentParser:
 def slim_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """Only the Slim-DP keywords given on the command line (so HVD_SLIM_* still apply)."""
     out: Dict[str, Any] = {}
-    for key in ("pull", "pull_density", "exploration", "refresh_interval", "magnitude_weight",
+    for key in ("pull", "pull_density", "exploration", "magnitude_weight",
                 "warmup_dense_steps", "warmup_decay_steps", "warmup_start_density",
                 "value_bits", "adam_variance"):
         if getattr(args, key) is not None:
@@ -97,7 +96,7 @@ def slim_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 _SLIM_FLAGS = {"pull": "--pull", "pull_density": "--pull-density", "exploration": "--exploration",
-               "refresh_interval": "--refresh-interval", "magnitude_weight": "--magnitude-weight",
+               "magnitude_weight": "--magnitude-weight",
                "warmup_dense_steps": "--warmup-dense-steps",
                "warmup_decay_steps": "--warmup-decay-steps", "adam_variance": "--adam-variance",
                "momentum_masking": "--momentum-masking", "value_bits": "--value-bits",

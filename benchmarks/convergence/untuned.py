@@ -55,9 +55,9 @@ ADAMW_ABLATION = (("default adam_variance=live", None, {"adam_variance": "live"}
                   ("0.001 adam_variance=live", 0.001, {"adam_variance": "live"}))
 
 
-# overlap=4 (exchange/overlap.py) selects per stage, each with density of its own coordinates,
-# instead of one global selection: the battery's plotted case and the language model, against
-# the defaults run beside them (1 seed for the language model, 3 for MNIST).
+# overlap=4 (exchange/overlap/staged.py) selects per stage, each with density of its own
+# coordinates, instead of one global selection: the battery's plotted case and the language model,
+# against the defaults run beside them (1 seed for the language model, 3 for MNIST).
 OVERLAP_ABLATION = (("default", {}), ("default overlap=4", {"overlap": 4}))
 
 # local_steps=H (outer/rounds.py): H local steps, then the pseudo-gradient through the exchange

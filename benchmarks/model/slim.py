@@ -8,7 +8,7 @@ the dense values at the comm dtype (fp32), and the compressed bucket's section:
 
 * push: ``k`` values of ``value_bits`` and the core's ``k_core = k - round(exploration * k)``
   indices, Elias-Fano or a bitmap, whichever is smaller (the explored ones are regenerated from
-  the seed, never sent); indices travel on refresh steps only (every ``refresh_interval``).
+  the seed, never sent); the core's indices travel every step.
 * pull ``slim``: the same for the server's ``k_pull`` slice (``pull_density``).
 * pull ``union``: the exact aggregate at every coordinate any worker pushed, at the comm dtype,
   with explicit indices, or dense when that is no smaller. The union of ``n`` pushes of ``k`` of
@@ -58,7 +58,6 @@ class SlimSettings:
     value_bits: int = 8
     exploration: float = 0.1
     min_compress_numel: int = 4096
-    refresh_interval: int = 1
     server_rank: int = 0
 
     @property
@@ -73,7 +72,7 @@ V1_DEFAULTS = SlimSettings(density=0.01, pull_rule="v1", value_bits=32)
 _ENV = {"DENSITY": ("density", float), "PULL_DENSITY": ("pull_density", float),
         "VALUE_BITS": ("value_bits", int), "EXPLORATION": ("exploration", float),
         "MIN_COMPRESS_NUMEL": ("min_compress_numel", int),
-        "REFRESH_INTERVAL": ("refresh_interval", int), "SERVER_RANK": ("server_rank", int)}
+        "SERVER_RANK": ("server_rank", int)}
 
 
 def defaults_at(commit: Optional[str], repo: Optional[str] = None) -> Optional[SlimSettings]:
@@ -119,11 +118,11 @@ class SlimBytes:
     push_mode: str         # "slice" or "dense" (the dense fallback)
 
 
-def _section(d: int, k: int, k_core: int, vbytes: int, refresh: int) -> float:
+def _section(d: int, k: int, k_core: int, vbytes: int) -> float:
     """A compressed bucket's section: the slice, or all of it dense when no smaller."""
     if not slice_is_smaller(d, k, k_core, vbytes, 4):
         return 4.0 * d
-    return k * vbytes + index_bytes_bound(d, k_core) / refresh
+    return k * vbytes + index_bytes_bound(d, k_core)
 
 
 def union_size(d: int, k: int, n: int) -> float:
@@ -143,7 +142,7 @@ def step_bytes(d: int, dense: int, n: int, s: SlimSettings) -> SlimBytes:
     if d:
         k, kc, _ = slice_sizes(d, s.density, s.exploration)
         kp, kpc, _ = slice_sizes(d, s.effective_pull_density, s.exploration)
-        push += _section(d, k, kc, vbytes, s.refresh_interval)
+        push += _section(d, k, kc, vbytes)
         if not slice_is_smaller(d, k, kc, vbytes, 4):     # dense fallback: an exact average
             pull += 4.0 * d
             coords = float(d)
@@ -156,7 +155,7 @@ def step_bytes(d: int, dense: int, n: int, s: SlimSettings) -> SlimBytes:
             pull += min(explicit, 4.0 * d)
         else:
             push_mode = "slice"
-            pull += _section(d, kp, kpc, vbytes, s.refresh_interval)
+            pull += _section(d, kp, kpc, vbytes)
             mode = "slice" if slice_is_smaller(d, kp, kpc, vbytes, 4) else "dense"
             coords = float(kp if mode == "slice" else d)
     return SlimBytes(d, dense, k, kc, kp, kpc, push, pull, coords, mode, push_mode)

@@ -7,6 +7,7 @@ is a :class:`HorovodInternalError`, defined with them.
 """
 from __future__ import annotations
 
+from ..api.checks import MismatchError
 from ..transport.base import HorovodInternalError, TransportError
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "is_internal"]
@@ -31,7 +32,6 @@ def is_internal(exc: BaseException) -> bool:
     """Whether ``exc`` is a communication failure the elastic loop recovers from:
     :class:`HorovodInternalError`, or hvd_slim's :class:`TransportError` (timeouts included),
     raised by the tensor API and the optimizer's exchange alike."""
-    from ..runtime.checks import MismatchError
     # Mismatched arguments are a bug in the script, the same on every retry: not recoverable.
     return isinstance(exc, (HorovodInternalError, TransportError)) and \
         not isinstance(exc, MismatchError)

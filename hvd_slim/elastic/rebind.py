@@ -3,9 +3,10 @@
 The optimizer's exchange holds the MPI transport of the runtime it was built under, and its
 state (residuals, the server's per-worker copies) is laid out for that job's rank and size.
 After :mod:`hvd_slim.elastic.recovery` rebuilt hvd_slim on the survivors, the exchange is built
-anew on the new transport, keeping the optimizer object, its layout and inner state. This reaches
-into the optimizer's private attributes (``_settings``, ``_layout``, ``_exchange``) on purpose,
-in this one place, so that optimizer.py needs no elastic code.
+anew on the new transport, keeping the optimizer object, its layout and inner state. The optimizer
+builds the new exchange itself (``_rebind_exchange``), so that everything holding the old one
+moves with it; this module decides only what changes (the transport, and the settings the
+survivors can no longer keep).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import warnings
 from typing import Any, Optional
 
 import torch
+
+from ..runtime import basics
 
 
 def is_slim_optimizer(optimizer: Any) -> bool:
@@ -36,9 +39,6 @@ def rebind(optimizer: torch.optim.Optimizer) -> bool:
     """
     if not is_slim_optimizer(optimizer):
         return False
-    from ..exchange.build import build_exchange
-    from ..runtime import basics
-    from ..wrapping import momentum_plan
     old = current_transport(optimizer)
     if old.name != "mpi":
         raise RuntimeError(f"hvd_slim.elastic: an optimizer on the {old.name!r} transport cannot "
@@ -59,11 +59,8 @@ def rebind(optimizer: torch.optim.Optimizer) -> bool:
         warnings.warn("hvd_slim.elastic: the exchange continues without hierarchical=True on "
                       "the surviving ranks")
         config = config.replaced(hierarchical=False)
-    settings = dataclasses.replace(opt._settings, transport=new, config=config)
-    plan = momentum_plan(opt, opt._layout, settings.config)
-    opt._settings = settings
-    opt._exchange = build_exchange(opt._layout, settings.config, new, plan, order=[
-        n for n, p in settings.named_parameters if p.requires_grad])
+    opt._rebind_exchange(dataclasses.replace(opt._settings, transport=new, config=config,
+                                              ranks=None))
     return True
 
 

@@ -31,6 +31,10 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from ..api import lifecycle
+from ..api.timeout import api_timeout
+from ..runtime import abort, basics
+
 TAG_HELLO, TAG_DECISION = 0x5E1, 0x5E2
 WINDOW_ENV = "HVD_SLIM_ELASTIC_WINDOW"
 
@@ -40,7 +44,6 @@ _generation = 0   # recoveries completed: every member counts the same
 def members() -> List[int]:
     """The COMM_WORLD ranks of the current hvd_slim job, in its rank order."""
     from mpi4py import MPI
-    from ..runtime import basics
     group, world = basics.job_comm().Get_group(), MPI.COMM_WORLD.Get_group()
     try:
         return [int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
@@ -56,7 +59,6 @@ def window() -> float:
     raw = os.environ.get(WINDOW_ENV)
     if raw:
         return float(raw)
-    from ..runtime.api_timeout import api_timeout
     from ..transport.mpi_api import ROLL_CALL_S
     timeout = api_timeout() or 60.0
     return min(0.5 * timeout, 30.0) + min(ROLL_CALL_S, timeout) + 5.0
@@ -75,6 +77,7 @@ def _receive(world: Any, status: Any) -> Optional[tuple]:
     """One pending protocol message of this generation as (tag, source, body), or None. Stale
     messages of earlier generations are dropped."""
     from mpi4py import MPI
+
     # By tag, so that a user's own COMM_WORLD messages are never taken; decisions first.
     while (world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_DECISION, status=status)
            or world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_HELLO, status=status)):
@@ -123,7 +126,6 @@ def recover(wait: Optional[float] = None) -> List[int]:
     ``init(comm=survivors)``). Returns the survivors' COMM_WORLD ranks; exits this process (not
     the job) if it was left out."""
     global _generation
-    from ..runtime import abort, basics
     from ..transport import mpi_comm
     kept: list = []   # send buffers and requests: MPI may still read them
     me = mpi_comm.world_rank_size()[0]
@@ -143,8 +145,8 @@ def recover(wait: Optional[float] = None) -> List[int]:
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)   # no MPI_Finalize: it would wait for the ranks that went on without it
-    basics.shutdown()
-    basics.init(comm=survivors)
+    lifecycle.shutdown()
+    lifecycle.init(comm=survivors)
     return survivors
 
 

@@ -14,6 +14,7 @@ import functools
 import sys
 from typing import Any, Callable, TypeVar
 
+from ..runtime import basics
 from . import recovery
 from .errors import HostsUpdatedInterrupt, is_internal
 from .state import State
@@ -68,7 +69,6 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
 
 def _reset() -> None:
     survivors = recovery.recover()
-    from ..runtime import basics
     sys.stderr.write(f"hvd_slim.elastic: continuing on COMM_WORLD ranks {survivors}; this is "
                      f"rank {basics.rank()} of {basics.size()}\n")
     sys.stderr.flush()

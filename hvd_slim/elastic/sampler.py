@@ -15,9 +15,10 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set
 
 import torch.utils.data
 
+from ..runtime import basics
+
 
 def _world() -> tuple:
-    from ..runtime import basics
     return basics.rank(), basics.size()
 
 

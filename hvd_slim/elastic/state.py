@@ -10,14 +10,15 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
+from ..api import functions
+from ..runtime import basics
+
 
 def _default_bcast(obj: Any) -> Any:
-    from ..functions import broadcast_object  # imported late: functions imports the runtime
-    return broadcast_object(obj, 0, name="elastic state")
+    return functions.broadcast_object(obj, 0, name="elastic state")
 
 
 def _default_rank() -> int:
-    from ..runtime import basics
     return basics.rank()
 
 

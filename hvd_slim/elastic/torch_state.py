@@ -16,8 +16,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ..api import functions
+from ..api.pending import drain_all
+from ..runtime import basics
 from . import rebind
-from ..forward_apply import drain_all
 from .sampler import ElasticSampler
 from .state import ObjectState
 
@@ -46,9 +48,8 @@ class _Handler:
 
 class _ModelHandler(_Handler):
     def sync(self) -> None:
-        from ..functions import broadcast_parameters
         drain_all()
-        broadcast_parameters(self.value.state_dict(), root_rank=0)
+        functions.broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
 class _OptimizerHandler(_Handler):
@@ -67,7 +68,6 @@ class _OptimizerHandler(_Handler):
         saved = copy.deepcopy(self.saved)
         if (rebind.is_slim_optimizer(self.value) and not rebind.exchange_fits(self.value, saved)
                 and saved.pop("hvd_slim", None) is not None):
-            from ..runtime import basics
             if basics.rank() == 0:
                 sys.stderr.write("hvd_slim.elastic: the job size changed since the commit; the "
                                  "optimizer's exchange (residuals, server state) restarts empty "
@@ -77,8 +77,7 @@ class _OptimizerHandler(_Handler):
     def sync(self) -> None:
         # The inner optimizer's state and options from rank 0; the exchange's state stays each
         # rank's own (residuals are per rank).
-        from ..functions import broadcast_optimizer_state
-        broadcast_optimizer_state(self.value, root_rank=0)
+        functions.broadcast_optimizer_state(self.value, root_rank=0)
 
 
 class _SamplerHandler(_Handler):
@@ -86,9 +85,8 @@ class _SamplerHandler(_Handler):
         self.value.reset()   # repartition over the new ranks
 
     def sync(self) -> None:
-        from ..functions import broadcast_object
-        self.value.load_state_dict(broadcast_object(self.value.state_dict(), 0,
-                                                    name="ElasticSampler state"))
+        self.value.load_state_dict(functions.broadcast_object(self.value.state_dict(), 0,
+                                                              name="ElasticSampler state"))
 
 
 def _handler_for(value: Any) -> Optional[_Handler]:

@@ -1,13 +1,19 @@
 """Which exchange an optimizer gets: :class:`SlimExchange`, or with ``hierarchical=True`` the
-host-first :class:`~hvd_slim.exchange.hierarchy.HierarchicalExchange`, and with ``overlap > 1``
-a :class:`~hvd_slim.exchange.overlap.StagedExchange` of either kind."""
+host-first :class:`~hvd_slim.exchange.hosts.hierarchy.HierarchicalExchange`, and with
+``overlap > 1`` a :class:`~hvd_slim.exchange.overlap.staged.StagedExchange` of either kind."""
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence
 
 from ..config import ConfigError, SlimConfig
+from ..runtime import basics
+from ..runtime.hosts import host_table
+from ..runtime.torch_hosts import host_transports
 from ..transport.base import Transport
+from ..transport.torch_dist import TorchDistTransport
+from .hosts.hierarchy import HierarchicalExchange
 from .layout import Layout
+from .overlap.staged import StagedExchange
 from .protocol import Exchange
 from .step import SlimExchange
 
@@ -23,7 +29,6 @@ def build_exchange(layout: Layout, config: SlimConfig, transport: Transport,
     (the names as ``named_parameters`` gave them; None: the layout's), into stages."""
     make = _hierarchical(config, transport, ranks) if config.hierarchical else None
     if config.overlap > 1:
-        from .overlap import StagedExchange
         names = list(order) if order is not None else \
             [s.name for b in layout.buckets for s in b.segments]
         return StagedExchange(layout, config, transport, momentum, ranks, names,
@@ -41,7 +46,6 @@ def _hierarchical(config: SlimConfig, transport: Transport,
     if ranks is not None:
         raise ConfigError("hierarchical=True runs over the whole job; it cannot be combined "
                           f"with a process_set{note}", "hierarchical")
-    from .hierarchy import HierarchicalExchange, host_table
     hosts, local, cross = _host_transports(transport, note)
     # The same host list on every rank, so unequal hosts are refused on every rank alike.
     if len(host_table(hosts)[0]) == 1:
@@ -54,10 +58,7 @@ def _hierarchical(config: SlimConfig, transport: Transport,
 
 def _host_transports(transport: Transport, note: str) -> tuple:
     """Each rank's host and the host and cross-host transports beside ``transport``."""
-    from ..runtime import basics
-    from ..transport.torch_dist import TorchDistTransport
     if isinstance(transport, TorchDistTransport):
-        from ..transport.torch_hosts import host_transports
         return host_transports(transport)
     if transport.name == "mpi" and basics.is_initialized() and \
             transport is basics.world_transport():

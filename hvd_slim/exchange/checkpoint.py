@@ -9,13 +9,13 @@ state holds only tensors and plain Python values: ``torch.load(..., weights_only
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 
 from ..config import RESUMABLE_FIELDS
 from .describe import config_difference, param_difference, params_of
-from .layout import DENSE, Bucket
+from .layout import DENSE
 
 if TYPE_CHECKING:   # step.py imports this module
     from .step import SlimExchange
@@ -30,7 +30,9 @@ OLD_FIELDS = {"adam_variance": "auto", "momentum_masking": 1.0, "value_bits": 32
 LATER_FIELDS = {"servers": 1, "hierarchical": False, "overlap": 1, "local_steps": 1,
                 "outer_delay": 0, "residual_decay": 1.0, "adam_exchange": "gradient"}
 
-VERSION = 3   # 3: adds "effective", the settings in force (automatic fields resolved)
+# 3: adds "effective", the settings in force (automatic fields resolved); 4: no cached cores
+# (refresh_interval is gone: every step selects anew, so the cores of older states are ignored)
+VERSION = 4
 FIX_RANK = ("Residuals are per rank: save every rank's optimizer.state_dict() (e.g. to "
             "f'ckpt-{hvd.rank()}.pt') and load each rank's own; for one shared file, call "
             "optimizer.flush() and drop the 'hvd_slim' entry before saving")
@@ -47,8 +49,6 @@ def state_of(ex: SlimExchange) -> dict:
             "effective": ex.cfg.effective_dict(), "layout": ex.layout.description(),
             "memory": {i: m.state_dict() for i, m in ex.worker.memory.items()},
             "selector": {i: s.state_dict() for i, s in ex.worker.selector.items()},
-            "core": {i: c.clone() for i, c in ex.worker.core.items()},
-            "pull_core": {i: c.clone() for i, c in ex.worker.pull_core.items()},
             "servers": ex.servers,
             "server": None if ex.server is None else ex.server.state_dict(),
             "stats": ex.stats.state_dict()}
@@ -79,7 +79,7 @@ def held_residuals(ex: SlimExchange) -> Dict[int, torch.Tensor]:
 def validate(ex: SlimExchange, state: Any) -> None:
     """Raise ValueError (naming what differs and how to fix it) unless ``state`` can be loaded
     into ``ex`` completely. Reads only."""
-    if not isinstance(state, dict) or state.get("version") not in (1, 2, VERSION):
+    if not isinstance(state, dict) or state.get("version") not in (1, 2, 3, VERSION):
         got = state.get("version") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"hvd_slim checkpoint: unknown format version {got!r}; expected the "
                          "'hvd_slim' entry of an hvd_slim optimizer.state_dict()")
@@ -107,19 +107,13 @@ def validate(ex: SlimExchange, state: Any) -> None:
             raise ValueError(f"hvd_slim checkpoint: bucket {b.index} has a momentum-correction "
                              "velocity but this optimizer has none: load it with the same "
                              "optimizer (SGD momentum) and momentum_correction setting")
-    # Cores cached at the last step taken have that step's sizes (a warm-up changes them; it
-    # needs refresh_interval=1, so the last step re-selected every core). Selectors and cores
-    # are kept per piece (one per shard; the bucket itself with one server).
-    sizes = ex.shards.piece_sizes(max(step - 1, 0))
+    # Selectors are kept per piece (one per shard; the bucket itself with one server).
     for pb in ex.shards.piece_sizes(None).values():
         if pb.kind == DENSE:
             continue
         _threshold(_entry(state, "selector", pb.index), pb.index)
-        at = sizes[pb.index]
-        _core(state.get("core"), pb.index, at.k_core, pb.numel, "core")
-        _core(state.get("pull_core"), pb.index, at.k_pull_core, pb.numel, "pull core")
     if ex.server is not None:
-        _check_server(ex, state.get("server"), sizes)
+        _check_server(ex, state.get("server"))
     if not isinstance(state.get("stats", {}), dict):
         raise ValueError("hvd_slim checkpoint: 'stats' must be a dict")
 
@@ -131,8 +125,6 @@ def load(ex: SlimExchange, state: dict) -> None:
         m.load_state_dict(state["memory"][i])
     for i, sel in ex.worker.selector.items():
         sel.load_state_dict(state["selector"][i])
-    ex.worker.core = {int(i): c.clone() for i, c in state["core"].items()}
-    ex.worker.pull_core = {int(i): c.clone() for i, c in state["pull_core"].items()}
     if ex.server is not None:
         ex.server.load_state_dict(state["server"])
     ex.stats.load_state_dict(state.get("stats", {}))
@@ -182,7 +174,7 @@ def _saved_effective(state: dict) -> Any:
         saved = {**LATER_FIELDS, **state["effective"]}
         # pull_value_bits came later: before it, the pull's slice was at value_bits.
         saved.setdefault("pull_value_bits", saved.get("value_bits"))
-        return saved
+        return _without_retired(saved)
     saved = state.get("config")
     if not isinstance(saved, dict):
         return saved
@@ -194,6 +186,20 @@ def _saved_effective(state: dict) -> Any:
         out["pull_density"] = max(d, min(4 * d, 0.004))
     if not out.get("warmup_decay_steps"):
         out["warmup_start_density"] = None
+    return _without_retired(out)
+
+
+def _without_retired(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """``saved`` less the settings hvd_slim no longer has. ``refresh_interval`` at its only
+    kept value (1: a fresh core every step) is what every exchange does now; a run that cached
+    cores for several steps cannot be resumed bitwise by one that does not."""
+    out = dict(saved)
+    q = out.pop("refresh_interval", 1)
+    if q != 1:
+        raise ValueError(f"hvd_slim checkpoint was made with refresh_interval={q!r}, which "
+                         "hvd_slim no longer has (docs/keywords.md, 'Removed'). "
+                         "Call optimizer.flush() in the run that saved it, or load the "
+                         "checkpoint without its 'hvd_slim' entry")
     return out
 
 
@@ -219,34 +225,10 @@ def _threshold(d: dict, index: int) -> None:
                          "not a finite number")
 
 
-def _core(table: Any, index: int, k: int, d: int, what: str) -> None:
-    """An optional cached core: k sorted, distinct int64 indices in [0, d)."""
-    if not isinstance(table, dict):
-        raise ValueError(f"hvd_slim checkpoint: the {what} table is missing")
-    c: Optional[torch.Tensor] = table.get(index)
-    if c is None:
-        return
-    ok = (isinstance(c, torch.Tensor) and c.dtype == torch.int64 and c.dim() == 1
-          and c.numel() == k and c.numel() <= d
-          and (c.numel() == 0 or (int(c[0]) >= 0 and int(c[-1]) < d
-                                  and bool((c[1:] > c[:-1]).all()))))
-    if not ok:
-        raise ValueError(f"hvd_slim checkpoint: bucket {index} {what} is not "
-                         f"{k} sorted distinct indices in [0, {d})")
-
-
-def _check_server(ex: SlimExchange, srv: Any, sizes: Dict[int, Bucket]) -> None:
+def _check_server(ex: SlimExchange, srv: Any) -> None:
     if not isinstance(srv, dict):
         raise ValueError(f"rank {ex.rank} is the server but its checkpoint has no server state: "
                          "was server_rank changed?")
-    cores = srv.get("worker_cores")
-    if not isinstance(cores, list) or len(cores) != ex.size:
-        n = len(cores) if isinstance(cores, list) else "?"
-        raise ValueError(f"server checkpoint is from a job of {n} ranks, this job has {ex.size}")
     for b in ex.server.layout.sparse:   # this server's pieces (its shard)
         _tensor(_entry(srv, "memory", b.index), "residual", (b.numel,), b.dtype, b.index)
         _threshold(_entry(srv, "selector", b.index), b.index)
-        at = sizes[b.index]
-        _core(srv.get("pull_core"), b.index, at.k_pull_core, b.numel, "server pull core")
-        for j, table in enumerate(cores):
-            _core(table, b.index, at.k_core, b.numel, f"server's copy of rank {j}'s core")

@@ -13,11 +13,7 @@ from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
 from ..wire.values import FP8, packed_nbytes
 from .layout import DENSE, Bucket, slice_is_smaller, sent_whole
-
-
-def is_refresh(step: int, refresh_interval: int) -> bool:
-    """Steps on which cores are re-selected and their indices travel."""
-    return step % refresh_interval == 0
+from .shards import ShardPlan
 
 
 def pull_is_dense(b: Bucket) -> bool:
@@ -73,11 +69,11 @@ def message_bound(expect: List[wm.Expect]) -> int:
     return total
 
 
-def _slice_modes(step: int, q: int, k: int, k_core: int, bits: int = 0) -> Modes:
-    """A slice of ``k`` values (packed at ``bits``: its bytes): core indices travel on refresh
-    steps only."""
+def _slice_modes(k: int, k_core: int, bits: int = 0) -> Modes:
+    """A slice of ``k`` values (packed at ``bits``: its bytes) and its ``k_core`` core
+    indices (the explored ones are derived on both sides, never sent)."""
     n = packed_nbytes(k, bits) if bits else k
-    return {wm.M_SLICE: (n, k_core)} if is_refresh(step, q) else {wm.M_SLICE_CACHED: (n, 0)}
+    return {wm.M_SLICE: (n, k_core)}
 
 
 def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes],
@@ -101,15 +97,15 @@ def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes
     return out
 
 
-def push_expect(buckets: List[Bucket], step: int, q: int, flush: bool = False) -> List[wm.Expect]:
-    """What the server accepts from a worker at ``step``."""
+def push_expect(buckets: List[Bucket], flush: bool = False) -> List[wm.Expect]:
+    """What the server accepts from a worker, for a step's ``buckets`` (their sizes at it)."""
     return _expect(buckets, flush, lambda b: {wm.M_DENSE: (b.numel, 0)} if sent_whole(b)
-                   else _slice_modes(step, q, b.k, b.k_core, b.slice_bits))
+                   else _slice_modes(b.k, b.k_core, b.slice_bits))
 
 
-def pull_expect(buckets: List[Bucket], step: int, q: int, pull: str, flush: bool = False,
+def pull_expect(buckets: List[Bucket], pull: str, flush: bool = False,
                 size: Optional[int] = None) -> List[wm.Expect]:
-    """What a worker accepts from the server at ``step``. ``size`` (the number of ranks) bounds
+    """What a worker accepts from the server, for a step's ``buckets``. ``size`` (the number of ranks) bounds
     a union pull: its explicit section holds at most the ``size * k`` coordinates the workers
     pushed; without it the bound assumes all d coordinates (dense)."""
     def sparse(b: Bucket) -> Modes:
@@ -117,10 +113,26 @@ def pull_expect(buckets: List[Bucket], step: int, q: int, pull: str, flush: bool
             return {wm.M_EXPLICIT: None, wm.M_DENSE: (b.numel, 0)}
         if pull_is_dense(b):
             return {wm.M_DENSE: (b.numel, 0)}
-        return _slice_modes(step, q, b.k_pull, b.k_pull_core, b.slice_bits)
+        return _slice_modes(b.k_pull, b.k_pull_core, b.slice_bits)
 
     def most(b: Bucket) -> Optional[int]:
         return None if size is None else min(b.numel, size * b.k)
 
     # A pull's slices are coded at pull_value_bits (Bucket.as_pulled).
     return _expect([b.as_pulled() for b in buckets], flush, sparse, most)
+
+
+def shard_pull_expects(shards: ShardPlan, step: int, pull: str, flush: bool,
+                       size: int) -> List[List[wm.Expect]]:
+    """:func:`pull_expect` of every shard's pull of ``step``, in shard order: what the reply of
+    each shard's server may hold, bounded by the ``size`` ranks (every rank computes the
+    same)."""
+    return [pull_expect(shards.shard_buckets(step, s), pull, flush, size=size)
+            for s in range(shards.servers)]
+
+
+def pull_bounds(shards: ShardPlan, step: int, pull: str, flush: bool,
+                size: int) -> List[int]:
+    """The most bytes each shard's pull of ``step`` can take (:func:`shard_pull_expects`)."""
+    return [message_bound(expect)
+            for expect in shard_pull_expects(shards, step, pull, flush, size)]

@@ -9,7 +9,7 @@ side, which every rank raises as the same :class:`ExchangeError`. Rank 0 leads w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -44,6 +44,32 @@ def check_agreement(ex: SlimExchange, step: int) -> None:
     reply = _guard(lambda: _judge_descriptions(got, step), step) if rank == ROOT else None
     _read_reply(tr.broadcast(reply, root=ROOT, bound=REPLY_BOUND), step)
     raise ExchangeError(f"rank {rank}: the handshake of step {step} ended without a verdict")
+
+
+class Agreement:
+    """Whether the ranks of an exchange have agreed yet: :meth:`ensure` runs the handshake once,
+    before the first push, and again after :meth:`reset` (a checkpoint loaded, so ranks resumed
+    from different steps are caught). ``done``: it has run since."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def ensure(self, ex: SlimExchange, step: int,
+               collective: Callable[[Callable[[], Any], str], Any]) -> None:
+        """Unless ``done``: :func:`check_agreement` of ``ex`` at ``step``, run by ``collective``
+        (the exchange's, under its timeout). Collective then; a failure leaves it not done."""
+        if not self.done:
+            collective(lambda: check_agreement(ex, step), f"the handshake of step {step}")
+            self.done = True
+
+    def mark(self) -> None:
+        """The ranks agreed in a handshake that covers this exchange too (a staged
+        exchange's, of the whole model): no handshake of its own."""
+        self.done = True
+
+    def reset(self) -> None:
+        """Run the handshake again before the next push."""
+        self.done = False
 
 
 def _guard(judge: Callable[[], np.ndarray], step: int) -> np.ndarray:

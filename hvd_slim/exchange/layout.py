@@ -129,10 +129,10 @@ class Layout:
                  comm_dtype_of: Callable[[torch.dtype], torch.dtype],
                  frozen: Sequence[Tuple[str, torch.Tensor]] = (),
                  kinds: Optional[Dict[str, str]] = None) -> None:
-        # kinds: DENSE or SPARSE by name, instead of by size (hierarchy.py's host pieces keep
-        # the kind of the bucket they were cut from).
-        # Frozen parameters (requires_grad=False) take no part in the exchange; they are kept
-        # only so that a mismatch error can say "frozen on rank 1" rather than "missing".
+        # kinds: DENSE or SPARSE by name, instead of by size (exchange/hosts/hierarchy.py's host
+        # pieces keep the kind of the bucket they were cut from). Frozen parameters
+        # (requires_grad=False) take no part in the exchange; they are kept only so that a mismatch
+        # error can say "frozen on rank 1" rather than "missing".
         self.frozen = sorted(((n, tuple(p.shape), p.dtype) for n, p in frozen),
                              key=lambda item: item[0])
         ordered = sorted(named_params, key=lambda item: item[0])

@@ -1,6 +1,6 @@
 """What the optimizer asks of an exchange: the contract :class:`SlimExchange` (flat),
-:class:`~hvd_slim.exchange.hierarchy.HierarchicalExchange` (hosts first) and
-:class:`~hvd_slim.exchange.overlap.StagedExchange` (overlap with backward) all meet, so that
+:class:`~hvd_slim.exchange.hosts.hierarchy.HierarchicalExchange` (hosts first) and
+:class:`~hvd_slim.exchange.overlap.staged.StagedExchange` (overlap with backward) all meet, so that
 ``build_exchange`` can hand out any of them; and what a staged exchange asks of each stage
 (:class:`Stage`: the first two meet it)."""
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
 
 import torch
+
+from .handshake import Agreement
 
 
 @runtime_checkable
@@ -62,21 +64,22 @@ class OverlappedExchange(Exchange, Protocol):
 
 @runtime_checkable
 class Stage(Exchange, Protocol):
-    """An exchange whose step comes apart, so that several make one step (exchange/overlap.py):
-    the local phases, the collective ones, and an outcome that commits, drops or keeps. What
+    """An exchange whose step comes apart, so that several make one step
+    (exchange/overlap/staged.py): the local phases, the collective ones, and an outcome that
+    commits, drops or keeps. What
     :meth:`prepare` returns has ``report`` (a NaN/Inf this rank found, or None); what
     :meth:`communicate` returns has ``pulled`` (None: every rank skips the step). The staged
     exchange also reads each stage's layout and settings, runs its one handshake and its
-    schedule rounds through the first stage's :meth:`_collective`, and then marks every stage
-    ``_agreed``."""
+    schedule rounds through the first stage's :meth:`collective`, and then marks every stage's
+    ``agreement``."""
 
     layout: Any   # the stage's Layout
     cfg: Any   # its SlimConfig (a process set's: server_rank in the set's numbering)
     ranks: List[int]
     in_set: bool
-    _agreed: bool
+    agreement: Agreement   # whether its ranks agreed (the handshake ran)
 
-    def _collective(self, fn: Callable[[], Any], what: str) -> Any:
+    def collective(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn``'s collectives of the whole job (or set) under the exchange timeout."""
 
     def prepare(self) -> Any:

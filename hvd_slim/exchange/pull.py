@@ -2,8 +2,7 @@
 written into each parameter's ``.grad``.
 
 :class:`Puller` is owned by the :class:`~hvd_slim.exchange.worker.Worker`, which commits its
-own proposals first; it keeps the servers' cached pull cores (``refresh_interval > 1``) and the
-buffers each ``p.grad`` of a compressed bucket views.
+own proposals first; it keeps the buffers each ``p.grad`` of a compressed bucket views.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from ..selection import ROLE_PULL, slice_indices
 from ..wire import control
 from ..wire import message as wm
 from .errors import ExchangeError, NonFiniteGradientError
-from .expect import pull_expect
+from .expect import shard_pull_expects
 from .layout import DENSE, Layout
 from .sections import indices_on, section_values
 from .shards import Piece, ShardPlan
@@ -24,8 +23,8 @@ from .stats import ExchangeStats
 from .wirepath import WirePath
 
 # Puller.render's result: per bucket index, the delivered values and whether p.grad may view
-# them; and the pull cores after this pull.
-Rendered = Tuple[Dict[int, Tuple[torch.Tensor, bool]], Dict[int, torch.Tensor]]
+# them.
+Rendered = Dict[int, Tuple[torch.Tensor, bool]]
 
 
 class Puller:
@@ -36,7 +35,6 @@ class Puller:
         self.layout, self.cfg, self.shards, self.path, self.stats = \
             layout, config, shards, path, stats
         self.rank, self.size, self.digest = rank, size, digest
-        self.pull_core: Dict[int, torch.Tensor] = {}   # the servers' cached pull cores
         self._pulled: Dict[int, torch.Tensor] = {}     # sliced pulls; each p.grad views it
 
     def read(self, bufs: List[Any], t: int, flush: bool) -> Optional[List[List[wm.Section]]]:
@@ -59,11 +57,9 @@ class Puller:
                             digest=self.digest, who=who)
                         return None
             out = []
-            for s, (buf, who, root) in enumerate(zip(bufs, whos, roots)):
-                # The world size bounds a union pull: at most ``size * k`` coordinates a bucket.
-                expect = pull_expect(self.shards.shard_buckets(t, s), t,
-                                     self.cfg.refresh_interval, self.cfg.pull, flush,
-                                     size=self.size)
+            # The world size bounds a union pull: at most ``size * k`` coordinates a bucket.
+            expects = shard_pull_expects(self.shards, t, self.cfg.pull, flush, self.size)
+            for buf, who, root, expect in zip(bufs, whos, roots, expects):
                 out.append(self.path.decode(buf, kind=wm.FLUSH_PULL if flush else wm.PULL,
                                             sender=root, step=t, digest=self.digest,
                                             expect=expect, who=who))
@@ -80,8 +76,7 @@ class Puller:
         """Write the pulled values (per shard) into ``p.grad``: zeros where nothing was
         delivered, dense sections straight in. ``rendered``: what :meth:`render` already made
         of the same pull."""
-        values, cores = rendered if rendered is not None else self.render(pulled, t)
-        self.pull_core = cores
+        values = rendered if rendered is not None else self.render(pulled, t)
         for b in self.layout.at_step(t):
             got = values.get(b.index)
             if got is None:
@@ -94,10 +89,9 @@ class Puller:
 
     def render(self, pulled: List[List[wm.Section]], t: int) -> "Rendered":
         """What the pull delivers, per bucket of step ``t`` (absent: nothing), as one flat
-        tensor and whether ``p.grad`` may view it, with the pull cores it carries. The cores
-        are returned, not kept, so a step that is then dropped leaves them as they were (a
-        host's spread, exchange/hierarchy.py, needs the values before the commit). But a
-        compressed bucket's values are scattered in place into the buffer this rank keeps for
+        tensor and whether ``p.grad`` may view it (a host's spread,
+        exchange/hosts/hierarchy.py, needs the values before the commit). A compressed
+        bucket's values are scattered in place into the buffer this rank keeps for
         it (``_pulled``, zeroed first), which the last committed pull's ``p.grad`` views: call
         it only where that view may be overwritten (at the commit, :meth:`write`; in the
         hierarchy, after the host reduction gave the stand-in pieces a fresh ``.grad``)."""
@@ -105,7 +99,6 @@ class Puller:
         for pieces, sections in zip(self.shards.by_shard(t), pulled):
             for p, sec in zip(pieces, sections):
                 parts[p.bucket].append((p, sec))
-        cores = dict(self.pull_core)
         values: Dict[int, Tuple[torch.Tensor, bool]] = {}
         for b, got in zip(self.layout.at_step(t), parts):
             got.sort(key=lambda ps: ps[0].lo)
@@ -131,29 +124,21 @@ class Puller:
                 if sec.mode == wm.M_DENSE:
                     part.copy_(section_values(sec, p.b))
                 else:
-                    idx = self._indices(p, sec, t, cores)
+                    idx = self._indices(p, sec, t)
                     try:
                         part[idx] = section_values(sec, p.b.as_pulled(), idx.numel())
                     except wm.WireError as exc:
                         raise ExchangeError(f"rank {self.rank}: {exc}") from None
             values[b.index] = (flat, True)
-        return values, cores
+        return values
 
-    def _indices(self, p: Piece, sec: wm.Section, t: int, cores: Dict[int, torch.Tensor]
-                 ) -> torch.Tensor:
-        """The coordinates of a pulled slice in its piece: explicit, or the server's core
-        (fresh ones go into ``cores``) plus exploration."""
+    def _indices(self, p: Piece, sec: wm.Section, t: int) -> torch.Tensor:
+        """The coordinates of a pulled slice in its piece: explicit, or the server's core plus
+        exploration."""
         pb = p.b
         if sec.mode == wm.M_EXPLICIT:
             return indices_on(sec.indices, pb)
-        if sec.mode == wm.M_SLICE:
-            cores[pb.index] = indices_on(sec.indices, pb)
-        core = cores.get(pb.index)
-        if core is None:
-            raise ExchangeError(f"rank {self.rank}: the server reused a cached pull core this "
-                                "rank does not have")
-        # A checkpoint loaded with map_location="cpu" restores the cached core on the host.
-        return slice_indices(pb.numel, core.to(pb.device), pb.k_pull_explore,
+        return slice_indices(pb.numel, indices_on(sec.indices, pb), pb.k_pull_explore,
                              seed=self.cfg.seed, role=ROLE_PULL,
                              rank=self.shards.roots[p.shard], step=t, bucket=pb.index,
                              device=pb.device)

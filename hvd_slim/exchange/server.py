@@ -1,7 +1,7 @@
 """The server's half of a step: decode every push, aggregate, choose the pull slice.
 
 The server is rank ``server_rank`` (also a worker). Every push is decoded strictly before
-anything is summed, and the server's own state (its residual, cached cores) changes only once
+anything is summed, and the server's own state (its residual, its selectors) changes only once
 the whole pull is built, so a bad message or a skipped step leaves it untouched.
 
 It also decides how a step with a NaN/Inf gradient ends: any worker that found one sends a
@@ -22,7 +22,7 @@ from ..wire import control
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
 from ..wire.values import quantize
-from .expect import is_refresh, pull_is_dense, push_expect
+from .expect import pull_is_dense, push_expect
 from .finite import nonfinite_sent, nonfinite_text
 from .layout import DENSE, Bucket, Layout
 from .sections import indices_on, itemsizes, section_values
@@ -30,8 +30,8 @@ from .wirepath import HostPath, WirePath
 
 
 class Server:
-    """Aggregation state: its own residual ``e`` per compressed bucket (pull="slim"), the cores
-    each worker last sent (for ``refresh_interval > 1``) and its own cached pull core."""
+    """Aggregation state: its own residual ``e`` per compressed bucket (pull="slim") and the
+    selector of its pull."""
 
     def __init__(self, layout: Layout, config: SlimConfig, size: int, rank: int,
                  path: Optional[WirePath] = None) -> None:
@@ -43,8 +43,6 @@ class Server:
         self.memory = {b.index: ResidualMemory(b.numel, b.state_dtype, b.device)
                        for b in layout.sparse}
         self.selector = {b.index: CoreSelector() for b in layout.sparse}
-        self.worker_cores: List[dict] = [dict() for _ in range(size)]
-        self.pull_core: dict = {}
         # Kept per-bucket scratch: fresh multi-MB buffers are page-faulted in again every step
         # (profiled: ~23% of the server's exchange time on ResNet-18 shapes).
         self._total: Dict[int, torch.Tensor] = {}
@@ -68,7 +66,7 @@ class Server:
         self.settle(False)   # a step whose outcome never arrived did not go through
         cfg, buckets = self.cfg, self.layout.at_step(step)
         kind = wm.FLUSH_PUSH if flush else wm.PUSH
-        expect = push_expect(buckets, step, cfg.refresh_interval, flush)
+        expect = push_expect(buckets, flush)
         decoded: List[Optional[List[wm.Section]]] = []
         reports: List[Tuple[int, str]] = []
         for j, buf in enumerate(payloads):
@@ -135,7 +133,7 @@ class Server:
             return
         plan, totals, selectors = pending
         if ok:
-            adopted = plan.commit(self)
+            adopted = plan.commit()
         else:
             plan.undo()
             for i, st in selectors.items():
@@ -181,16 +179,7 @@ class Server:
     def _push_slice(self, b: Bucket, j: int, sec: wm.Section, step: int, plan: "_Plan"
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """The coordinates (core, then exploration) and values of rank ``j``'s sliced push."""
-        if sec.mode == wm.M_SLICE:
-            core = indices_on(sec.indices, b)
-            plan.worker_cores[(j, b.index)] = core
-        else:
-            core = self.worker_cores[j].get(b.index)
-            if core is None:
-                raise wm.WireError(f"push from rank {j}: bucket {b.index} reuses a cached core, "
-                                   "but the server has none (restored from another checkpoint?)")
-            core = core.to(b.device)
-        idx = slice_indices(b.numel, core, b.k_explore, seed=self.cfg.seed, role=ROLE_PUSH,
+        idx = slice_indices(b.numel, indices_on(sec.indices, b), b.k_explore, seed=self.cfg.seed, role=ROLE_PUSH,
                             rank=j, step=step, bucket=b.index, device=b.device)
         return idx, section_values(sec, b, idx.numel())
 
@@ -235,12 +224,7 @@ class Server:
         """The pull slice of ``v`` (= e + G, the residual itself): its core by |v| plus
         exploration; the sent coordinates are forgotten at commit."""
         mem = self.memory[b.index]
-        refresh = is_refresh(step, self.cfg.refresh_interval)
-        if refresh:
-            core = self.selector[b.index].select_magnitude(v, b.k_pull_core)
-            plan.pull_core[b.index] = core
-        else:
-            core = self.pull_core[b.index].to(b.device)
+        core = self.selector[b.index].select_magnitude(v, b.k_pull_core)
         sel = slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
                             role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
                             device=b.device)
@@ -249,8 +233,7 @@ class Server:
         pb = b.as_pulled()
         coded, exp, delivered = quantize(v[sel], pb.slice_dtype, pb.slice_bits)
         plan.forget.append((mem, sel, delivered))
-        mode = wm.M_SLICE if refresh else wm.M_SLICE_CACHED
-        return self._checked(b, coded, delivered, sel, plan, mode, core if refresh else None, exp)
+        return self._checked(b, coded, delivered, sel, plan, wm.M_SLICE, core, exp)
 
     def _sent(self, b: Bucket, values: torch.Tensor, sel: Optional[torch.Tensor], plan: "_Plan",
               mode: int, indices: Optional[torch.Tensor] = None) -> wm.Section:
@@ -273,20 +256,14 @@ class Server:
     # --- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"memory": {i: m.state_dict() for i, m in self.memory.items()},
-                "selector": {i: s.state_dict() for i, s in self.selector.items()},
-                "worker_cores": [{i: c.clone() for i, c in d.items()} for d in self.worker_cores],
-                "pull_core": {i: c.clone() for i, c in self.pull_core.items()}}
+                "selector": {i: s.state_dict() for i, s in self.selector.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["worker_cores"]) != self.size:
-            raise ValueError(f"server checkpoint is from a job of {len(state['worker_cores'])} "
-                             f"ranks, this job has {self.size}")
+        """Load a state the exchange's checkpoint checks validated (the same job and layout;
+        the cached cores of older checkpoints are ignored: every step selects anew)."""
         for i, m in self.memory.items():
             m.load_state_dict(state["memory"][i])
             self.selector[i].load_state_dict(state["selector"][i])
-        self.worker_cores = [{int(i): c.clone() for i, c in d.items()}
-                             for d in state["worker_cores"]]
-        self.pull_core = {int(i): c.clone() for i, c in state["pull_core"].items()}
 
 
 class _Plan:
@@ -296,12 +273,10 @@ class _Plan:
         self.memory: List[tuple] = []        # (memory, proposed residual, sent, delivered)
         self.forget: List[tuple] = []        # (memory, sent, delivered): aggregated in place
         self.saved: List[tuple] = []         # (residual, coordinates, their values before)
-        self.worker_cores: Dict[Tuple[int, int], torch.Tensor] = {}
-        self.pull_core: Dict[int, torch.Tensor] = {}
         self.overflow: List[str] = []        # parameters whose pulled values overflow the wire
         self.sent_dtype: Optional[torch.dtype] = None
 
-    def commit(self, server: Server) -> Dict[int, torch.Tensor]:
+    def commit(self) -> Dict[int, torch.Tensor]:
         """Apply the plan; returns each adopting memory's old residual buffer, by id(memory)."""
         old = {}
         for mem, v, sent, delivered in self.memory:
@@ -309,9 +284,6 @@ class _Plan:
         for mem, sent, delivered in self.forget:
             mem.update(sent, delivered)
         self.saved = []
-        for (j, i), core in self.worker_cores.items():
-            server.worker_cores[j][i] = core
-        server.pull_core.update(self.pull_core)
         return old
 
     def undo(self) -> None:

@@ -46,7 +46,7 @@ class ExchangeStats:
         self.last: Dict[str, int] = {}
         self.last_skip = ""   # why the last skipped step was skipped (every rank has the same)
 
-    def _add(self, **parts: int) -> None:
+    def add(self, **parts: int) -> None:
         """Add to the cumulative fields and to this step's figures (``last``)."""
         for name, n in parts.items():
             setattr(self, name, getattr(self, name) + n)
@@ -56,7 +56,7 @@ class ExchangeStats:
                     sizes: Dict[str, int]) -> None:
         """One push message (one per server shard) of ``sections`` for ``buckets``."""
         dense = sum(len(s.values) for b, s in zip(buckets, sections) if b.kind != SPARSE)
-        self._add(push_header_bytes=sizes["header"], push_dense_value_bytes=dense,
+        self.add(push_header_bytes=sizes["header"], push_dense_value_bytes=dense,
                   push_sparse_value_bytes=sizes["values"] - dense,
                   push_index_bytes=sizes["indices"])
 
@@ -66,7 +66,7 @@ class ExchangeStats:
         values = sum(len(s.values) for s in sections)
         dense = sum(len(s.values) for b, s in zip(buckets, sections) if b.kind != SPARSE)
         index = sum(len(s.idx_bytes) for s in sections)
-        self._add(pull_header_bytes=len(buf) - values - index, pull_value_bytes=values,
+        self.add(pull_header_bytes=len(buf) - values - index, pull_value_bytes=values,
                   pull_dense_value_bytes=dense, pull_sparse_value_bytes=values - dense,
                   pull_index_bytes=index)
 

@@ -4,8 +4,8 @@
 
 with the handshake once, before the first push (and again after a checkpoint is loaded).
 :meth:`SlimExchange.step` fixes this order for the flat exchange (the hosts-first and
-staged exchanges, exchange/hierarchy.py and exchange/overlap.py, order theirs around it): one
-call a phase, the worker's (:class:`~hvd_slim.exchange.worker.Worker`) and the server's
+staged exchanges, exchange/hosts/hierarchy.py and exchange/overlap/staged.py, order theirs around
+it): one call a phase, the worker's (:class:`~hvd_slim.exchange.worker.Worker`) and the server's
 (:class:`~hvd_slim.exchange.server.Server`) halves on their own objects, the collective phases
 in step_wire.py.
 It reads each parameter's ``.grad`` and writes the pulled update back into it; the wrapped
@@ -27,15 +27,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from ..config import SlimConfig
-from ..transport.base import Transport, TransportTimeout
+from ..transport.base import Transport
 from ..wire import message as wm
-from . import checkpoint, handshake, step_wire
-from .errors import TIMEOUT_ADVICE, ExchangeError, NonFiniteGradientError
+from . import checkpoint, handshake, outcome, step_wire
+from .errors import ExchangeError, NonFiniteGradientError
 from .layout import Layout
-from .overlap_runner import exclusive
+from .overlap.runner import exclusive
 from .server import Server
 from .shards import ShardPlan, ShardView
 from .stats import ExchangeStats
+from .timeout import watched
 from .wirepath import WirePath, wire_path
 from .worker import Worker
 
@@ -105,7 +106,7 @@ class SlimExchange:
         if self.shard is not None:
             view = layout if self.servers == 1 else ShardView(self.shards, self.shard)
             self.server = Server(view, config, self.size, self.rank, self.path)
-        self._agreed = False   # the handshake has not run yet
+        self.agreement = handshake.Agreement()   # the handshake has not run yet
 
     # --- the step ----------------------------------------------------------------------------
     def step(self) -> bool:
@@ -115,20 +116,13 @@ class SlimExchange:
         is NaN on every rank (``"flag"``) or as the caller left it (``"skip"``)."""
         with exclusive(self.transport):   # after any overlapped step queued on the transport
             pending = self.begin()
-        if pending.pulled is None:
-            self.settle(pending, commit=False)
-            self.stats.skipped_steps += 1
-            if self.cfg.nonfinite == "flag":
-                self.flag_grads()
-            return False
-        self.settle(pending, commit=True)
-        return True
+        return outcome.finish(self, pending)
 
     def begin(self) -> "Pending":
         """Every phase of a step but its outcome: compensate, select, push, aggregate and pull.
         Nothing of the exchange is committed yet (the worker's proposals and the server's plan
         wait for :meth:`settle`), so a caller running several exchanges as one step
-        (exchange/overlap.py) commits all or none. A skip (``pulled`` None) is settled by the
+        (exchange/overlap/staged.py) commits all or none. A skip (``pulled`` None) is settled by the
         caller too; an error is settled here (a NaN/Inf under ``"raise"``: nothing changes;
         any other failure: this rank's gradient is kept in its residual) and raised."""
         return self.communicate(self.prepare())
@@ -158,7 +152,7 @@ class SlimExchange:
         try:
             # The first collective comes after the local phases, so a failed handshake keeps
             # this step's gradient in the residual (absorb) like any other failure.
-            self._handshake(t)
+            self.agreement.ensure(self, t, self.collective)
             pushed = step_wire.push(self, prep.sections, prep.report, t)
             reply = step_wire.aggregate(self, pushed, t)
             pulled = step_wire.pull(self, reply, t, defer=True)
@@ -225,7 +219,7 @@ class SlimExchange:
         self.stats.last = {}
         before = step_wire.traffic(self)
         try:
-            self._handshake(t)
+            self.agreement.ensure(self, t, self.collective)
             pushed = step_wire.push(self, sections, None, t, flush=True)
             reply = step_wire.aggregate(self, pushed, t, flush=True)
             pulled = step_wire.pull(self, reply, t, flush=True)
@@ -240,27 +234,15 @@ class SlimExchange:
     def agree(self) -> None:
         """Run the handshake now unless it has run (``local_steps``: at the first local step,
         so a rank with other settings is named before a round's work is done). Collective."""
-        if not self._agreed:
+        if not self.agreement.done:
             with exclusive(self.transport):
-                self._handshake(self.step_count)
+                self.agreement.ensure(self, self.step_count, self.collective)
 
-    # --- phases ------------------------------------------------------------------------------
-    def _handshake(self, t: int) -> None:
-        """Once per exchange (and again after loading a checkpoint), before the first push:
-        every rank checks that all run the same model and settings."""
-        if not self._agreed:
-            self._collective(lambda: handshake.check_agreement(self, t),
-                             f"the handshake of step {t}")
-            self._agreed = True
-
-    def _collective(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run collectives under the exchange timeout; a timeout error says what to do."""
-        try:
-            with self.transport.watch(self.cfg.timeout, what):
-                return fn()
-        except TransportTimeout as exc:
-            raise TransportTimeout(f"{exc}. {TIMEOUT_ADVICE} (now {self.cfg.timeout:g} s)"
-                                   ) from None
+    # --- collectives -------------------------------------------------------------------------
+    def collective(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()``'s collectives over this exchange's transport, under the exchange timeout
+        (``what``: what a timeout error names)."""
+        return watched(self.transport, self.cfg.timeout, fn, what)
 
     # --- checkpoint --------------------------------------------------------------------------
     def residual_norm(self) -> float:
@@ -287,4 +269,4 @@ class SlimExchange:
         checkpoint.validate(self, state)
         checkpoint.load(self, state)
         self.worker.drop_pending()
-        self._agreed = False
+        self.agreement.reset()

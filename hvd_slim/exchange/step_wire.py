@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 from ..wire import control
 from ..wire import message as wm
-from .expect import message_bound, pull_expect, push_expect
+from .expect import message_bound, pull_bounds, push_expect
 from .sections import itemsizes
 
 if TYPE_CHECKING:
@@ -25,8 +25,7 @@ def push(ex: "SlimExchange", sections: List[List[wm.Section]], report: Optional[
     start = time.perf_counter()
     for s in range(ex.servers):
         buckets = ex.shards.shard_buckets(t, s)
-        bound = message_bound(push_expect(buckets, t, ex.cfg.refresh_interval,
-                                          flush=flush))
+        bound = message_bound(push_expect(buckets, flush=flush))
         if report is None:
             buf, sizes = ex.path.encode(kind, ex.rank, t, ex.digest, sections[s],
                                         itemsizes(buckets, sections[s]))
@@ -42,7 +41,7 @@ def push(ex: "SlimExchange", sections: List[List[wm.Section]], report: Optional[
         gather = lambda: ex.path.gather(ex.transport, bufs[0], ex.roots[0], bounds[0])
     else:
         gather = lambda: ex.path.gather_many(ex.transport, bufs, ex.roots, bounds)
-    gathered = ex._collective(gather, f"the push of step {t}")
+    gathered = ex.collective(gather, f"the push of step {t}")
     ex.stats.timed("push", start)
     sent = ex.transport.stats.bytes_sent - before
     ex.stats.bytes_pushed += sent
@@ -56,7 +55,7 @@ def aggregate(ex: "SlimExchange", gathered: Optional[List[Any]], t: int,
     raises, also for a failure of the server itself). None on the other ranks."""
     if ex.server is None:
         return None
-    bound = pull_bounds(ex, t, flush)[ex.shard]
+    bound = _pull_bounds(ex, t, flush)[ex.shard]
     start = time.perf_counter()
     try:
         reply = ex.server.serve(gathered, t, ex.digest, flush, limit=bound)
@@ -76,14 +75,14 @@ def pull(ex: "SlimExchange", reply: Any, t: int, flush: bool = False, defer: boo
     pull leaves it to :meth:`SlimExchange.settle`."""
     sections = None
     try:
-        bounds = pull_bounds(ex, t, flush)
+        bounds = _pull_bounds(ex, t, flush)
         before = ex.transport.stats.bytes_received
         if ex.servers == 1:
             bcast = lambda: [ex.path.broadcast(ex.transport, reply, ex.roots[0], bounds[0])]
         else:
             bcast = lambda: ex.path.broadcast_many(ex.transport, reply, ex.roots, bounds)
         start = time.perf_counter()
-        bufs = ex._collective(bcast, f"the pull of step {t}")
+        bufs = ex.collective(bcast, f"the pull of step {t}")
         start = ex.stats.timed("pull", start)
         received = ex.transport.stats.bytes_received - before
         ex.stats.bytes_pulled += received
@@ -98,13 +97,10 @@ def pull(ex: "SlimExchange", reply: Any, t: int, flush: bool = False, defer: boo
     return sections
 
 
-def pull_bounds(ex: "SlimExchange", t: int, flush: bool) -> List[int]:
-    """The most bytes each shard's pull of step ``t`` can take (every rank computes the
-    same)."""
-    return [message_bound(pull_expect(ex.shards.shard_buckets(t, s), t,
-                                      ex.cfg.refresh_interval, ex.cfg.pull, flush,
-                                      size=ex.size))
-            for s in range(ex.servers)]
+def _pull_bounds(ex: "SlimExchange", t: int, flush: bool) -> List[int]:
+    """:func:`~hvd_slim.exchange.expect.pull_bounds` of ``ex``'s shards and settings: the
+    server's reply and every rank's broadcast are cut to the same bounds."""
+    return pull_bounds(ex.shards, t, ex.cfg.pull, flush, ex.size)
 
 
 def traffic(ex: "SlimExchange") -> tuple:

@@ -3,13 +3,13 @@ server's pull and apply it, and settle the outcome on this rank's memory.
 
 A :class:`Worker` is handed everything it reads when it is built (layout, settings, rank, world
 size, digest, the :class:`~hvd_slim.exchange.wirepath.WirePath` its sections take and the
-stats it adds to) and owns this rank's residuals, selectors and cached cores.
+stats it adds to) and owns this rank's residuals and selectors.
 :class:`~hvd_slim.exchange.step.SlimExchange` calls it phase by phase.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -19,7 +19,6 @@ from ..memory import ResidualMemory
 from ..selection import ROLE_PUSH, CoreSelector, significance, slice_indices
 from ..wire import message as wm
 from ..wire.values import quantize
-from .expect import is_refresh
 from .finite import nonfinite_params, nonfinite_sent, nonfinite_text
 from .layout import DENSE, Bucket, Layout, sent_whole
 from .pull import Puller
@@ -46,8 +45,6 @@ class Proposal:
     mask_velocity: float = 1.0             # share of the velocity dropped at ``sel``
     a: Optional[torch.Tensor] = None       # proposed residual before forgetting ``sel``
     u_new: Optional[torch.Tensor] = None   # proposed velocity (momentum correction)
-    # Freshly selected cores by piece id (shards.py), cached once committed
-    cores: Dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,12 +58,11 @@ class Compensated:
 
 
 class Worker:
-    """One rank's worker state (residuals, selectors, cached push and pull cores) and its
-    phases of a step.
+    """One rank's worker state (residuals and selectors) and its phases of a step.
 
     Residuals and velocities are kept per bucket; selection works per piece of a bucket (one
-    piece per server shard, shards.py), so selectors and cached cores are kept by piece id
-    (the bucket's index when there is one server). Messages are lists of sections per shard."""
+    piece per server shard, shards.py), so selectors are kept by piece id (the bucket's index
+    when there is one server). Messages are lists of sections per shard."""
 
     def __init__(self, layout: Layout, config: SlimConfig, rank: int, size: int, digest: int,
                  path: WirePath, stats: ExchangeStats,
@@ -82,7 +78,6 @@ class Worker:
                        for b in layout.sparse}
         self.selector = {p.b.index: CoreSelector() for ps in self.shards.pieces(None)
                          for p in ps if p.b.kind != DENSE}
-        self.core: Dict[int, torch.Tensor] = {}        # this worker's cached push cores
         self.puller = Puller(layout, config, self.shards, path, stats, rank, size, digest)
         # A compressed bucket's proposal becomes its residual at commit: the state dtype.
         self._flat = {b.index: torch.zeros(b.numel, dtype=b.dtype if b.kind == DENSE
@@ -180,29 +175,18 @@ class Worker:
                     for p, part in zip(pieces, _cut(coded, pieces))]
             return secs, _lossy(delivered, coded), None
         t_sel = time.perf_counter()
-        refresh = is_refresh(t, cfg.refresh_interval)
-        w = None
-        if cfg.magnitude_weight and (refresh or any(p.b.index not in self.core for p in pieces)):
-            w = self.layout.read_params(b, torch.empty_like(a))
-        secs, sels, delivered, cores = [], [], [], {}
+        w = self.layout.read_params(b, torch.empty_like(a)) if cfg.magnitude_weight else None
+        secs, sels, delivered = [], [], []
         for p, ap in zip(pieces, _cut(a, pieces)):
             pb = p.b
-            new_core = None
-            if refresh or pb.index not in self.core:
-                new_core = cores[pb.index] = self._select_core(
-                    pb, ap, None if w is None else w[p.lo:p.hi])
-            core = (self.core[pb.index] if new_core is None else new_core).to(b.device)
+            core = self._select_core(pb, ap, None if w is None else w[p.lo:p.hi]).to(b.device)
             sel = slice_indices(pb.numel, core, pb.k_explore, seed=cfg.seed, role=ROLE_PUSH,
                                 rank=self.rank, step=t, bucket=pb.index, device=b.device)
             t_code = time.perf_counter()
             # value_bits: the values travel in the slice dtype; what rounding lost stays in the
             # residual (``delivered`` is what the server decodes), to be sent later.
             coded, exp, got = quantize(ap[sel], pb.slice_dtype, pb.slice_bits)
-            if refresh:
-                secs.append(self.path.section(wm.M_SLICE, coded, pb.numel, indices=core,
-                                              exp=exp))
-            else:
-                secs.append(self.path.section(wm.M_SLICE_CACHED, coded, pb.numel, exp=exp))
+            secs.append(self.path.section(wm.M_SLICE, coded, pb.numel, indices=core, exp=exp))
             sels.append(sel + p.lo if p.lo else sel)
             delivered.append(got)
             t_sel += time.perf_counter() - t_code   # select_seconds: selection alone
@@ -213,8 +197,7 @@ class Worker:
             lossy = (delivered[0] if len(delivered) == 1 else torch.cat(delivered), coded.dtype)
         self._pending.append(Proposal(index=b.index, sel=sel,
                                       delivered=None if lossy is None else lossy[0],
-                                      mask_velocity=cfg.momentum_masking, a=a, u_new=u_new,
-                                      cores=cores))
+                                      mask_velocity=cfg.momentum_masking, a=a, u_new=u_new))
         return secs, lossy, sel
 
     def _select_core(self, pb: Bucket, a: torch.Tensor, w: Optional[torch.Tensor]
@@ -242,29 +225,19 @@ class Worker:
         self._commit()
         self.puller.write(pulled, t, rendered)
 
-    @property
-    def pull_core(self) -> Dict[int, torch.Tensor]:
-        """The servers' cached pull cores, by piece id (checkpointed)."""
-        return self.puller.pull_core
-
-    @pull_core.setter
-    def pull_core(self, cores: Dict[int, torch.Tensor]) -> None:
-        self.puller.pull_core = cores
-
     # --- the step's outcome on this rank's memory --------------------------------------------
     def selector_states(self) -> Dict[int, dict]:
         """The selectors' carried thresholds, for :meth:`rollback`."""
         return {i: s.state_dict() for i, s in self.selector.items()}
 
     def _commit(self) -> None:
-        """The step went through: forget what was sent, cache fresh cores."""
+        """The step went through: forget what was sent."""
         for p in self._pending:
             mem = self.memory[p.index]
             if p.a is None:
                 mem.update(p.sel, p.delivered, p.mask_velocity)
                 continue
             self._flat[p.index] = mem.commit(p.a, p.u_new, p.sel, p.delivered, p.mask_velocity)
-            self.core.update(p.cores)
         self._pending = []
 
     def absorb(self) -> None:
@@ -277,7 +250,7 @@ class Worker:
         self._pending = []
 
     def rollback(self, selectors: Dict[int, dict]) -> None:
-        """Every rank drops the step (NaN/Inf): no residual, velocity or core changes."""
+        """Every rank drops the step (NaN/Inf): no residual or velocity changes."""
         self._pending = []
         for i, st in selectors.items():
             self.selector[i].load_state_dict(st)

@@ -4,7 +4,7 @@ overlaps its outer communication with the following inner steps.
 At the end of round r every rank computes its pseudo-gradient and :meth:`InFlight.launch`
 starts its exchange: the local phases (compensate and select, which read ``p.grad``) on the
 caller's thread, the collectives (handshake, push, aggregate, pull) on the transport's
-communication thread (exchange/overlap_runner.py), while round r+1's local steps run. At the end
+communication thread (exchange/overlap/runner.py), while round r+1's local steps run. At the end
 of round r+1, :meth:`InFlight.land` waits for it and settles it; the outer optimizer then steps
 the global parameters on round r's average and round r+1's pseudo-gradient is launched. So the
 outer step lands one round late (what each rank's model holds meanwhile: outer/ends.py). The
@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..exchange.build import threads_allowed
-from ..exchange.overlap_runner import Job, runner_for
+from ..exchange.overlap.runner import Job, runner_for
 from ..exchange.step import Pending, SlimExchange
 from .rounds import matches_params
 

@@ -39,6 +39,13 @@ class RoundEnds:
         # measured from here); the global parameters when training starts.
         self.start = [p.detach().clone() for p in rounds.params] if delayed else None
 
+    def rebind(self, exchange: Any) -> None:
+        """Elastic recovery: later rounds run over ``exchange``. A round in flight on the old
+        one is dropped with it; the state to resume comes from a commit."""
+        self.exchange = exchange
+        if self.flight is not None:
+            self.flight = InFlight(exchange, self.flight.params)
+
     def first_step(self) -> None:
         """Before the first local step: the global parameters (and this rank's round start)
         are the model's now, after any broadcast the script made after building the

@@ -1,9 +1,10 @@
-"""Process-level state in Horovod's shape: ``init``/``shutdown``, rank and size queries (the
+"""Process-level state in Horovod's shape: :func:`start`/:func:`stop` (under ``hvd.init`` and
+``hvd.shutdown``, api/lifecycle.py), rank and size queries (the
 build flags are in build_flags.py), and the two objects the rest of the package reaches MPI through, both handed out from
 here: :func:`job_collectives` (the tensor API's collectives on the job communicator) and
 :func:`world_transport` (the optimizer's exchange, on a communicator of its own).
 
-mpi4py is imported (and MPI initialised) only inside :func:`init`, so ``import hvd_slim`` stays
+mpi4py is imported (and MPI initialised) only inside :func:`start`, so ``import hvd_slim`` stays
 cheap and works on a machine without MPI.
 
 Inside an initialised Horovod (``horovod.torch``'s ``hvd.init()``) no ``hvd_slim.init()`` is
@@ -12,7 +13,6 @@ needed: rank queries answer from Horovod, and the first collective (building a
 """
 from __future__ import annotations
 
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional
@@ -76,34 +76,14 @@ def _job_comm(mpi: Any, comm: Any) -> Any:
                     f"intracommunicator, got {type(comm).__name__}")
 
 
-def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None:
-    """Start hvd_slim (and MPI, through mpi4py) on the ranks of ``comm``.
-
-    Collective over those ranks. Idempotent: later calls before :func:`shutdown` do nothing.
-    The launcher's rank variables, and an initialised Horovod, are checked against MPI's view.
-
-    Args:
-        comm: None (default) for every rank (a Dup of MPI.COMM_WORLD), an mpi4py
-            intracommunicator (duplicated), or a non-empty list of distinct COMM_WORLD ranks
-            (a sub-communicator, ranked in list order; only the listed ranks call init).
-        process_sets: None (default) or ``"dynamic"``, or a list of
-            :class:`~hvd_slim.ProcessSet` to register now (each built from job ranks or, on
-            its members, an mpi4py communicator); sets can be added later either way.
-
-    Returns:
-        None.
-
-    Raises:
-        ValueError: a bad ``process_sets`` or rank list (or this rank is not in it).
-        TypeError: ``comm`` is neither None, a list of ranks nor a communicator.
-        ImportError: mpi4py (or an MPI library) is not installed.
-        RuntimeError: the launcher or Horovod disagrees with MPI on rank or size, or Horovod
-            runs on Gloo without MPI.
-    """
+def start(comm: Optional[Any] = None) -> bool:
+    """Start MPI (through mpi4py) and the job's communicators on the ranks of ``comm``
+    (``hvd_slim.init``'s argument, api/lifecycle.py); False when already started. The
+    launcher's rank variables and an initialised Horovod are checked against MPI's view."""
     global _state
     with _lock:
         if _state is not None:
-            return
+            return False
         # Before MPI starts: under horovodrun --gloo it would come up as a singleton per rank.
         horovod.check_not_gloo_only()
         mpi = _mpi()
@@ -127,37 +107,17 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
                         cross_rank=cross.Get_rank(), cross_size=cross.Get_size())
         if horovod.initialized_horovod() is not None:
             horovod.register_exit_barrier()
-    from . import process_sets as sets
-    try:
-        sets.init_sets(process_sets)
-    except BaseException:
-        shutdown()
-        raise
+    return True
 
 
-def shutdown() -> None:
-    """Release hvd_slim's communicators and transports; :func:`init` may be called again.
-
-    Call it on every rank. Without a running hvd_slim it only closes the torch.distributed
-    transports (``transport="gloo"``/``"nccl"``), if any.
-
-    Returns:
-        None.
-    """
+def stop() -> None:
+    """Free the job's communicators and the exchange's transports (``hvd_slim.shutdown``,
+    api/lifecycle.py, first stops what runs on them). A no-op when not started."""
     global _state
     with _lock:
         state, _state = _state, None
-    # torch.distributed transports (transport="gloo"/"nccl") are torn down with the runtime.
-    torch_dist = sys.modules.get("hvd_slim.transport.torch_dist")
-    if torch_dist is not None:
-        torch_dist.close_all()
     if state is None:
         return
-    engine = sys.modules.get("hvd_slim.runtime.engine")
-    if engine is not None:   # its thread must be done with the communicators first
-        engine.stop()
-    from . import process_sets as sets
-    sets.clear(_mpi())
     if state.transport is not None:
         state.transport.close()
     mpi = _mpi()
@@ -191,7 +151,7 @@ def _require_started() -> _State:
     """The state, first starting hvd_slim from an initialised Horovod. Collective in that case:
     call it only where every rank calls it (collectives, building an optimizer)."""
     if _state is None and horovod.initialized_horovod() is not None:
-        init()
+        start()
     return _require()
 
 
@@ -377,7 +337,7 @@ def mpi_enabled() -> bool:
 
 
 __all__: List[str] = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "mpi_threads_supported", "mpi_enabled", "world_transport", "job_comm",
     "job_collectives", "NOT_INITIALIZED",
 ]

@@ -10,7 +10,9 @@ none; every rank checks the same gathered keys, so all raise the same error toge
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..config import ConfigError
 
 HOST_KEY_VAR = "HVD_SLIM_HOST_KEY"
 
@@ -45,9 +47,9 @@ def local_comm(mpi: Any, job: Any) -> Any:
 
 def host_transports(mpi: Any, job: Any, local: Any) -> tuple:
     """``(hosts, local transport, cross transport)`` for ``hierarchical=True``
-    (exchange/hierarchy.py): each rank's host number (the rank order of the hosts' first ranks),
-    the exchange's transport among this host's ranks (rank order) and among the ranks of this
-    local rank on every host (numbered by host). Collective over ``job``."""
+    (exchange/hosts/hierarchy.py): each rank's host number (the rank order of the hosts' first
+    ranks), the exchange's transport among this host's ranks (rank order) and among the ranks of
+    this local rank on every host (numbered by host). Collective over ``job``."""
     from ..transport.mpi import MpiTransport
     first = int(local.allreduce(job.Get_rank(), op=mpi.MPI.MIN))
     firsts = [int(f) for f in job.allgather(first)]
@@ -55,3 +57,19 @@ def host_transports(mpi: Any, job: Any, local: Any) -> tuple:
     hosts = [number[f] for f in firsts]
     cross = mpi.split(job, local.Get_rank(), hosts[job.Get_rank()])
     return hosts, MpiTransport(mpi.dup(local)), MpiTransport(cross)
+
+
+def host_table(hosts: Sequence[int]) -> List[List[int]]:
+    """The ranks of each host (hosts numbered 0..H-1, each host's ranks in rank order) from each
+    rank's host number; a ValueError naming the hosts unless every host has as many ranks."""
+    by_host: Dict[int, List[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(int(h), []).append(r)
+    table = [by_host[h] for h in sorted(by_host)]
+    if len({len(t) for t in table}) > 1:
+        listed = "; ".join(f"host {h} has {len(t)} (ranks {', '.join(map(str, t))})"
+                           for h, t in enumerate(table))
+        raise ConfigError(f"hierarchical=True needs as many ranks on every host, but {listed}. "
+                          "Launch the same number of ranks per host, or pass "
+                          "hierarchical=False", "hierarchical")
+    return table

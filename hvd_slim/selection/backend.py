@@ -80,9 +80,10 @@ class Scores(Protocol[A]):
     def any_negative(self) -> bool:
         """Whether any score is < 0 (never, with ``magnitude``)."""
 
-    def with_lowest_zeros(self, pos: A, need: int) -> A:
-        """The indices set in ``pos`` plus the ``need`` lowest-indexed others, ascending
-        (``pos`` is modified)."""
+    def with_lowest_zeros(self, pos: A, cand: A, need: int) -> A:
+        """The indices set in ``pos`` (``cand``, ascending) plus the ``need`` lowest-indexed
+        others, ascending (``pos`` is modified). Those others all lie below
+        ``need + len(cand)``, so only that prefix of ``pos`` is read, not all of it."""
 
     def result(self, idx: A, device: torch.device) -> torch.Tensor:
         """``idx`` as an int64 tensor on ``device``."""

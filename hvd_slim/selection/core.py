@@ -229,4 +229,4 @@ class CoreSelector:
             raise ValueError("select: score must be non-negative")
         self._thr = 0.0
         self.last_candidates = s.n
-        return s.with_lowest_zeros(pos, k - len(cand))
+        return s.with_lowest_zeros(pos, cand, k - len(cand))

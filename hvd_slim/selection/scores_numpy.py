@@ -105,11 +105,12 @@ class NumpyScores:
         return False if self.magnitude else bool(np.any(self.s < 0))
 
     @staticmethod
-    def with_lowest_zeros(pos: np.ndarray, need: int) -> np.ndarray:
-        """The positive entries plus the ``need`` lowest-indexed others, ascending."""
-        zeros = np.flatnonzero(~pos)[:need]
-        pos[zeros] = True
-        return np.flatnonzero(pos)
+    def with_lowest_zeros(pos: np.ndarray, cand: np.ndarray, need: int) -> np.ndarray:
+        """The positive entries ``cand`` plus the ``need`` lowest-indexed others, ascending."""
+        m = min(pos.size, need + cand.size)
+        head = pos[:m]
+        head[np.flatnonzero(~head)[:need]] = True
+        return np.concatenate([np.flatnonzero(head), cand[np.searchsorted(cand, m):]])
 
     @staticmethod
     def result(idx: np.ndarray, device: torch.device) -> torch.Tensor:

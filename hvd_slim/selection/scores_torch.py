@@ -103,11 +103,13 @@ class TorchScores:
         return False if self.magnitude else bool((self.s < 0).any())
 
     @staticmethod
-    def with_lowest_zeros(pos: torch.Tensor, need: int) -> torch.Tensor:
-        """The positive entries plus the ``need`` lowest-indexed others, ascending."""
-        zeros = (~pos).nonzero().reshape(-1)[:need]
-        pos[zeros] = True
-        return pos.nonzero().reshape(-1)
+    def with_lowest_zeros(pos: torch.Tensor, cand: torch.Tensor, need: int) -> torch.Tensor:
+        """The positive entries ``cand`` plus the ``need`` lowest-indexed others, ascending."""
+        m = min(pos.numel(), need + cand.numel())
+        head = pos[:m]
+        head[(~head).nonzero().reshape(-1)[:need]] = True
+        rest = cand[int(torch.searchsorted(cand, m)):] if cand.numel() else cand
+        return torch.cat([head.nonzero().reshape(-1), rest])
 
     @staticmethod
     def result(idx: torch.Tensor, device: torch.device) -> torch.Tensor:

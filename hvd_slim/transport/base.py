@@ -37,6 +37,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .staging import broadcast_staged, gather_staged
+
 LENGTH_BYTES = 8
 
 
@@ -186,14 +188,12 @@ class Transport(Deadlines, abc.ABC):
         """:meth:`gather` for a 1-D uint8 tensor; the root gets tensors on ``payload``'s
         device. The default stages through (pinned) host memory; byte accounting is that of
         :meth:`gather`."""
-        from .staging import gather_staged
         return gather_staged(self.gather, payload, root, bound)
 
     def broadcast_tensor(self, payload: Any, root: int, bound: Optional[int] = None,
                          device: Any = "cpu") -> Any:
         """:meth:`broadcast` for a 1-D uint8 tensor (None off the root); every rank gets a
         tensor on ``device``. The default stages through (pinned) host memory."""
-        from .staging import broadcast_staged
         return broadcast_staged(self.broadcast, payload, root, bound, device)
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ and is waited on for at most ``seconds``; otherwise the process group's own time
 (``HVD_SLIM_TRANSPORT_TIMEOUT``). After any failed or timed-out collective the group is in an
 unknown state, so the transport refuses further use.
 
-Process groups come from :mod:`hvd_slim.runtime.rendezvous`; this module only moves frames.
+Process groups come from :mod:`hvd_slim.optim.rendezvous`; this module only moves frames.
 Two payload forms, counted alike: numpy arrays (``gather``/``broadcast``: the handshake and other
 host-built messages; on NCCL such a frame is copied to the device and back), and uint8 tensors
 (``gather_tensor``/``broadcast_tensor``, the exchange's device path): on NCCL the frame is built
@@ -201,7 +201,7 @@ def remember(transport: TorchDistTransport) -> TorchDistTransport:
 def close_all() -> None:
     """Close every cached transport; groups made with ``new_group`` go before the default one."""
     import sys
-    hosts = sys.modules.get("hvd_slim.transport.torch_hosts")
+    hosts = sys.modules.get("hvd_slim.runtime.torch_hosts")
     if hosts is not None:   # hierarchical=True's groups first: they live on the world's
         hosts.close_all()
     items = sorted(_cache.values(), key=lambda t: t.group is None)

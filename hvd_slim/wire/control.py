@@ -11,7 +11,7 @@ body length of text kinds and ORDER's flags, and must be zero otherwise):
   names the tensors.
 * ``SKIP`` (server -> all, instead of a pull): every rank skips this step; the body says why.
 * ``ORDER`` (rank -> rank 0, then rank 0 -> all): header only, a few flags in the last field;
-  the schedule round of ``overlap_forward`` (exchange/overlap_order.py).
+  the schedule round of ``overlap_forward`` (exchange/overlap/order.py).
 
 Every decoder checks the exact length, kind, sender, step and digest, and raises
 :class:`~hvd_slim.wire.errors.WireError` naming what differs.

@@ -62,8 +62,12 @@ class NumpyKernel:
         return bits
 
     def low_bits(self, idx: np.ndarray, low: int) -> np.ndarray:
-        shifts = np.arange(low - 1, -1, -1, dtype=np.int64)
-        return ((idx[:, None] >> shifts) & 1).astype(np.uint8).ravel()   # n x L, MSB first
+        # Each value's low bits as a big-endian word of the smallest width that holds them,
+        # unpacked a byte at a time: n x L bits, MSB first, without an n x L int64 temporary.
+        width = _word_bytes(low)
+        words = (idx & ((1 << low) - 1)).astype(f">u{width}")
+        bits = np.unpackbits(words.view(np.uint8).reshape(-1, width), axis=1)
+        return np.ascontiguousarray(bits[:, 8 * width - low:]).ravel()
 
     def join_low(self, bits: np.ndarray, count: int, low: int) -> np.ndarray:
         weights = np.left_shift(np.int64(1), np.arange(low - 1, -1, -1, dtype=np.int64))
@@ -83,6 +87,11 @@ class NumpyKernel:
 
     def cat(self, parts: Sequence[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts)
+
+
+def _word_bytes(bits: int) -> int:
+    """The bytes of the smallest unsigned word (1, 2, 4 or 8 bytes) that holds ``bits`` bits."""
+    return next(w for w in (1, 2, 4, 8) if 8 * w >= bits)
 
 
 NUMPY = NumpyKernel()

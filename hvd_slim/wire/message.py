@@ -39,7 +39,7 @@ assert HEADER.size == 32 and ENTRY.size == 16
 PUSH, PULL, FLUSH_PUSH, FLUSH_PULL, ERROR = 1, 2, 3, 4, 5
 # Control (see control.py): the first-step handshake, and the decisions a step can end in.
 HELLO, AGREED, DESCRIBE, DESCRIPTION, NONFINITE, SKIP = 6, 7, 8, 9, 10, 11
-# The schedule round of ``overlap_forward`` (exchange/overlap_order.py): flags in ``extra``.
+# The schedule round of ``overlap_forward`` (exchange/overlap/order.py): flags in ``extra``.
 ORDER = 12
 KIND_NAMES = {PUSH: "push", PULL: "pull", FLUSH_PUSH: "flush push", FLUSH_PULL: "flush pull",
               ERROR: "error", HELLO: "hello", AGREED: "agreed", DESCRIBE: "describe request",
@@ -53,12 +53,12 @@ E_GENERIC, E_NONFINITE = 0, 1
 # Section modes.
 M_DENSE = 0         # all d values, no indices
 M_SLICE = 1         # k values: core (indices sent) then explored (regenerated)
-M_SLICE_CACHED = 2  # k values: core cached from the last refresh, then explored
+# 2 was a slice whose core was cached from an earlier step (refresh_interval, removed):
+# decoders refuse it as an unknown mode.
 M_EXPLICIT = 3      # n values at n explicitly sent indices (the union pull), no exploration
 M_EMPTY = 4         # nothing for this bucket (dense buckets during flush)
-SLICED = (M_SLICE, M_SLICE_CACHED)  # the modes whose values follow value_bits
-MODE_NAMES = {M_DENSE: "dense", M_SLICE: "slice", M_SLICE_CACHED: "cached slice",
-              M_EXPLICIT: "explicit", M_EMPTY: "empty"}
+SLICED = (M_SLICE,)  # the modes whose values follow value_bits
+MODE_NAMES = {M_DENSE: "dense", M_SLICE: "slice", M_EXPLICIT: "explicit", M_EMPTY: "empty"}
 
 
 class RemoteError(RuntimeError):

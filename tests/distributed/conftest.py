@@ -65,8 +65,8 @@ def _abort(nodeid: str, text: str) -> None:
 
 def pytest_sessionstart(session: Any) -> None:
     if UNDER_MPI:
-        import hvd_slim.runtime as runtime
-        runtime.init()
+        import hvd_slim
+        hvd_slim.init()
 
 
 def pytest_collectreport(report: Any) -> None:
@@ -99,7 +99,8 @@ def hvd() -> Any:
     """The public API as a Horovod script sees it (``import hvd_slim as hvd``), assembled from the
     modules so the tests do not depend on what ``hvd_slim/__init__.py`` re-exports yet."""
     import hvd_slim
-    from hvd_slim import collectives, functions, runtime
+    from hvd_slim.api import collectives, functions
+    from hvd_slim import runtime
     ns = types.SimpleNamespace()
     for module in (runtime, collectives, functions, hvd_slim):
         for key in dir(module):

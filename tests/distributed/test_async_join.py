@@ -13,7 +13,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hvd_slim.runtime import engine, engine_rounds
+from hvd_slim.api import engine, engine_rounds
 from hvd_slim.transport import mpi_api
 
 
@@ -259,7 +259,7 @@ def test_a_length_from_another_message_raises_before_allocating(hvd):
 
 def test_agree_bounds_the_row_counts_it_returns(hvd):
     """agree() (the check collectives of other modules make) bounds each rank's dim 0."""
-    from hvd_slim.runtime.checks import agree
+    from hvd_slim.api.checks import agree
     n, r = hvd.size(), hvd.rank()
     if n == 1:
         return
@@ -275,7 +275,7 @@ def test_agree_bounds_the_row_counts_it_returns(hvd):
 
 
 def agree_key(t):
-    from hvd_slim.runtime import checks
+    from hvd_slim.api import checks
     shape = tuple(t.shape)
     return [checks._crc(t.dtype), len(shape), checks._crc(shape[1:])]
 

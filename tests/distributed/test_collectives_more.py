@@ -12,7 +12,7 @@ import tempfile
 import pytest
 import torch
 
-from hvd_slim import adasum
+from hvd_slim.api import adasum
 from hvd_slim.runtime import basics
 
 

@@ -10,11 +10,11 @@ import torch
 from mpi4py import MPI
 
 import hvd_slim as hvd
-from hvd_slim import join_sync
-from hvd_slim.runtime.checks import MismatchError
+from hvd_slim.api import join as api_join
+from hvd_slim.api.checks import MismatchError
 
 from test_optimizer_mpi import (Net, assert_same_on_every_rank, batch, flat, flat_grads,
-                                 held_residual, loss_of, wrap)
+                                held_residual, loss_of, wrap)
 
 COMM = MPI.COMM_WORLD
 
@@ -31,8 +31,8 @@ def broadcasts(monkeypatch):
     def recording(served, root):
         seen.append(original(served, root))
         return seen[-1]
-    original = join_sync.after_join
-    monkeypatch.setattr(join_sync, "after_join", recording)
+    original = api_join.after_join
+    monkeypatch.setattr(api_join, "after_join", recording)
     return seen
 
 
@@ -85,8 +85,8 @@ def test_joined_ranks_serve_local_step_rounds(monkeypatch, outer_delay):
     opt = wrap(model, opt=torch.optim.AdamW(model.parameters(), lr=1e-3), density=0.05,
                local_steps=2, outer_delay=outer_delay)
     at_join = []
-    original = join_sync.after_join
-    monkeypatch.setattr(join_sync, "after_join", lambda served, root: (
+    original = api_join.after_join
+    monkeypatch.setattr(api_join, "after_join", lambda served, root: (
         at_join.append(torch.cat([g.reshape(-1) for g in opt._outer.global_params])),
         original(served, root))[1])
     for t in range(2 * steps_of(r)):

@@ -120,8 +120,7 @@ def test_nonfinite_raise_names_the_rank_and_tensor_and_changes_nothing():
 
 def test_nonfinite_skip_skips_everywhere_and_equals_a_run_without_that_step():
     model, ref = net(), net()
-    opt, ref_opt = wrap(model, nonfinite="skip", refresh_interval=2), \
-        wrap(ref, nonfinite="skip", refresh_interval=2)
+    opt, ref_opt = wrap(model, nonfinite="skip"), wrap(ref, nonfinite="skip")
     results = train(model, opt, range(6), poison={(0, 2): float("inf")})
     train(ref, ref_opt, [0, 1, 3, 4, 5])
     assert results[2] is None and opt.comm_stats()["skipped_steps"] == 1
@@ -145,17 +144,17 @@ def test_save_at_t_restart_from_files_equals_the_uninterrupted_run_at_2t(tmp_pat
     own files; brand-new objects load them (weights_only) and go on: bitwise equal at 2T."""
     T = 5
     full = net()
-    full_opt = wrap(full, refresh_interval=2)
+    full_opt = wrap(full)
     train(full, full_opt, range(2 * T))
 
     model = net()
-    opt = wrap(model, refresh_interval=2)
+    opt = wrap(model)
     train(model, opt, range(T))
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
     del model, opt
 
     model = net()
-    opt = wrap(model, refresh_interval=2)
+    opt = wrap(model)
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])

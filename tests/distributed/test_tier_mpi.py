@@ -82,7 +82,7 @@ def test_failed_test_on_one_rank_aborts_the_tier(tmp_path: Path) -> None:
     shutil.copy(ROOT / "tests" / "distributed" / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_fails_on_rank_one.py").write_text(
         "import hvd_slim.runtime as rt\n"
-        "from hvd_slim.functions import barrier\n\n"
+        "from hvd_slim.api.functions import barrier\n\n"
         "def test_rank_one_fails():\n"
         "    assert rt.rank() != 1, 'planted failure on rank 1'\n"
         "    barrier()\n\n"

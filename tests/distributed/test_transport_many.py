@@ -24,7 +24,7 @@ def tr(request, hvd):
     """The tier's MPI transport, or the job's cached Gloo one (started on first use)."""
     if request.param == "mpi":
         return hvd.world_transport()
-    from hvd_slim.runtime.rendezvous import torch_transport
+    from hvd_slim.optim.rendezvous import torch_transport
     return torch_transport("gloo", torch.device("cpu"))
 
 

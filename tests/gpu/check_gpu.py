@@ -145,7 +145,7 @@ def check_flush_lands_on_the_closed_form(transport: str) -> str:
 
 def check_adam_on_sparse_deliveries(transport: str) -> str:
     """The gradient exchange's Adam (adam_exchange="gradient"): the compressed parameters
-    stepped by hvd_slim/inner/adam.py on the device: replicas and Adam's state stay bitwise
+    stepped by hvd_slim/optim/inner/adam.py on the device: replicas and Adam's state stay bitwise
     equal, and the delivery clock lives on the parameters' device."""
     model = Net().to(device())
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
@@ -164,7 +164,7 @@ def check_adam_on_sparse_deliveries(transport: str) -> str:
 
 
 def check_adam_update_exchange(transport: str) -> str:
-    """AdamW's default, the update exchange (inner/adam_update.py), on the device: replicas stay
+    """AdamW's default, the update exchange (optim/inner/adam_update.py), on the device: replicas stay
     bitwise equal and each rank's moments live on the parameters' device."""
     model = Net().to(device())
     opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -180,10 +180,10 @@ def check_adam_update_exchange(transport: str) -> str:
 
 def check_resume_from_a_cpu_mapped_checkpoint(transport: str) -> str:
     """A checkpoint saved from the GPU and loaded with ``map_location="cpu"`` (how a script
-    loads one anywhere) resumes bitwise as an uninterrupted run: residuals, cached push and pull
-    cores (``refresh_interval=2``) and, with local steps, a delayed outer step in flight."""
+    loads one anywhere) resumes bitwise as an uninterrupted run: residuals, selectors and,
+    with local steps, a delayed outer step in flight."""
     done = []
-    for kw in (dict(refresh_interval=2, warmup_decay_steps=0), dict(local_steps=2, outer_delay=1)):
+    for kw in (dict(warmup_decay_steps=0), dict(local_steps=2, outer_delay=1)):
         def run(steps, state=None):
             model = Net().to(device())
             opt = wrap(model, transport, density=0.01, **kw)

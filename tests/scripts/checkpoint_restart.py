@@ -22,7 +22,7 @@ def main(mode: str, directory: Path, T: int) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.ReLU(), torch.nn.Linear(96, 4))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(), density=0.02,
-                                   min_compress_numel=1000, refresh_interval=2)
+                                   min_compress_numel=1000)
     path = directory / f"ckpt-rank{rank}.pt"
     first = 0
     if mode == "resume":

@@ -23,7 +23,7 @@ def fail() -> None:
 def main(mode: str) -> None:
     hvd.init()
     if mode == "gloo":
-        from hvd_slim.runtime.rendezvous import torch_transport
+        from hvd_slim.optim.rendezvous import torch_transport
         torch_transport("gloo", torch.device("cpu"))
     if hvd.rank() == 1:
         if mode == "thread":

@@ -38,11 +38,8 @@ def exchange_bytes(opt) -> int:
     tensors = [t for m in worker.memory.values()
                for t in (m.residual, m.velocity, m._next_velocity) if t is not None]
     tensors += list(worker._flat.values()) + list(worker._score.values())
-    tensors += list(worker.core.values()) + list(worker.pull_core.values())
     if ex.server is not None:
         tensors += [m.residual for m in ex.server.memory.values()]
-        tensors += [c for d in ex.server.worker_cores for c in d.values()]
-        tensors += list(ex.server.pull_core.values())
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

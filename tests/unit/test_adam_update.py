@@ -1,4 +1,4 @@
-"""Adam and AdamW exchanging their update (hvd_slim/inner/adam_update.py, ``adam_exchange``):
+"""Adam and AdamW exchanging their update (hvd_slim/optim/inner/adam_update.py, ``adam_exchange``):
 each rank's own moments on its own gradient, the average of the ranks' updates applied as a
 parameter delta; checked against a single-process reference of N ranks, for bitwise replicas,
 speculation (a skipped step leaves the moments alone), checkpoints, flush and the keyword's
@@ -12,7 +12,7 @@ import torch
 
 import hvd_slim
 from hvd_slim.config import ConfigError, SlimConfig
-from hvd_slim.config_env import resolve_config
+from hvd_slim.config.env import resolve_config
 from hvd_slim.transport import FakeCluster, run_ranks
 
 from test_adam_variance import resumed_or_not

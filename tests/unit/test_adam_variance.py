@@ -1,4 +1,4 @@
-"""Adam under Slim-DP's gradient exchange (hvd_slim/inner/adam.py, ``adam_variance``, with
+"""Adam under Slim-DP's gradient exchange (hvd_slim/optim/inner/adam.py, ``adam_variance``, with
 ``adam_exchange="gradient"``): a coordinate delivered every
 step is stepped exactly as by torch.optim.Adam; a burst of n summed gradients moves a parameter
 about as far as n dense Adam steps (where Adam's own step on the burst moves it a few steps'
@@ -14,8 +14,8 @@ import torch
 
 import hvd_slim
 from hvd_slim.config import ConfigError, SlimConfig
-from hvd_slim.config_env import resolve_config
-from hvd_slim.inner import adam
+from hvd_slim.config.env import resolve_config
+from hvd_slim.optim.inner import adam
 from hvd_slim.transport import run_ranks
 
 from test_warmup import _batch, _mlp as _net   # one tanh MLP, its initial weights made once
@@ -62,7 +62,7 @@ def test_state_laid_out_channels_last_is_updated_in_place():
 def _movement(n: int, mode: str, lr: float = 0.01, lead: int = 2000, tail: int = 200) -> float:
     """How far one coordinate moves after ``lead`` steps of gradient 1.0 (Adam settled), when
     the next n gradients of 1.0 arrive one per step ("dense") or summed at the n-th step
-    ("rescaled": stepped by inner/adam.py; "live": by Adam itself), then ``tail`` steps with
+    ("rescaled": stepped by optim/inner/adam.py; "live": by Adam itself), then ``tail`` steps with
     nothing."""
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.Adam([p], lr=lr)

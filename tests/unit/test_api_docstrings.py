@@ -12,11 +12,12 @@ import pytest
 import hvd_slim
 from hvd_slim.runtime import basics
 
-API_MODULES = ("hvd_slim.collectives", "hvd_slim.collectives_async", "hvd_slim.functions",
-               "hvd_slim.collectives_scatter", "hvd_slim.collectives_alltoall",
-               "hvd_slim.collectives_grouped", "hvd_slim.collectives_sparse", "hvd_slim.timeline",
-               "hvd_slim.runtime.basics", "hvd_slim.runtime.build_flags", "hvd_slim.optimizer", "hvd_slim.distributed_optimizer",
-               "hvd_slim.sync_batch_norm")
+API_MODULES = ("hvd_slim.api.collectives", "hvd_slim.api.async_ops", "hvd_slim.api.functions",
+               "hvd_slim.api.join", "hvd_slim.api.lifecycle", "hvd_slim.api.process_sets",
+               "hvd_slim.api.scatter", "hvd_slim.api.alltoall", "hvd_slim.api.grouped",
+               "hvd_slim.api.sparse", "hvd_slim.api.timeline", "hvd_slim.api.sync_batch_norm",
+               "hvd_slim.runtime.basics", "hvd_slim.runtime.build_flags",
+               "hvd_slim.optim.optimizer", "hvd_slim.optim.distributed_optimizer")
 SECTION = re.compile(r"^(Args|Arguments|Returns|Raises|Yields|Examples?|Notes?|Attributes):\s*$")
 # An entry of the Args section: four spaces, the name (``*args``/``**kwargs`` with their stars),
 # an optional ``(type)``, then a colon.
@@ -77,7 +78,8 @@ def test_the_api_is_found() -> None:
     assert {"allreduce", "synchronize", "broadcast_parameters", "init", "rank",
             "DistributedOptimizer", "job_collectives", "world_transport"} <= names
     assert len(names) >= 40
-    assert [name for name, _ in CLASSES] == ["SyncBatchNorm"] and "SyncBatchNorm.forward" in dict(METHODS)
+    assert [name for name, _ in CLASSES] == ["ProcessSet", "SyncBatchNorm"]
+    assert {"SyncBatchNorm.forward", "ProcessSet.rank"} <= set(dict(METHODS))
 
 
 @pytest.mark.parametrize("name,fn", API + METHODS, ids=[name for name, _ in API + METHODS])

@@ -1,4 +1,4 @@
-"""The tensor API's timeout (runtime/api_timeout.py) in one process, without MPI: where the
+"""The tensor API's timeout (api/timeout.py) in one process, without MPI: where the
 limit comes from, and what a timed-out call says and arranges. The real collectives time out
 in the MPI tier (tests/distributed/test_api.py, tests/scripts/skip_collective.py)."""
 import types
@@ -7,7 +7,8 @@ from contextlib import contextmanager
 import pytest
 
 from hvd_slim.config import DEFAULT_TIMEOUT, ConfigError
-from hvd_slim.runtime import abort, api_timeout
+from hvd_slim.runtime import abort
+from hvd_slim.api import timeout as api_timeout
 from hvd_slim.transport.base import TransportTimeout
 
 

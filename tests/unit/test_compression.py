@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvd_slim.compression import Compression, Compressor, FP16Compressor, NoneCompressor
+from hvd_slim.api.compression import Compression, Compressor, FP16Compressor, NoneCompressor
 
 
 def test_none_passes_the_same_tensor_through():

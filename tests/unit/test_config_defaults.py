@@ -31,7 +31,6 @@ def test_automatic_warmup_lasts_one_over_density_steps_from_eight_times_denser(d
 
 def test_automatic_warmup_is_off_where_it_cannot_apply():
     assert SlimConfig(density=1.0).warmup_steps == 0             # nothing to start above
-    assert SlimConfig(density=0.01, refresh_interval=4).warmup_steps == 0  # fixed cores
     assert SlimConfig(density=0.01, warmup_decay_steps=0).warmup_steps == 0
     assert SlimConfig(density=0.01, warmup_start_density=0.01).warmup_steps == 0
 

@@ -1,9 +1,12 @@
 """Defects found by reading the code (the house issue), each with the behaviour it broke."""
+import threading
+
+import pytest
 import torch
 
 import hvd_slim
-from hvd_slim import join_sync
-from hvd_slim.config_env import resolve_config
+from hvd_slim.api import join as api_join
+from hvd_slim.config.env import resolve_config
 from hvd_slim.transport import FakeCluster, run_ranks
 
 
@@ -14,10 +17,10 @@ def test_join_digests_a_bfloat16_model_and_its_state():
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     m(torch.ones(2, 8, dtype=torch.bfloat16)).sum().backward()
     opt.step()
-    a = join_sync._digest(opt)
+    a = api_join._digest(opt)
     with torch.no_grad():
         m.weight[0, 0] += 1
-    assert join_sync._digest(opt) != a
+    assert api_join._digest(opt) != a
 
 
 def test_a_rebuilt_optimizer_over_the_same_parameters_trains():
@@ -88,3 +91,56 @@ def test_a_skipped_step_is_logged_naming_the_rank_and_tensor(caplog):
         assert run_ranks(2, body) == [1, 1]
     warned = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(warned) == 2 and all("rank 1" in w and "'w'" in w for w in warned), warned
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_rounds_after_an_elastic_rebind_run_on_the_new_transport(monkeypatch, delay):
+    """elastic/rebind.py swapped the optimizer's exchange, but with local_steps > 1 the round
+    ends (and a delayed round's flight) kept the old one: the first round after a recovery ran
+    on the dead transport. Here the old transport raises once replaced, and the rounds after
+    the rebind must still agree on every rank, bitwise."""
+    from hvd_slim.elastic.rebind import rebind
+    from hvd_slim.runtime import basics
+
+    survivors = FakeCluster(2)
+    new_of = {}
+    monkeypatch.setattr(basics, "world_transport", lambda: new_of[threading.get_ident()])
+
+    torch.manual_seed(0)
+    init = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 3)).state_dict()
+
+    def dead(*args, **kwargs):
+        raise RuntimeError("the old transport was used after the rebind")
+
+    def body(rank, tr):
+        tr.name = "mpi"   # rebind moves MPI exchanges only
+        m = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+        m.load_state_dict(init)   # not the global generator, which the rank threads share
+        opt = hvd_slim.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=m.named_parameters(), transport=tr, local_steps=2,
+            outer_delay=delay, min_compress_numel=100, density=0.1)
+
+        def steps(first, count):
+            for t in range(first, first + count):
+                g = torch.Generator().manual_seed(100 * rank + t)
+                x = torch.randn(16, 40, generator=g)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(m(x), (x[:, 0] > 0).long()).backward()
+                opt.step()
+
+        steps(0, 4)
+        opt.flush()
+        new = survivors.transport(rank)
+        new.name = "mpi"
+        new_of[threading.get_ident()] = new
+        assert rebind(opt)
+        for what in ("gather", "broadcast", "gather_tensor", "broadcast_tensor"):
+            setattr(tr, what, dead)
+        steps(4, 6)
+        opt.flush()
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+    out = run_ranks(2, body)
+    assert torch.equal(out[0], out[1])

@@ -130,7 +130,7 @@ def test_torch_state_tracks_reassigned_models_and_plain_attributes():
 
 
 def test_torch_state_sync_broadcasts_model_optimizer_sampler_and_attributes(monkeypatch):
-    import hvd_slim.functions as functions
+    import hvd_slim.api.functions as functions
     seen = []
     monkeypatch.setattr(functions, "broadcast_parameters",
                         lambda params, root_rank: seen.append(("params", root_rank)))

@@ -89,12 +89,12 @@ def same(a, b) -> bool:
     return a == b
 
 
-CASES = [dict(), dict(pull="union"), dict(refresh_interval=3), dict(density=0.3),
+CASES = [dict(), dict(pull="union"), dict(density=0.3),
          dict(size=1), dict(size=2, server_rank=1), dict(magnitude_weight=0.5),
          dict(dtype=torch.float64), dict(wire=lambda dt: torch.float16),
          dict(poison=(1, 2, float("nan")), nonfinite="skip"),
          dict(poison=(0, 3, float("inf")), nonfinite="raise"),
-         dict(servers=3), dict(servers=2, pull="union"), dict(servers=3, refresh_interval=3),
+         dict(servers=3), dict(servers=2, pull="union"),
          dict(servers=3, poison=(1, 2, float("nan")), nonfinite="skip")]
 
 

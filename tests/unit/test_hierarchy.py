@@ -1,12 +1,13 @@
-"""Node-local aggregation (exchange/hierarchy.py), on simulated hosts: H hosts of L ranks, each
-rank with its world, host and cross transports (fake N-rank clusters)."""
+"""Node-local aggregation (exchange/hosts/hierarchy.py), on simulated hosts: H hosts of L ranks,
+each rank with its world, host and cross transports (fake N-rank clusters)."""
 import pytest
 import torch
 
 from hvd_slim.config import ConfigError, SlimConfig
 from hvd_slim.exchange import Layout
-from hvd_slim.exchange.hierarchy import HierarchicalExchange, host_table
-from hvd_slim.exchange.host_wire import cuts
+from hvd_slim.exchange.hosts.hierarchy import HierarchicalExchange
+from hvd_slim.runtime.hosts import host_table
+from hvd_slim.exchange.hosts.wire import cuts
 from hvd_slim.exchange.errors import NonFiniteGradientError
 from hvd_slim.transport import run_ranks
 from hvd_slim.transport.fake import FakeCluster

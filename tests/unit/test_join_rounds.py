@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from hvd_slim.runtime.engine_rounds import (ALLREDUCE, FLUSH, JOIN, STEP, JoinState, Round, Sig,
-                                            header)
+from hvd_slim.api.engine_rounds import ALLREDUCE, FLUSH, JOIN, STEP, JoinState, Round, Sig, header
 
 pytestmark = pytest.mark.unit
 

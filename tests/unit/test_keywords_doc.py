@@ -2,7 +2,7 @@
 import os
 import re
 
-from hvd_slim.wrapping import SLIM_KEYWORDS
+from hvd_slim.optim.wrapping import SLIM_KEYWORDS
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "keywords.md")
 

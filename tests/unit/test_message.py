@@ -50,7 +50,7 @@ def test_round_trip_and_byte_breakdown():
     (dict(digest=1), "digest"),
     (dict(expect=EXPECT[:1]), "2 buckets, expected 1"),
     (dict(expect=[EXPECT[0], wm.Expect(D_SPARSE, 4, {wm.M_SLICE: (K + 1, KC)})]), "expected 51"),
-    (dict(expect=[EXPECT[0], wm.Expect(D_SPARSE, 4, {wm.M_SLICE_CACHED: (K, 0)})]), "allowed"),
+    (dict(expect=[EXPECT[0], wm.Expect(D_SPARSE, 4, {wm.M_DENSE: (D_SPARSE, 0)})]), "allowed"),
 ])
 def test_mismatched_expectations_are_rejected(kw, match):
     buf = sample_message()[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hvd_slim.config import ConfigError, SlimConfig
-from hvd_slim.config_env import resolve_config
+from hvd_slim.config.env import resolve_config
 from hvd_slim.exchange import Layout, SlimExchange
 from hvd_slim.memory import ResidualMemory
 from hvd_slim.transport import run_ranks

@@ -1,4 +1,4 @@
-"""Overlap with backward (``overlap=S``, exchange/overlap.py) on simulated ranks: the stage
+"""Overlap with backward (``overlap=S``, exchange/overlap/staged.py) on simulated ranks: the stage
 exchanges start from the gradient hooks on the communication thread, and the step they make
 together keeps the flat exchange's guarantees."""
 import time
@@ -9,7 +9,7 @@ import torch
 from hvd_slim.config import ConfigError, SlimConfig
 from hvd_slim.exchange import Layout
 from hvd_slim.exchange.errors import NonFiniteGradientError
-from hvd_slim.exchange.overlap import StagedExchange, stage_cuts
+from hvd_slim.exchange.overlap.staged import StagedExchange, stage_cuts
 from hvd_slim.exchange.protocol import Stage
 from hvd_slim.transport import FakeCluster, run_ranks
 from hvd_slim.transport.base import TransportTimeout

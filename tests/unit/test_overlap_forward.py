@@ -1,6 +1,6 @@
-"""``overlap_forward=True`` (exchange/overlap_order.py, hvd_slim/forward_apply.py) on simulated
-ranks: after backward the stages nearest the input go first, ``step()`` hands the step over,
-and each stage's update lands when the next forward pass reaches its modules. Whatever the
+"""``overlap_forward=True`` (exchange/overlap/order.py, hvd_slim/optim/forward_apply.py) on
+simulated ranks: after backward the stages nearest the input go first, ``step()`` hands the step
+over, and each stage's update lands when the next forward pass reaches its modules. Whatever the
 schedule, the training is bitwise the one ``overlap`` alone gives."""
 import copy
 import warnings
@@ -10,10 +10,10 @@ import torch
 
 import hvd_slim
 from hvd_slim.config import ConfigError, SlimConfig
-from hvd_slim.config_env import resolve_config
+from hvd_slim.config.env import resolve_config
 from hvd_slim.exchange import Layout
-from hvd_slim.exchange.overlap import StagedExchange
-from hvd_slim.exchange.overlap_order import Deferred
+from hvd_slim.exchange.overlap.staged import StagedExchange
+from hvd_slim.exchange.overlap.order import Deferred
 from hvd_slim.transport import FakeCluster, run_ranks
 
 from test_exchange import grad_for, make_params
@@ -81,7 +81,7 @@ def test_training_is_bitwise_that_of_overlap_alone(density, zero):
     (torch.optim.AdamW, dict(lr=1e-2))])
 def test_every_stage_steps_with_the_learning_rate_of_its_step(opt_cls, opt_kw):
     # The scheduler halves the rate right after step(); the stages land later, at the rate of
-    # their step. Adam at density 0.05 is stepped by inner/adam.py after the dense warm-up.
+    # their step. Adam at density 0.05 is stepped by optim/inner/adam.py after the dense warm-up.
     kw = dict(opt_cls=opt_cls, opt_kw=opt_kw, density=0.05, sched=True, warmup_dense_steps=2)
     plain = run_ranks(2, lambda r, tr: train(r, tr, overlap=3, **kw))
     fwd = run_ranks(2, lambda r, tr: train(r, tr, **FWD, **kw))

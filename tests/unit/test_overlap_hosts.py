@@ -1,4 +1,4 @@
-"""``overlap`` with ``hierarchical=True`` (exchange/overlap.py, each stage a
+"""``overlap`` with ``hierarchical=True`` (exchange/overlap/staged.py, each stage a
 :class:`HierarchicalExchange`) on simulated hosts: the staged step is bitwise the stages' own
 host-first steps run one after another, it conserves every gradient (also through a failed
 step: what no host reduction took in waits in the rank's carry), skips alike, and resumes
@@ -9,9 +9,9 @@ import torch
 from hvd_slim.config import SlimConfig
 from hvd_slim.exchange import Layout
 from hvd_slim.exchange.errors import ExchangeError, NonFiniteGradientError
-from hvd_slim.exchange.hierarchy import HierarchicalExchange
-from hvd_slim.exchange.overlap import StagedExchange, stage_cuts
-from hvd_slim.exchange.overlap_order import Deferred
+from hvd_slim.exchange.hosts.hierarchy import HierarchicalExchange
+from hvd_slim.exchange.overlap.staged import StagedExchange, stage_cuts
+from hvd_slim.exchange.overlap.order import Deferred
 from hvd_slim.exchange.protocol import Stage
 
 from test_exchange import SHAPES, drive, grad_for, make_params, total

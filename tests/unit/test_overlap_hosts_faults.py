@@ -9,7 +9,7 @@ import torch
 from hvd_slim.config import SlimConfig
 from hvd_slim.exchange import Layout
 from hvd_slim.exchange.errors import ExchangeError, NonFiniteGradientError
-from hvd_slim.exchange.hierarchy import HierarchicalExchange
+from hvd_slim.exchange.hosts.hierarchy import HierarchicalExchange
 
 from test_exchange import grad_for, make_params, total
 from test_hierarchy import held_by_name, host_numbers, run_hosts

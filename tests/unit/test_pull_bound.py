@@ -53,15 +53,15 @@ def test_union_bound_is_the_pushed_coordinates_not_dense(size):
     config = SlimConfig(density=0.01, pull="union", min_compress_numel=1000)
     _, layout = layout_for(config)
     (b,) = layout.sparse
-    tight = message_bound(pull_expect(layout.buckets, 0, 1, "union", size=size))
+    tight = message_bound(pull_expect(layout.buckets, "union", size=size))
     n = size * b.k
     assert tight == dense_bound(layout) - b.numel * 4 + n * 4 + index_bytes_bound(b.numel, n)
     assert tight < 0.1 * dense_bound(layout), (tight, dense_bound(layout))
     # Without the world size nothing is known: the dense bound, as before.
-    assert message_bound(pull_expect(layout.buckets, 0, 1, "union")) == dense_bound(layout)
+    assert message_bound(pull_expect(layout.buckets, "union")) == dense_bound(layout)
     # The modes are unchanged: explicit indices or dense (the count limit is tested below).
-    assert [ex.modes for ex in pull_expect(layout.buckets, 0, 1, "union", size=size)] == \
-        [ex.modes for ex in pull_expect(layout.buckets, 0, 1, "union")]
+    assert [ex.modes for ex in pull_expect(layout.buckets, "union", size=size)] == \
+        [ex.modes for ex in pull_expect(layout.buckets, "union")]
 
 
 @pytest.mark.parametrize("path", ["numpy", "torch"])
@@ -72,7 +72,7 @@ def test_a_union_pull_with_more_than_the_pushed_coordinates_is_refused(path):
     size = 2
     config = SlimConfig(density=0.01, pull="union", min_compress_numel=1000)
     _, layout = layout_for(config)
-    expect = pull_expect(layout.buckets, 0, 1, "union", size=size)
+    expect = pull_expect(layout.buckets, "union", size=size)
     (sparse_at,) = [i for i, b in enumerate(layout.buckets) if b in layout.sparse]
     most = size * layout.buckets[sparse_at].k
 
@@ -101,7 +101,7 @@ def test_a_union_pull_with_more_than_the_pushed_coordinates_is_refused(path):
                                            rf"{most + 1} values .* at most {most}"):
         dec(message(most + 1), **kw)
     # Without the world size, any count up to d is accepted, as before.
-    loose = pull_expect(layout.buckets, 0, 1, "union")
+    loose = pull_expect(layout.buckets, "union")
     assert len(dec(message(most + 1), **{**kw, "expect": loose})[sparse_at].indices) == most + 1
 
 
@@ -109,13 +109,13 @@ def test_union_bound_caps_at_dense_when_the_workers_cover_everything():
     config = SlimConfig(density=0.4, pull="union", min_compress_numel=1000, exploration=0.0)
     _, layout = layout_for(config)
     assert layout.sparse
-    bound = message_bound(pull_expect(layout.buckets, 0, 1, "union", size=3))
+    bound = message_bound(pull_expect(layout.buckets, "union", size=3))
     assert bound == dense_bound(layout)
 
 
 def test_push_and_pull_expectations_keep_their_shape():
     """expect.py's one helper behind push_expect and pull_expect: each mode and count as before."""
-    config = SlimConfig(density=0.01, min_compress_numel=1000, refresh_interval=2)
+    config = SlimConfig(density=0.01, min_compress_numel=1000)
     _, layout = layout_for(config)
     (s,) = layout.sparse
 
@@ -123,22 +123,20 @@ def test_push_and_pull_expectations_keep_their_shape():
         want = [sparse if b is s else {wm.M_DENSE: (b.numel, 0)} for b in layout.buckets]
         assert [ex.modes for ex in expect] == want
         # Slices travel as scaled 8-bit values (value_bits=8); dense and explicit as float32.
-        sliced = any(m in (wm.M_SLICE, wm.M_SLICE_CACHED) for m in sparse)
+        sliced = wm.M_SLICE in sparse
         assert [(ex.d, ex.itemsize, ex.scaled) for ex in expect] == [
             (b.numel, 1, True) if b is s and sliced else (b.numel, 4, False)
             for b in layout.buckets]
 
-    modes(push_expect(layout.buckets, 0, 2), {wm.M_SLICE: (s.k, s.k_core)})
-    modes(push_expect(layout.buckets, 1, 2), {wm.M_SLICE_CACHED: (s.k, 0)})
-    modes(pull_expect(layout.buckets, 0, 2, "slim"), {wm.M_SLICE: (s.k_pull, s.k_pull_core)})
-    modes(pull_expect(layout.buckets, 1, 2, "slim"), {wm.M_SLICE_CACHED: (s.k_pull, 0)})
-    modes(pull_expect(layout.buckets, 1, 2, "union"), {wm.M_EXPLICIT: None,
-                                                       wm.M_DENSE: (s.numel, 0)})
+    modes(push_expect(layout.buckets), {wm.M_SLICE: (s.k, s.k_core)})
+    modes(pull_expect(layout.buckets, "slim"), {wm.M_SLICE: (s.k_pull, s.k_pull_core)})
+    modes(pull_expect(layout.buckets, "union"), {wm.M_EXPLICIT: None,
+                                                 wm.M_DENSE: (s.numel, 0)})
     flushed = [{wm.M_DENSE: (b.numel, 0)} if b is s else {wm.M_EMPTY: (0, 0)}
                for b in layout.buckets]
-    for expect in (push_expect(layout.buckets, 3, 2, flush=True),
-                   pull_expect(layout.buckets, 3, 2, "slim", flush=True),
-                   pull_expect(layout.buckets, 3, 2, "union", flush=True, size=3)):
+    for expect in (push_expect(layout.buckets, flush=True),
+                   pull_expect(layout.buckets, "slim", flush=True),
+                   pull_expect(layout.buckets, "union", flush=True, size=3)):
         assert [ex.modes for ex in expect] == flushed
 
 
@@ -191,7 +189,7 @@ def test_every_union_pull_fits_the_tight_bound(size):
     and come close to it (the workers' slices barely overlap here)."""
     res = run_union(size, 4, PaddingTransport)
     layout = res[0][2]
-    tight = message_bound(pull_expect(layout.buckets, 0, 1, "union", size=size))
+    tight = message_bound(pull_expect(layout.buckets, "union", size=size))
     for _, tr, _ in res:
         assert tr.pulls and all(n <= tight for _, n in tr.pulls), (tight, tr.pulls)
         assert max(n for _, n in tr.pulls) > 0.8 * tight, (tight, tr.pulls)
@@ -202,7 +200,7 @@ def test_during_a_warmup_every_union_pull_fits_its_steps_bound():
     """The slices shrink step by step; each pull's bound follows its step's slice sizes."""
     res = run_union(3, 4, PaddingTransport, warmup=6)
     layout = res[0][2]
-    want = [message_bound(pull_expect(layout.at_step(t), t, 1, "union", size=3))
+    want = [message_bound(pull_expect(layout.at_step(t), "union", size=3))
             for t in range(4)]
     assert want == sorted(want, reverse=True) and want[0] > want[-1]
     for _, tr, _ in res:

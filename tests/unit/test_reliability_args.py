@@ -6,7 +6,7 @@ import torch
 
 import hvd_slim
 from hvd_slim.config import ENV_KEYWORDS, ConfigError, SlimConfig
-from hvd_slim.config_env import resolve_config
+from hvd_slim.config.env import resolve_config
 from hvd_slim.transport import FakeCluster
 
 
@@ -49,9 +49,8 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(refresh_interval=0), r"^refresh_interval must be >= 1, got 0"),
-    (dict(refresh_interval=-3), r"^refresh_interval must be >= 1"),
-    (dict(refresh_interval=1.5), r"^refresh_interval must be an integer >= 1"),
+    (dict(warmup_dense_steps=-3), r"^warmup_dense_steps must be >= 0, got -3"),
+    (dict(warmup_dense_steps=1.5), r"^warmup_dense_steps must be an integer >= 0"),
     (dict(backward_passes_per_step=0), r"^backward_passes_per_step must be >= 1"),
     (dict(backward_passes_per_step="2"), r"^backward_passes_per_step must be an integer >= 1"),
     (dict(server_rank=2), r"^server_rank must be in \[0, 2\) for a job of 2 ranks, got 2"),
@@ -85,7 +84,7 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
      r"^warmup_start_density \(0.001\) must not be below density \(0.01\)"),
     (dict(warmup_decay_steps=-1), r"^warmup_decay_steps must be >= 0"),
     (dict(transport="carrier-pigeon"), r"transport='carrier-pigeon' is not a transport"),
-    (dict(op=hvd_slim.collectives.Sum, gradient_predivide_factor=2.0),
+    (dict(op=hvd_slim.api.collectives.Sum, gradient_predivide_factor=2.0),
      r"gradient_predivide_factor not supported with op != Average"),
     (dict(gradient_predivide_factor=float("nan")), r"gradient_predivide_factor must be a finite"),
     (dict(gradient_predivide_factor=0), r"gradient_predivide_factor must be a finite number > 0"),
@@ -102,9 +101,21 @@ def test_out_of_range_keywords(kw, match):
         build(size=2, **kw)
 
 
-def test_unknown_keyword_is_a_type_error_listing_the_known_ones():
-    with pytest.raises(TypeError, match=r"densty.*Slim-DP keywords are .*'density'.*'nonfinite'"):
+def test_unknown_keyword_is_a_type_error_naming_it():
+    """The signature names every Slim-DP keyword (an IDE shows them), so Python itself refuses
+    a misspelt one."""
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'densty'"):
         build(densty=0.1)
+
+
+def test_the_signature_names_every_slim_dp_keyword_keyword_only():
+    import inspect
+    from hvd_slim.config import UNSET
+    from hvd_slim.optim.wrapping import SLIM_KEYWORDS
+    params = inspect.signature(hvd_slim.DistributedOptimizer).parameters
+    slim = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert slim == SLIM_KEYWORDS
+    assert all(params[n].default is UNSET for n in slim)
 
 
 def test_named_parameters_duplicate_missing_and_malformed():
@@ -121,11 +132,11 @@ def test_named_parameters_duplicate_missing_and_malformed():
 
 def test_numpy_scalars_are_accepted_and_normalised():
     """A density computed with numpy must not make one rank's digest differ from another's."""
-    opt = build(density=np.float64(0.05), refresh_interval=np.int64(2), seed=np.int32(3))
+    opt = build(density=np.float64(0.05), warmup_dense_steps=np.int64(2), seed=np.int32(3))
     cfg = opt.slim_config
-    assert type(cfg.density) is float and type(cfg.refresh_interval) is int
+    assert type(cfg.density) is float and type(cfg.warmup_dense_steps) is int
     # adam_exchange is resolved for the optimizer ("gradient" for SGD) when it is built.
-    assert cfg.digest() == SlimConfig(density=0.05, refresh_interval=2, seed=3,
+    assert cfg.digest() == SlimConfig(density=0.05, warmup_dense_steps=2, seed=3,
                                       adam_exchange="gradient").digest()
 
 
@@ -140,7 +151,6 @@ def test_new_keywords_have_defaults_and_take_values():
 BAD_ENV = [
     ("density", "0"), ("density", "abc"), ("density", "nan"),
     ("exploration", "2"), ("exploration", "nan"),
-    ("refresh_interval", "0"), ("refresh_interval", "1.5"),
     ("magnitude_weight", "-1"), ("magnitude_weight", "inf"),
     ("momentum_correction", "maybe"),
     ("pull", "both"),
@@ -186,7 +196,7 @@ def test_bad_environment_values_name_the_variable(monkeypatch, name, text):
 @pytest.mark.parametrize("name, text", BAD_ENV)
 def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
     monkeypatch.setenv("HVD_SLIM_" + name.upper(), text)
-    good = {"density": 0.05, "exploration": 0.2, "refresh_interval": 1, "magnitude_weight": 0.0,
+    good = {"density": 0.05, "exploration": 0.2, "magnitude_weight": 0.0,
             "momentum_correction": None, "pull": "union", "pull_density": 0.05,
             "min_compress_numel": 100, "server_rank": 1, "seed": 4, "nonfinite": "skip",
             "timeout": 30, "warmup_dense_steps": 10, "warmup_decay_steps": 20,
@@ -232,3 +242,13 @@ def test_resolve_config_reports_the_field_of_every_error():
         with pytest.raises(ConfigError) as info:
             resolve_config({}, {"HVD_SLIM_" + name.upper(): text})
         assert info.value.field == name, (name, text, info.value.field)
+
+
+def test_the_removed_refresh_interval_is_refused_as_keyword_and_variable(monkeypatch):
+    """refresh_interval is gone (docs/accuracy.md: harmful on every seed): passing it is a
+    TypeError, and a leftover HVD_SLIM_REFRESH_INTERVAL is refused rather than ignored."""
+    with pytest.raises(TypeError, match="refresh_interval"):
+        build(refresh_interval=2)
+    monkeypatch.setenv("HVD_SLIM_REFRESH_INTERVAL", "1")
+    with pytest.raises(ConfigError, match="HVD_SLIM_REFRESH_INTERVAL .*removed"):
+        build()

@@ -63,7 +63,7 @@ def test_a_sigkilled_rank_ends_the_job_naming_it():
 
 def test_a_hung_rank_is_named_by_the_exchange_timeout():
     """Rank 2 stops taking part but stays alive: only HVD_SLIM_TIMEOUT ends this job. Rank 0
-    waits for rank 2 in the round that starts the exchange of step 5 (join_sync), names it and
+    waits for rank 2 in the round that starts the exchange of step 5 (api/join.py), names it and
     the step, and aborts every rank."""
     timeout = 4
     rc, out, took = launch(3, SCRIPTS / "fail_mid_training.py", "hang", 2, 5,

@@ -112,7 +112,7 @@ def test_resume_with_decay_is_bitwise(tmp_path):
 
 
 def test_the_variable_sets_it(monkeypatch):
-    from hvd_slim.config_env import resolve_config
+    from hvd_slim.config.env import resolve_config
     monkeypatch.setenv("HVD_SLIM_RESIDUAL_DECAY", "0.95")
     assert resolve_config({}).residual_decay == 0.95
     monkeypatch.setenv("HVD_SLIM_RESIDUAL_DECAY", "2")

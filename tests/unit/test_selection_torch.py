@@ -166,3 +166,22 @@ def test_slice_indices_is_the_core_then_its_keyed_exploration():
     pulled = slice_indices(1000, core, 50, seed=9, role=ROLE_PULL, rank=1, step=4, bucket=2,
                            device=torch.device("cpu"))
     assert ROLE_PUSH != ROLE_PULL and not torch.equal(got, pulled)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_few_positives_fill_with_the_lowest_zeros_on_both_paths(seed):
+    """Fewer positive scores than k: every positive, then the lowest-indexed zeros, read from a
+    prefix only; both twins give the reference set (positives anywhere, some inside the prefix)."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(50, 5000, (1,), generator=g))
+    score = torch.zeros(n)
+    npos = int(torch.randint(0, n // 4, (1,), generator=g))
+    where = torch.randperm(n, generator=g)[:npos]
+    score[where] = torch.rand(npos, generator=g) + 0.1
+    k = min(n - 1, npos + int(torch.randint(1, n // 2, (1,), generator=g)))
+    pos = sorted(where.tolist())
+    zeros = [i for i in range(n) if score[i] == 0][:k - npos]
+    want = sorted(pos + zeros)
+    for sel in pair():
+        assert sel.select(score, k).tolist() == want
+        assert sel.select_magnitude(-score, k).tolist() == want   # |a| of a negative vector

@@ -100,8 +100,7 @@ def test_held_residuals_leave_a_float64_residual_as_it_was():
         assert all(torch.equal(before[i], m.residual) for i, m in ex.worker.memory.items())
 
 
-@pytest.mark.parametrize("extra", [dict(refresh_interval=3, warmup_decay_steps=0),
-                                   dict(warmup_dense_steps=2), dict(magnitude_weight=0.5),
+@pytest.mark.parametrize("extra", [dict(warmup_decay_steps=0), dict(warmup_dense_steps=2), dict(magnitude_weight=0.5),
                                    dict(value_bits=16), dict(value_bits=32)])
 def test_options_keep_conservation_with_shards(extra):
     res = simulate(3, 6, op="sum", density=0.02, seed=2, servers=3, **extra)

@@ -12,7 +12,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import hvd_slim
-from hvd_slim import sync_batch_norm
+from hvd_slim.api import sync_batch_norm
 
 BATCH_NORMS = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
                5: torch.nn.BatchNorm3d}

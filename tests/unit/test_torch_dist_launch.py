@@ -111,7 +111,7 @@ def test_a_watch_deadline_ends_a_collective_whose_peer_is_late():
 
 def _worker_collectives(rank: int, size: int) -> str:
     import hvd_slim
-    from hvd_slim.runtime.rendezvous import torch_transport
+    from hvd_slim.optim.rendezvous import torch_transport
     t = torch_transport("gloo", torch.device("cpu"))
     assert (t.name, t.rank, t.size) == ("gloo", rank, size) and not hvd_slim.is_initialized()
     sent = received = 0
@@ -164,13 +164,13 @@ def _worker_collectives(rank: int, size: int) -> str:
 
 
 def _worker_bootstrap(rank: int, size: int) -> str:
-    from hvd_slim.runtime.rendezvous import torch_transport
+    from hvd_slim.optim.rendezvous import torch_transport
     torch_transport("gloo", torch.device("cpu"))
     return "ok"
 
 
 def _worker_dead_peer(rank: int, size: int) -> str:
-    from hvd_slim.runtime.rendezvous import torch_transport
+    from hvd_slim.optim.rendezvous import torch_transport
     t = torch_transport("gloo", torch.device("cpu"))
     if rank == 1:
         return "exited"  # leaves without ever taking part in the gather
@@ -180,7 +180,7 @@ def _worker_dead_peer(rank: int, size: int) -> str:
 
 def _worker_deadline(rank: int, size: int) -> str:
     import time
-    from hvd_slim.runtime.rendezvous import torch_transport
+    from hvd_slim.optim.rendezvous import torch_transport
     t = torch_transport("gloo", torch.device("cpu"))
     if rank == 1:
         time.sleep(4)  # far past rank 0's deadline, well within the group's own timeout

@@ -44,7 +44,7 @@ def test_the_exchange_takes_the_device_path_over_gloo_and_matches_the_host_path(
 # --- workers (run as `python test_torch_dist_tensor.py <scenario>`) ----------------------------
 
 def _worker_tensor_collectives(rank: int, size: int) -> str:
-    from hvd_slim.runtime.rendezvous import torch_transport
+    from hvd_slim.optim.rendezvous import torch_transport
     t = torch_transport("gloo", torch.device("cpu"))
     assert t.device_payloads(torch.device("cpu"))
     for root in range(size):

@@ -59,12 +59,13 @@ def test_bf16_and_full_precision():
     assert same is x and exp == 0 and delivered is None
 
 
-def _message(exp, mode=wm.M_SLICE_CACHED, path="numpy"):
-    vals = np.arange(6, dtype=np.uint8)
+def _message(exp, mode=wm.M_SLICE, path="numpy"):
+    vals = np.arange(6, dtype=np.uint8)   # a slice of explored coordinates only: no indices
     if path == "numpy":
-        sec = wm.make_section(mode, vals, 100, exp=exp)
+        sec = wm.make_section(mode, vals, 100, indices=np.zeros(0, np.int64), exp=exp)
         return wm.encode(wm.PULL, 0, 3, 9, [sec], [1])[0]
-    sec = wt.make_section(mode, torch.from_numpy(vals), 100, exp=exp)
+    sec = wt.make_section(mode, torch.from_numpy(vals), 100,
+                          indices=torch.zeros(0, dtype=torch.int64), exp=exp)
     return wt.encode(wm.PULL, 0, 3, 9, [sec], [1], torch.device("cpu"))[0]
 
 
@@ -72,13 +73,13 @@ def _message(exp, mode=wm.M_SLICE_CACHED, path="numpy"):
 def test_the_exponent_travels_in_the_table_and_is_checked(path):
     dec = wm.decode if path == "numpy" else wt.decode
     kw = dict(kind=wm.PULL, sender=0, step=3, digest=9, who="pull from the server")
-    scaled = [wm.Expect(100, 1, {wm.M_SLICE_CACHED: (6, 0)}, scaled=True)]
+    scaled = [wm.Expect(100, 1, {wm.M_SLICE: (6, 0)}, scaled=True)]
     for exp in (-37, 0, 25, wm.MAX_EXP):
         (sec,) = dec(_message(exp, path=path), expect=scaled, **kw)
         assert sec.exp == exp and bytes(np.asarray(sec.values)) == bytes(range(6))
     with pytest.raises(WireError, match=r"bucket 0: scale exponent -1101 is out of range"):
         dec(_message(-wm.MAX_EXP - 1, path=path), expect=scaled, **kw)
-    plain = [wm.Expect(100, 1, {wm.M_SLICE_CACHED: (6, 0)})]
+    plain = [wm.Expect(100, 1, {wm.M_SLICE: (6, 0)})]
     with pytest.raises(WireError, match=r"scale exponent 4, expected 0 \(these values are not "
                                         r"scaled\)"):
         dec(_message(4, path=path), expect=plain, **kw)

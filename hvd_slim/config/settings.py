@@ -1,0 +1,405 @@
+"""Slim-DP configuration: one frozen, validated dataclass.
+
+Every Slim-DP keyword of :func:`hvd_slim.DistributedOptimizer` lands here. A keyword the caller
+does not pass takes its default from the environment variable ``HVD_SLIM_<NAME>`` (so an
+unchanged script can be re-run at another density), and otherwise from the field default below.
+Bad values and bad combinations are rejected at construction, with the argument (or variable)
+named. The config is plain data: ``to_dict()`` checkpoints it without the communicator.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+from ..wire.values import VALUE_BITS
+# ConfigError stays importable from here, where every caller has always found it.
+from .checks import (ConfigError, _check_fraction, _check_int, _check_local_steps,
+                     _check_outer_delay, _check_overlap, _check_overlap_forward, _check_timeout,
+                     _is_number)
+
+PULL_MODES = ("slim", "union")
+OPS = ("average", "sum")
+# "flag" (default): skip the step everywhere and hand every rank NaN gradients, so that
+# torch.amp.GradScaler's found_inf is set identically on every rank (Horovod's AMP pattern).
+NONFINITE_MODES = ("flag", "skip", "raise", "propagate")
+ADAM_VARIANCE_MODES = ("auto", "rescaled", "live")
+# What an Adam-family optimizer exchanges (optim/inner/adam_update.py): "update" (each rank's own
+# moments, its Adam update through the exchange), "gradient" (the gradients, one shared Adam);
+# "auto" resolves to "update" for torch's Adam and AdamW when the optimizer is built.
+ADAM_EXCHANGE_MODES = ("auto", "update", "gradient")
+# The update exchange's own defaults, for the keywords a user leaves unset: Adam's updates move
+# every coordinate about lr a step, so staleness, not precision, is what costs accuracy there:
+# more coordinates at fewer bits (docs/accuracy.md, "Transformers").
+UPDATE_DEFAULTS = {"density": 0.05, "value_bits": 2, "pull_value_bits": 8}
+ENV_PREFIX = "HVD_SLIM_"
+
+
+class _Unset:
+    """The default of every Slim-DP keyword of ``DistributedOptimizer``: not given, so
+    ``HVD_SLIM_<NAME>`` applies, else the built-in default. (None cannot stand for it: an
+    explicit ``timeout=None`` means waiting forever.)"""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+# Keywords that may come from HVD_SLIM_<NAME>; the Horovod ones (op, ...) are always explicit.
+ENV_KEYWORDS = ("density", "exploration", "magnitude_weight",
+                "momentum_correction", "pull", "pull_density", "min_compress_numel",
+                "server_rank", "seed", "nonfinite", "timeout", "warmup_dense_steps",
+                "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
+                "warmup_start_density", "servers", "hierarchical", "overlap", "overlap_forward",
+                "local_steps", "outer_delay", "residual_decay", "adam_exchange",
+                "pull_value_bits")
+# Settings each rank may choose for itself: left out of the digest the ranks compare.
+LOCAL_FIELDS = ("timeout",)
+# Settings a resumed run may change: left out of the checkpoint compatibility check.
+# (overlap_forward: a checkpoint never holds a step in flight, it is saved after it lands.)
+RESUMABLE_FIELDS = ("timeout", "nonfinite", "overlap_forward")
+# servers="auto": as many shards as ranks, but none under this many compressed coordinates:
+# every piece pays fixed costs per step (its selection, exploration generator, a section in
+# every message; about 0.5 ms on this machine), which swamp what spreading the bytes saves on
+# small shards (docs/performance.md, "Sharded servers").
+AUTO_MIN_SHARD = 1 << 20
+DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's NCCL default, long enough for an evaluation
+
+
+# The default pull slice: twice the push, and 4x it (but at most PULL_FLOOR) at low densities,
+# where a second compression at the server delays most (docs/accuracy.md).
+PULL_RATIO, PULL_MAX_RATIO, PULL_FLOOR = 2.0, 4.0, 0.004
+# The automatic warm-up (see SlimConfig.densities_at): the push starts WARMUP_BOOST x denser and
+# falls geometrically to the target over about 1/density steps, the time error feedback takes to
+# fill its residuals (an average coordinate is first sent after ~1/density steps).
+WARMUP_BOOST = 8.0
+
+
+def default_pull_density(density: float) -> float:
+    """The pull density used when ``pull_density`` is not given: ``max(2 * density,
+    min(4 * density, 0.004))``, at most 1 (0.04 at the default density, 0.004 at 0.001)."""
+    return min(1.0, max(PULL_RATIO * density, min(PULL_MAX_RATIO * density, PULL_FLOOR)))
+
+
+@dataclass(frozen=True)
+class SlimConfig:
+    """Validated Slim-DP settings (docs/design.md §2 and §4 say what each one does)."""
+
+    # --- slice sizes -------------------------------------------------------------------------
+    density: float = 0.02              # k/d: fraction of compressed coordinates a worker pushes
+    pull_density: Optional[float] = None  # k_pull/d for pull="slim"; None: see default_pull_density
+    min_compress_numel: int = 4096     # tensors smaller than this are fused and sent dense
+    # --- selection ---------------------------------------------------------------------------
+    exploration: float = 0.1           # epsilon: share of each slice given to random exploration
+    magnitude_weight: float = 0.0      # lambda in |a| + lambda*|w|; 0 = gradient magnitude only
+    value_bits: int = 8                # bits of each sliced value: 2, 4 (packed), 8 (scaled fp8),
+    #                                    16 (bf16), 32
+    # The server's pull slice (pull="slim") at these bits; None: value_bits
+    pull_value_bits: Optional[int] = None
+    # --- warm-up (see densities_at) -----------------------------------------------------------
+    warmup_dense_steps: int = 0        # the first exchange steps are an exact dense average
+    # Then the densities decay geometrically from warmup_start_density to their targets over
+    # warmup_decay_steps; None: automatic (8x the density, over ceil(1/density) steps)
+    warmup_decay_steps: Optional[int] = None
+    warmup_start_density: Optional[float] = None
+    # --- the wrapped optimizer -----------------------------------------------------------------
+    momentum_correction: Optional[bool] = None  # None = on for SGD with momentum > 0
+    # Share of a rank's velocity dropped where a coordinate is sent: 1.0 (True) is DGC's momentum
+    # masking, 0.0 (False) keeps it all (what is delivered then sums to dense momentum SGD's)
+    momentum_masking: float = 0.0
+    # Error feedback: each step a worker's residual is multiplied by this before the new
+    # gradient joins it (memory/residual.py); 1.0 keeps everything until it is sent. Below 1,
+    # SparseLoCo's decayed accumulator: unsent mass fades over about 1/(1 - beta) steps.
+    residual_decay: float = 1.0
+    # Adam/AdamW: "rescaled" feeds exp_avg_sq each delivered value as per-step means of the steps it
+    # sums (optim/inner/adam.py); "live": Adam's own step on the bursts; "auto": rescaled for Adam
+    adam_variance: str = "auto"
+    # Adam/AdamW: "update" exchanges each rank's Adam update (its own moments on its own gradient)
+    # instead of the gradient (optim/inner/adam_update.py); "gradient": the gradient into one shared
+    # Adam, as adam_variance says; "auto": "update" for torch's Adam and AdamW
+    adam_exchange: str = "auto"
+    # --- server and reduction ----------------------------------------------------------------
+    pull: str = "slim"                 # "slim": server keeps a residual; "union": exact union
+    server_rank: int = 0               # rank that aggregates pushes (it is also a worker)
+    # Server shards: each aggregates 1/S of every bucket (exchange/shards.py); "auto": see
+    # servers_for. Shard 0 is server_rank's, the others evenly spaced after it.
+    servers: Any = 1
+    # Node-local aggregation (exchange/hosts/hierarchy.py): the ranks of each host first combine
+    # their gradients over the local link, then one exchange per local rank runs between the hosts.
+    hierarchical: bool = False
+    # Overlap with backward (exchange/overlap/staged.py): the model is cut into this many stages in
+    # backward order, each exchanged as soon as its gradients are ready; 1: all in step().
+    # True means config_checks.OVERLAP_STAGES, False 1.
+    overlap: int = 1
+    # With overlap > 1 (exchange/overlap/order.py, hvd_slim/optim/forward_apply.py): once backward
+    # is over the stages nearest the input go first (P3's order), and step() returns before the rest
+    # is back; each stage's update lands when the next forward pass reaches its modules.
+    overlap_forward: bool = False
+    # Local steps (outer/rounds.py): the wrapped optimizer steps alone this many times, then
+    # the pseudo-gradient (global - local parameters) goes through the exchange to an outer
+    # optimizer; 1: every step exchanges its gradients.
+    local_steps: int = 1
+    # With local steps: 1 overlaps a round's exchange with the next round, and its outer step
+    # lands one round late (Streaming DiLoCo's delayed application); 0: it waits.
+    outer_delay: int = 0
+    op: str = "average"                # "average" or "sum" of the workers' contributions
+    gradient_predivide_factor: float = 1.0  # Horovod's: scale by 1/f before, f/N after (average)
+    backward_passes_per_step: int = 1  # local backward passes accumulated per exchange
+    # --- randomness --------------------------------------------------------------------------
+    seed: int = 0                      # keys every replica's exploration generator
+    # --- failure handling --------------------------------------------------------------------
+    # NaN/Inf gradient on any rank: "flag" (skip the step, NaN grads on every rank), "skip" (keep
+    # this rank's grads), "raise" NonFiniteGradientError on every rank, or "propagate" (no check)
+    nonfinite: str = "flag"
+    timeout: Optional[float] = DEFAULT_TIMEOUT  # seconds to wait in the exchange; None: forever
+
+    def __post_init__(self) -> None:
+        # Values are normalised to plain Python types, so the digest (a repr) is the same on
+        # ranks that passed np.float32(0.01) and 0.01.
+        norm: Dict[str, Any] = {
+            "density": _check_fraction("density", self.density, low_open=True),
+            "exploration": _check_fraction("exploration", self.exploration, low_open=False)}
+        if self.pull_density is not None:
+            norm["pull_density"] = _check_fraction("pull_density", self.pull_density, True)
+        w = self.magnitude_weight
+        if not _is_number(w) or not math.isfinite(w) or w < 0:
+            raise ConfigError(f"magnitude_weight must be a finite number >= 0, got {w!r}",
+                              "magnitude_weight")
+        norm["magnitude_weight"] = float(w)
+        for name, low in (("min_compress_numel", 0),
+                          ("server_rank", 0), ("backward_passes_per_step", 1), ("seed", 0),
+                          ("warmup_dense_steps", 0)):
+            norm[name] = _check_int(name, getattr(self, name), low)
+        if self.warmup_decay_steps is not None:
+            norm["warmup_decay_steps"] = _check_int("warmup_decay_steps",
+                                                    self.warmup_decay_steps, 0)
+        if self.value_bits not in VALUE_BITS or isinstance(self.value_bits, bool):
+            raise ConfigError(f"value_bits must be one of {VALUE_BITS}, got {self.value_bits!r}",
+                              "value_bits")
+        norm["value_bits"] = int(self.value_bits)
+        if self.pull_value_bits is not None:
+            if self.pull_value_bits not in VALUE_BITS or isinstance(self.pull_value_bits, bool):
+                raise ConfigError(f"pull_value_bits must be one of {VALUE_BITS} or None (as "
+                                  f"value_bits), got {self.pull_value_bits!r}", "pull_value_bits")
+            norm["pull_value_bits"] = int(self.pull_value_bits)
+        if self.warmup_start_density is not None:
+            start = _check_fraction("warmup_start_density", self.warmup_start_density, True)
+            if start < norm["density"]:
+                raise ConfigError(f"warmup_start_density ({start!r}) must not be below density "
+                                  f"({norm['density']!r}): the warm-up falls from it to density",
+                                  "warmup_start_density")
+            norm["warmup_start_density"] = start
+        mm = self.momentum_masking
+        norm["momentum_masking"] = float(mm) if isinstance(mm, bool) else \
+            _check_fraction("momentum_masking", mm, low_open=False)
+        norm["residual_decay"] = _check_fraction("residual_decay", self.residual_decay,
+                                                 low_open=True)
+        if self.momentum_correction not in (None, True, False):
+            raise ConfigError(f"momentum_correction must be True, False or None (auto), "
+                              f"got {self.momentum_correction!r}", "momentum_correction")
+        for name, allowed in (("pull", PULL_MODES), ("op", OPS), ("nonfinite", NONFINITE_MODES),
+                              ("adam_variance", ADAM_VARIANCE_MODES),
+                              ("adam_exchange", ADAM_EXCHANGE_MODES)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}",
+                                  name)
+        f = self.gradient_predivide_factor
+        if not _is_number(f) or not math.isfinite(f) or f <= 0:
+            raise ConfigError(f"gradient_predivide_factor must be a finite number > 0, got {f!r}",
+                              "gradient_predivide_factor")
+        norm["gradient_predivide_factor"] = float(f)
+        if f != 1.0 and self.op != "average":
+            raise ConfigError("gradient_predivide_factor not supported with op != Average: "
+                              "use op=hvd.Average or leave the factor at 1.0",
+                              "gradient_predivide_factor")
+        norm["timeout"] = _check_timeout(self.timeout)
+        if self.servers != "auto":
+            if isinstance(self.servers, str):
+                raise ConfigError(f"servers must be an integer >= 1 or 'auto', got "
+                                  f"{self.servers!r}", "servers")
+            norm["servers"] = _check_int("servers", self.servers, 1)
+        if not isinstance(self.hierarchical, bool) and type(self.hierarchical).__name__ != "bool_":
+            raise ConfigError(f"hierarchical must be True or False, got {self.hierarchical!r}",
+                              "hierarchical")
+        norm["hierarchical"] = bool(self.hierarchical)
+        norm["overlap"] = _check_overlap(self.overlap)
+        norm["overlap_forward"] = _check_overlap_forward(self.overlap_forward, norm["overlap"])
+        norm["local_steps"] = _check_int("local_steps", self.local_steps, 1)
+        if norm["local_steps"] > 1:
+            _check_local_steps(norm, self.momentum_correction)
+        norm["outer_delay"] = _check_outer_delay(self.outer_delay, norm["local_steps"])
+        for name, value in norm.items():
+            object.__setattr__(self, name, value)
+
+    # --- derived -------------------------------------------------------------------------------
+    @property
+    def effective_pull_density(self) -> float:
+        return default_pull_density(self.density) if self.pull_density is None \
+            else self.pull_density
+
+    @property
+    def effective_pull_value_bits(self) -> int:
+        """The bits of the server's pull slice: ``pull_value_bits``, or ``value_bits``."""
+        return self.value_bits if self.pull_value_bits is None else self.pull_value_bits
+
+    @property
+    def effective_warmup_decay_steps(self) -> int:
+        """The decay's exchange steps: as given, or (None) ``ceil(1 / density)`` local steps'
+        worth, ``ceil(1 / (density * local_steps))`` exchanges, when the core is re-selected
+        every step and the warm-up starts above the target; 0 otherwise. (Counted in exchanges,
+        a run of 600 local steps at H = 32 would never have left it: 19 rounds of ~6% density
+        where 1% was asked for.)"""
+        if self.warmup_decay_steps is not None:
+            return self.warmup_decay_steps
+        if self.effective_warmup_start_density <= self.density:
+            return 0
+        return math.ceil(1.0 / (self.density * self.local_steps))
+
+    @property
+    def effective_warmup_start_density(self) -> float:
+        """The density the decay starts from: as given, or ``min(1, 8 * density)``."""
+        return min(1.0, WARMUP_BOOST * self.density) if self.warmup_start_density is None \
+            else self.warmup_start_density
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup_dense_steps + self.effective_warmup_decay_steps
+
+    def densities_at(self, step: int) -> Optional[Tuple[float, float]]:
+        """``(push, pull)`` densities of exchange step ``step`` during the warm-up, else None.
+
+        Steps ``[0, D)`` are dense (1.0). Step ``D + i`` of the ``S`` decay steps pushes
+        ``start * (density / start) ** ((i + 1) / (S + 1))``, a geometric path from the start
+        density to the target, which step ``D + S`` reaches; the pull follows the same path from
+        ``min(1, start * pull / density)`` (never below the push). With ``start = 1`` this is
+        the decay from dense, ``density ** ((i + 1) / (S + 1))``."""
+        dense, decay = self.warmup_dense_steps, self.effective_warmup_decay_steps
+        if step >= dense + decay:
+            return None
+        if step < dense:
+            return 1.0, 1.0
+        x = (step - dense + 1) / (decay + 1)
+        start, pull = self.effective_warmup_start_density, self.effective_pull_density
+        pull_start = min(1.0, start * pull / self.density)
+        push = start * (self.density / start) ** x
+        return push, max(push, pull_start * (pull / pull_start) ** x)
+
+    def check_world(self, size: int) -> None:
+        """Checks that need the world size: the server must be one of the ranks, and there
+        are at most as many servers as ranks."""
+        if not 0 <= self.server_rank < size:
+            raise ConfigError(f"server_rank must be in [0, {size}) for a job of {size} ranks, "
+                              f"got {self.server_rank}{self.env_note('server_rank')}",
+                              "server_rank")
+        self._check_servers(size)
+
+    def _check_servers(self, size: int) -> None:
+        if self.servers != "auto" and self.servers > size:
+            raise ConfigError(f"servers must be an integer in 1..{size} (the ranks of the "
+                              f"exchange) or 'auto', got {self.servers}"
+                              f"{self.env_note('servers')}",
+                              "servers")
+
+    def servers_for(self, size: int, compressed_numel: int) -> int:
+        """The number of server shards for ``size`` ranks: ``servers``, or for ``"auto"``
+        ``min(size, compressed_numel // AUTO_MIN_SHARD)`` from 3 ranks up (at 2, one server
+        already moves as many bytes as two), and at least 1."""
+        self._check_servers(size)
+        if self.servers != "auto":
+            return self.servers
+        if size < 3:
+            return 1
+        return max(1, min(size, compressed_numel // AUTO_MIN_SHARD))
+
+    def for_ranks(self, ranks: Sequence[int]) -> "SlimConfig":
+        """The config of an exchange among the job ranks ``ranks`` (a process set, in order),
+        which numbers its ranks by their position there: ``server_rank``, a job rank, must be one
+        of them and becomes its position."""
+        ranks = list(ranks)
+        if self.server_rank not in ranks:
+            raise ConfigError(f"server_rank must be a rank of the process set {ranks} (a job "
+                              f"rank), got {self.server_rank}{self.env_note('server_rank')}",
+                              "server_rank")
+        self._check_servers(len(ranks))
+        return self.replaced(server_rank=ranks.index(self.server_rank))
+
+    def replaced(self, **fields: Any) -> "SlimConfig":
+        """A copy with ``fields`` changed (validated again), keeping where each keyword came
+        from and what the handshake compares beside the fields, which ``dataclasses.replace``
+        drops: ``adam_exchange`` resolved once the optimizer is known, an elastic shrink's
+        ``servers``, a host exchange's inner settings."""
+        out = dataclasses.replace(self, **fields)
+        for hidden in ("_env_sources", "_agreed", "_given"):
+            object.__setattr__(out, hidden, getattr(self, hidden, {}))
+        return out
+
+    def describe_sources(self, mode_defaults: Sequence[str] = ()) -> str:
+        """Every setting in force with where it came from (``keyword``, ``HVD_SLIM_X``, or
+        ``default``; ``mode_defaults``: those taken from the update exchange's defaults), for
+        the log line rank 0 writes when an optimizer is built."""
+        env, given = getattr(self, "_env_sources", {}), getattr(self, "_given", ())
+        parts = []
+        for name, value in self.effective_dict().items():
+            source = env.get(name) or ("keyword" if name in given else
+                                       "update default" if name in mode_defaults else
+                                       "default")
+            parts.append(f"{name}={value!r} ({source})")
+        return ", ".join(parts)
+
+    def update_defaults(self) -> Dict[str, Any]:
+        """The update exchange's defaults (``UPDATE_DEFAULTS``) for the keywords neither passed
+        nor set by a variable: what :meth:`replaced` applies once ``adam_exchange`` resolves to
+        "update"."""
+        given = getattr(self, "_given", ())
+        return {k: v for k, v in UPDATE_DEFAULTS.items() if k not in given}
+
+    def env_note(self, name: str) -> str:
+        """`` (from environment variable HVD_SLIM_X)`` when ``name`` came from the environment."""
+        var = getattr(self, "_env_sources", {}).get(name)
+        return f" (from environment variable {var})" if var else ""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def effective_dict(self) -> Dict[str, Any]:
+        """:meth:`to_dict` with every automatic field (None) replaced by the value in force, the
+        warm-up's start density by None when there is no decay: what a checkpoint compares, so a
+        changed default can never resume silently."""
+        out = self.to_dict()
+        decay = self.effective_warmup_decay_steps
+        out.update(pull_density=self.effective_pull_density, warmup_decay_steps=decay,
+                   pull_value_bits=self.effective_pull_value_bits,
+                   warmup_start_density=self.effective_warmup_start_density if decay else None)
+        return out
+
+    def shared_dict(self) -> Dict[str, Any]:
+        """The settings every rank must agree on (all but the per-rank ``LOCAL_FIELDS``), with
+        automatic fields resolved: ranks that differ only in spelling a default agree; and any
+        settings held outside the config that the handshake compares too (:meth:`agreeing`)."""
+        out = {k: v for k, v in self.effective_dict().items() if k not in LOCAL_FIELDS}
+        out.update(getattr(self, "_agreed", {}))
+        return out
+
+    def agreeing(self, **extra: str) -> "SlimConfig":
+        """A copy whose handshake also compares ``extra``: descriptions of settings that are
+        objects, not config values (the outer optimizer of ``local_steps``). Checkpoints do not
+        compare them, so they may change on resume."""
+        out = self.replaced()
+        object.__setattr__(out, "_agreed", dict(getattr(self, "_agreed", {}), **extra))
+        return out
+
+    def digest(self) -> str:
+        """A short hash of the shared fields, equal on ranks that agree on the config."""
+        text = repr(sorted(self.shared_dict().items()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SlimConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown Slim-DP config keys {sorted(unknown)}")
+        return cls(**dict(d))

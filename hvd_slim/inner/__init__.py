@@ -1,1 +1,0 @@
-"""How the wrapped optimizer steps on what the exchange delivers (Adam: inner/adam.py)."""

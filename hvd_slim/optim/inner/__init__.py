@@ -1,0 +1,1 @@
+"""How the wrapped optimizer steps on what the exchange delivers (Adam: optim/inner/adam.py)."""

@@ -1,0 +1,192 @@
+"""Start-up of the torch.distributed transports (``transport="gloo"`` / ``"nccl"``).
+
+Three ways in, tried in this order:
+
+1. hvd_slim runs on MPI (``hvd_slim.init()``, or Horovod's ``hvd.init()``): rank 0 opens a
+   TCPStore on a free port and broadcasts ``host:port`` over MPI, so ``mpirun``/``horovodrun`` need
+   no ``MASTER_ADDR`` (when it is set, it is the address rank 0 advertises).
+2. torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): its ``env://``
+   rendezvous, which also finds torchrun's agent store.
+3. The script already called ``torch.distributed.init_process_group``: that world is used.
+
+If torch.distributed is already initialised, hvd_slim makes a private group on it (``new_group``)
+after checking that its ranks agree; otherwise it initialises the default group itself. Every
+rank first registers in the store, so a duplicated or missing rank or disagreeing world sizes
+end in a clear error within the timeout (``HVD_SLIM_TRANSPORT_TIMEOUT`` seconds), never a hang.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from typing import Any, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..api import engine
+from ..runtime import basics, env, horovod
+from ..transport import torch_dist
+
+TIMEOUT_ENV = "HVD_SLIM_TRANSPORT_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_generation = 0  # bootstraps happen in the same order on every rank: a shared store key prefix
+
+
+def timeout(environ: Optional[Mapping[str, str]] = None) -> datetime.timedelta:
+    """The process-group and rendezvous timeout, from ``HVD_SLIM_TRANSPORT_TIMEOUT`` (seconds)."""
+    raw = (os.environ if environ is None else environ).get(TIMEOUT_ENV)
+    if raw is None:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds > 0")
+    return datetime.timedelta(seconds=value)
+
+
+def torchrun_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[int, int]]:
+    """``(rank, size)`` from torchrun's variables, or None when none is set. Raises ValueError when
+    some are missing, out of range, or disagree with another launcher's variables."""
+    environ = os.environ if environ is None else environ
+    present = [v for v in TORCHRUN_VARS if v in environ]
+    if not present:
+        return None
+    missing = [v for v in TORCHRUN_VARS if v not in environ]
+    if missing:
+        raise ValueError(f"torchrun-style launch: {', '.join(present)} set but {', '.join(missing)} "
+                         f"not; launch with torchrun, or under mpirun/horovodrun unset them")
+    announced = env.env_rank_size(environ)  # checks ints, range, agreement with other launchers
+    assert announced is not None
+    return announced[0], announced[1]
+
+
+def torch_transport(backend: str, device: torch.device) -> Any:
+    """The cached :class:`TorchDistTransport` for ``(backend, device)``, started on first use.
+    Collective: every rank must ask for the same transports in the same order."""
+    import torch.distributed as dist
+
+    # Gloo frames live on the host whatever the parameters' device: one Gloo group serves all.
+    dev = torch.device("cpu") if backend == "gloo" else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:   # one cache key, and set_device needs one
+        dev = torch.device("cuda", torch.cuda.current_device())
+    found = torch_dist.cached(backend, dev)
+    if found is not None:
+        return found
+    tmo = timeout()
+    if backend == "nccl":
+        torch.cuda.set_device(dev)
+    if basics.is_initialized() or horovod.initialized_horovod() is not None:
+        basics.job_collectives()  # starts hvd_slim from Horovod when needed
+        rank, size, how = basics.rank(), basics.size(), "mpi"
+    elif torchrun_env() is not None:
+        (rank, size), how = torchrun_env(), "torchrun"
+    elif dist.is_available() and dist.is_initialized():
+        rank, size, how = dist.get_rank(), dist.get_world_size(), "torch"
+    else:
+        raise ValueError(
+            f"transport={backend!r} cannot find the job: call hvd_slim.init() (or Horovod's "
+            f"hvd.init()) under mpirun/horovodrun, launch with torchrun ({', '.join(TORCHRUN_VARS)}), "
+            f"or call torch.distributed.init_process_group() first")
+    if dist.is_initialized():
+        theirs = (dist.get_rank(), dist.get_world_size())
+        if theirs != (rank, size):
+            raise RuntimeError(
+                f"transport={backend!r}: torch.distributed is already initialised as rank {theirs[0]} "
+                f"of {theirs[1]} but hvd_slim's launcher ({how}) says rank {rank} of {size}; "
+                f"initialise torch.distributed over the same ranks, or leave it to hvd_slim")
+        group = dist.new_group(backend=backend, timeout=tmo)
+        on_close = lambda: dist.destroy_process_group(group)  # noqa: E731
+    else:
+        global _generation
+        _generation += 1
+        store = _mpi_store(rank, size, tmo) if how == "mpi" else _torchrun_store(tmo)
+        store = dist.PrefixStore(f"hvd_slim/{_generation}/", store)
+        _register(store, rank, size, tmo)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=tmo)
+        group, on_close = None, dist.destroy_process_group
+    return torch_dist.remember(torch_dist.TorchDistTransport(group, backend, dev, rank, size, tmo,
+                                                             on_close))
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _mpi_store(rank: int, size: int, tmo: datetime.timedelta) -> Any:
+    """Rank 0 opens the store and sends its address over the job's MPI collectives; a failure
+    there reaches every rank (as an error message instead of an address), so nobody waits for a
+    store that never opens."""
+    import torch.distributed as dist
+    if rank == 0:
+        store, host = None, os.environ.get("MASTER_ADDR") or (
+            "127.0.0.1" if basics.local_size() == size else socket.gethostname())
+        try:
+            store = dist.TCPStore(host, 0, size, is_master=True, timeout=tmo, wait_for_workers=False)
+            msg = f"ok {host} {store.port}"
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            msg = f"error rank 0 could not open a TCPStore on {host}: {_first_line(exc)}"
+        with engine.on_group("the torch.distributed rendezvous", None) as group:
+            group.api.bcast_bytes(np.frombuffer(msg.encode(), dtype=np.uint8), 0)
+    else:
+        with engine.on_group("the torch.distributed rendezvous", None) as group:
+            msg = group.api.bcast_bytes(None, 0).tobytes().decode()
+    if msg.startswith("error "):
+        raise RuntimeError(f"hvd_slim rendezvous: {msg[6:]}; set MASTER_ADDR to an address of "
+                           f"rank 0's node that every rank can reach")
+    if rank == 0:
+        return store
+    _, host, port = msg.split()
+    try:
+        return dist.TCPStore(host, int(port), size, is_master=False, timeout=tmo)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the address and the fix
+        raise RuntimeError(f"hvd_slim rendezvous: rank {rank} could not reach rank 0's store at "
+                           f"{host}:{port} within {tmo.total_seconds():.0f}s: {_first_line(exc)}; "
+                           f"set MASTER_ADDR to an address of rank 0's node that every rank can "
+                           f"reach") from None
+
+
+def _torchrun_store(tmo: datetime.timedelta) -> Any:
+    import torch.distributed as dist
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store, _, _ = next(dist.rendezvous("env://", timeout=tmo))
+    except Exception as exc:  # noqa: BLE001 - re-raised with the address and the likely cause
+        raise RuntimeError(f"hvd_slim rendezvous: the env:// store at {where} failed: "
+                           f"{_first_line(exc)} (RANK={os.environ.get('RANK')}, WORLD_SIZE="
+                           f"{os.environ.get('WORLD_SIZE')}); is the port free, is exactly one "
+                           f"process rank 0, and are all WORLD_SIZE ranks started?") from None
+    return store
+
+
+def _register(store: Any, rank: int, size: int, tmo: datetime.timedelta) -> None:
+    """Every rank checks in; raises the same clear error everywhere on duplicated or missing
+    ranks or disagreeing world sizes."""
+    def fail(msg: str) -> None:
+        store.set("error", msg)
+        raise RuntimeError(msg)
+
+    first = store.compare_set("size", "", str(size)).decode()
+    if first != str(size):
+        fail(f"hvd_slim rendezvous: rank {rank} was launched for a world of {size} ranks but "
+             f"another rank for {first}; the launcher's ranks are inconsistent")
+    if store.add(f"rank/{rank}", 1) != 1:
+        fail(f"hvd_slim rendezvous: two processes claim rank {rank} of {size}; the launcher's "
+             f"ranks are inconsistent (check RANK / OMPI_COMM_WORLD_RANK)")
+    store.add("joined", 1)
+    deadline = time.monotonic() + tmo.total_seconds()
+    while True:
+        if store.check(["error"]):
+            raise RuntimeError(store.get("error").decode())
+        if store.add("joined", 0) >= size:
+            return
+        if time.monotonic() > deadline:
+            missing: List[int] = [r for r in range(size) if not store.check([f"rank/{r}"])]
+            raise RuntimeError(f"hvd_slim rendezvous: only {size - len(missing)} of {size} ranks "
+                               f"joined within {tmo.total_seconds():g} s; missing ranks {missing}. "
+                               f"Start every rank, or check the launcher's RANK/WORLD_SIZE")
+        time.sleep(0.02)

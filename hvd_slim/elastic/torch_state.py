@@ -3,7 +3,7 @@ exchange state), ``ElasticSampler``s and plain attributes, committed, restored a
 
 Each model, optimizer and sampler attribute gets a handler that keeps a deep copy of its
 ``state_dict()`` as the commit; everything else is an :class:`ObjectState` attribute. An hvd_slim
-optimizer's ``state_dict()`` holds its exchange (residuals, velocities, cores, the server's state)
+optimizer's ``state_dict()`` holds its exchange (residuals, velocities, selectors, the server's state)
 under ``"hvd_slim"``, so a restore on the same ranks is bitwise. After the job shrank, that entry
 belongs to a rank of a job that no longer exists: the exchange is rebuilt empty on the survivors
 (:mod:`hvd_slim.elastic.rebind`) and the rest of the commit is restored.

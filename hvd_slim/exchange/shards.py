@@ -58,7 +58,7 @@ def server_roots(size: int, servers: int, server_rank: int) -> List[int]:
 
 
 def piece_id(bucket_index: int, shard: int, servers: int) -> int:
-    """A piece's id (keys its server state, cached cores and exploration): the bucket's own
+    """A piece's id (keys its server state, selectors and exploration): the bucket's own
     index when there is one shard."""
     return bucket_index * servers + shard
 

@@ -11,7 +11,7 @@ in step_wire.py.
 It reads each parameter's ``.grad`` and writes the pulled update back into it; the wrapped
 optimizer's ``step()`` runs afterwards. Nothing here knows about MPI: the transport is passed in.
 
-Compensation is speculative: this rank's residual, velocity and cores change only when the
+Compensation is speculative: this rank's residual, velocity and selectors change only when the
 pull says the step went through. A step can also end in a verdict every rank shares: SKIP (a
 NaN/Inf gradient under ``nonfinite="flag"`` or ``"skip"``: nothing of the exchange changes
 anywhere; ``"flag"`` then sets every gradient to NaN on every rank) or an ERROR every rank
@@ -255,7 +255,7 @@ class SlimExchange:
         return checkpoint.held_residuals(self)
 
     def state_dict(self) -> dict:
-        """This rank's residuals, velocities, cores, step and stats (and the server's state on
+        """This rank's residuals, velocities, selectors, step and stats (and the server's state on
         the server rank): tensors and plain values only."""
         return checkpoint.state_of(self)
 

@@ -422,7 +422,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state plus this rank's Slim-DP state under ``"hvd_slim"``
-        (residuals, velocities, cached cores, step). Residuals are per rank: save every rank's.
+        (residuals, velocities, selectors, step). Residuals are per rank: save every rank's.
         With ``outer_delay=1`` the round in flight lands first (its average is saved, to be
         applied at the round's end)."""
         self.apply_updates()

@@ -7,8 +7,8 @@ in one pass at 4 ranks (2,500 steps), AdamW (lr 2e-3, weight decay 0.1) with a 5
 warm-up and a cosine schedule over the whole run, as a user's script sets it. Groups:
 
 - ``lm-fair``: dense (``density=1.0``) and hvd_slim with no keyword (3 seeds);
-- ``lm-fair-peers``: hvd_slim at 0.001, hvd_slim exchanging gradients (``adam_exchange=
-  "gradient"``, the defaults before), top-k with error feedback at 0.02, PowerSGD rank 4
+- ``lm-fair-peers``: hvd_slim at 0.001, 0.08 and 0.12, hvd_slim exchanging gradients
+  (``adam_exchange="gradient"``, the defaults before), top-k with error feedback at 0.02, PowerSGD rank 4
   (DDP's hook) and DiLoCo's own exchange at H = 32 (``local_steps=32``, ``density=1.0``,
   32-bit values), the first seed only;
 - ``lm-fair-sgd``: the same transformer with SGD and Nesterov momentum 0.9 (lr 0.3, no weight
@@ -41,6 +41,8 @@ SGD = {"optimizer": "sgd", "lr": 0.3, "momentum": 0.9, "nesterov": True, "weight
 BF16_CASE = "lm-fair-bf16"
 MAIN = (("dense", "dense", 1.0, {}), ("default", "slim", None, {}))
 PEERS = (("0.001", "slim", 0.001, {}),
+         # a denser push at the update exchange's 2 bits: what more coordinates buy, and cost
+         ("0.08", "slim", 0.08, {}), ("0.12", "slim", 0.12, {}),
          # the defaults before the update exchange: gradients into one Adam (optim/inner/adam.py)
          ("gradient exchange", "slim", None, {"slim": {"adam_exchange": "gradient"}}),
          ("top-k 0.02", "topk", 0.02, {}),

@@ -7,10 +7,11 @@ in one pass at 4 ranks (2,500 steps), AdamW (lr 2e-3, weight decay 0.1) with a 5
 warm-up and a cosine schedule over the whole run, as a user's script sets it. Groups:
 
 - ``lm-fair``: dense (``density=1.0``) and hvd_slim with no keyword (3 seeds);
-- ``lm-fair-peers``: hvd_slim at 0.001, 0.08 and 0.12, hvd_slim exchanging gradients
-  (``adam_exchange="gradient"``, the defaults before), top-k with error feedback at 0.02, PowerSGD rank 4
-  (DDP's hook) and DiLoCo's own exchange at H = 32 (``local_steps=32``, ``density=1.0``,
-  32-bit values), the first seed only;
+- ``lm-fair-peers``: hvd_slim at 0.001, 0.08 and 0.12, its update exchange at density 1.0 (32-bit
+  values), its defaults with ``pull="union"``, hvd_slim exchanging gradients
+  (``adam_exchange="gradient"``, the defaults before), top-k with error feedback at 0.02,
+  PowerSGD rank 4 (DDP's hook) and DiLoCo's own exchange at H = 32 (``local_steps=32``,
+  ``density=1.0``, 32-bit values), the first seed only;
 - ``lm-fair-sgd``: the same transformer with SGD and Nesterov momentum 0.9 (lr 0.3, no weight
   decay, the same schedule; at lr 0.5 dense diverged), dense against hvd_slim with no keyword,
   at every seed;
@@ -43,6 +44,11 @@ MAIN = (("dense", "dense", 1.0, {}), ("default", "slim", None, {}))
 PEERS = (("0.001", "slim", 0.001, {}),
          # a denser push at the update exchange's 2 bits: what more coordinates buy, and cost
          ("0.08", "slim", 0.08, {}), ("0.12", "slim", 0.12, {}),
+         # where the rest of the gap lives: each rank's own Adam moments with the exchange
+         # exact (the update exchange at density 1.0), and the defaults with an exact pull
+         ("update exchange, dense", "slim", 1.0, {"slim": {"adam_exchange": "update",
+                                                           "value_bits": 32}}),
+         ("pull union", "slim", None, {"slim": {"pull": "union"}}),
          # the defaults before the update exchange: gradients into one Adam (optim/inner/adam.py)
          ("gradient exchange", "slim", None, {"slim": {"adam_exchange": "gradient"}}),
          ("top-k 0.02", "topk", 0.02, {}),

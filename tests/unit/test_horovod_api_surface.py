@@ -1,5 +1,5 @@
 """Every public name of Horovod 0.28.1's ``horovod.torch`` exists in hvd_slim, so a script that
-swaps its import finds each one (the README's runtime API section lists the same surface)."""
+swaps its import finds each one (docs/runtime.md, "The runtime API", lists the same surface)."""
 from __future__ import annotations
 
 import inspect

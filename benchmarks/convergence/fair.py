@@ -49,6 +49,12 @@ PEERS = (("0.001", "slim", 0.001, {}),
          ("update exchange, dense", "slim", 1.0, {"slim": {"adam_exchange": "update",
                                                            "value_bits": 32}}),
          ("pull union", "slim", None, {"slim": {"pull": "union"}}),
+         # against staleness, each at the defaults' pushed bytes or near them: a slim pull as
+         # dense as the union of four pushes (8-bit values, the server's residual kept), a
+         # decayed worker residual (SparseLoCo's 0.95), and 4-bit pushed values
+         ("pull 0.2", "slim", None, {"slim": {"pull_density": 0.2}}),
+         ("residual decay 0.95", "slim", None, {"slim": {"residual_decay": 0.95}}),
+         ("push 4 bits", "slim", None, {"slim": {"value_bits": 4}}),
          # the defaults before the update exchange: gradients into one Adam (optim/inner/adam.py)
          ("gradient exchange", "slim", None, {"slim": {"adam_exchange": "gradient"}}),
          ("top-k 0.02", "topk", 0.02, {}),

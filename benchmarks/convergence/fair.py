@@ -7,8 +7,9 @@ in one pass at 4 ranks (2,500 steps), AdamW (lr 2e-3, weight decay 0.1) with a 5
 warm-up and a cosine schedule over the whole run, as a user's script sets it. Groups:
 
 - ``lm-fair``: dense (``density=1.0``) and hvd_slim with no keyword (3 seeds);
-- ``lm-fair-peers``: hvd_slim at 0.001, 0.08 and 0.12, its update exchange at density 1.0 (32-bit
-  values), its defaults with ``pull="union"``, hvd_slim exchanging gradients
+- ``lm-fair-peers``: hvd_slim at 0.001, 0.08 and 0.12, its defaults with ``pull="union"``, with
+  a slim pull at 0.2, with a decayed residual (0.95) and with 4-bit pushes, hvd_slim exchanging
+  gradients
   (``adam_exchange="gradient"``, the defaults before), top-k with error feedback at 0.02,
   PowerSGD rank 4 (DDP's hook) and DiLoCo's own exchange at H = 32 (``local_steps=32``,
   ``density=1.0``, 32-bit values), the first seed only;
@@ -44,10 +45,7 @@ MAIN = (("dense", "dense", 1.0, {}), ("default", "slim", None, {}))
 PEERS = (("0.001", "slim", 0.001, {}),
          # a denser push at the update exchange's 2 bits: what more coordinates buy, and cost
          ("0.08", "slim", 0.08, {}), ("0.12", "slim", 0.12, {}),
-         # where the rest of the gap lives: each rank's own Adam moments with the exchange
-         # exact (the update exchange at density 1.0), and the defaults with an exact pull
-         ("update exchange, dense", "slim", 1.0, {"slim": {"adam_exchange": "update",
-                                                           "value_bits": 32}}),
+         # the defaults with an exact pull: what the server's slice costs
          ("pull union", "slim", None, {"slim": {"pull": "union"}}),
          # against staleness, each at the defaults' pushed bytes or near them: a slim pull as
          # dense as the union of four pushes (8-bit values, the server's residual kept), a

@@ -51,6 +51,10 @@ PEERS = (("0.001", "slim", 0.001, {}),
          # dense as the union of four pushes (8-bit values, the server's residual kept), a
          # decayed worker residual (SparseLoCo's 0.95), and 4-bit pushed values
          ("pull 0.2", "slim", None, {"slim": {"pull_density": 0.2}}),
+         # how far a denser or finer pull goes: 8x the push, and 0.2 at 16 bits
+         ("pull 0.4", "slim", None, {"slim": {"pull_density": 0.4}}),
+         ("pull 0.2 at 16 bits", "slim", None, {"slim": {"pull_density": 0.2,
+                                                         "pull_value_bits": 16}}),
          ("residual decay 0.95", "slim", None, {"slim": {"residual_decay": 0.95}}),
          ("push 4 bits", "slim", None, {"slim": {"value_bits": 4}}),
          # the defaults before the update exchange: gradients into one Adam (optim/inner/adam.py)

@@ -330,11 +330,18 @@ def test_the_update_exchange_has_its_own_defaults_where_the_user_set_none(monkey
     cfg = build()
     assert (cfg.adam_exchange, cfg.density, cfg.value_bits, cfg.pull_value_bits) == \
         ("update", 0.05, 2, 8)
+    assert cfg.pull_density == 0.2 == cfg.effective_pull_density   # 4x the push
+    assert build(density=0.1).pull_density == 0.4 and build(density=0.5).pull_density == 1.0
+    assert build(pull_density=0.06).pull_density == 0.06
     assert build(torch.optim.SGD).pull_value_bits is None
+    assert build(torch.optim.SGD).pull_density is None
     assert build(torch.optim.SGD).density == 0.02 and build(torch.optim.SGD).value_bits == 8
     assert build(adam_exchange="gradient").density == 0.02
     assert (build(value_bits=8).density, build(value_bits=8).value_bits) == (0.05, 8)
     monkeypatch.setenv("HVD_SLIM_DENSITY", "0.01")
     cfg = build()
-    assert (cfg.density, cfg.value_bits) == (0.01, 2)
+    assert (cfg.density, cfg.value_bits, cfg.pull_density) == (0.01, 2, 0.04)
+    monkeypatch.setenv("HVD_SLIM_PULL_DENSITY", "0.03")
+    assert build().pull_density == 0.03
+    monkeypatch.delenv("HVD_SLIM_PULL_DENSITY")
     assert cfg.env_note("density") == " (from environment variable HVD_SLIM_DENSITY)"

@@ -122,5 +122,6 @@ def _flat_hits(mask: np.ndarray) -> np.ndarray:
     costs about 0.5 ns an element; a few percent of hits leave most bytes zero)."""
     packed = np.packbits(mask)
     nz = np.flatnonzero(packed != 0)
-    bits = np.flatnonzero(np.unpackbits(packed[nz]))
+    # unpackbits gives 0/1 bytes: read as bool, nonzero takes its fast path (uint8's is 6x slower)
+    bits = np.flatnonzero(np.unpackbits(packed[nz]).view(bool))
     return (nz[bits >> 3] << 3) | (bits & 7)

@@ -26,6 +26,7 @@ import math
 from typing import Any, Optional, Protocol, Sequence, Tuple, TypeVar, runtime_checkable
 
 from .errors import WireError
+from .recent import Recent
 
 IDX_EF = 1
 IDX_BITMAP = 2
@@ -240,9 +241,18 @@ def encode_indices(k: IndexKernel[A], idx: Any, d: int) -> Tuple[int, A]:
         raise ValueError(f"d must be >= 0, got {d}")
     a = check_indices(k, idx, d)
     n = len(a)
-    if encoded_size(IDX_EF, d, n) <= encoded_size(IDX_BITMAP, d, n):
-        return IDX_EF, ef_pack(k, a, d)
-    return IDX_BITMAP, bitmap_pack(k, a, d)
+    kind = IDX_EF if encoded_size(IDX_EF, d, n) <= encoded_size(IDX_BITMAP, d, n) else IDX_BITMAP
+    enc = ef_pack(k, a, d) if kind == IDX_EF else bitmap_pack(k, a, d)
+    if n >= _RECALL_MIN:
+        RECENT.put((type(k), kind, d, n, len(enc)), enc, a)
+    return kind, enc
+
+
+# The last encodings this process made: a server decoding its own push, or a worker its own
+# server's pull, gets the indices back without decoding (wire/recent.py).
+# Only sets worth it are kept: under a few thousand indices decoding costs microseconds.
+RECENT = Recent(max_bytes=64 << 20)
+_RECALL_MIN = 4096
 
 
 # ------------------------------------------------------------------------------------ decode
@@ -286,6 +296,10 @@ def decode_indices(k: IndexKernel[A], kind: int, buf: Any, d: int, count: int) -
     if len(b) != need:
         raise WireError(f"{KIND_NAMES[kind]} payload of {count} indices in d={d}: "
                         f"{len(b)} bytes, expected {need}")
+    if count >= _RECALL_MIN:
+        known = RECENT.get((type(k), kind, d, count, len(b)), b)
+        if known is not None:
+            return known
     if kind == IDX_BITMAP:
         return _ones(k, b, d, "bitmap", count)
     if count == 0:

@@ -53,7 +53,7 @@ class TorchScores:
         return float(below.max()) if below.numel() else None
 
     def at(self, idx: torch.Tensor) -> torch.Tensor:
-        v = self.s[idx]
+        v = self.s.index_select(0, idx)
         return v.abs() if self.magnitude else v
 
     def at_least(self, thr: float) -> torch.Tensor:

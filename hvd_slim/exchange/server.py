@@ -171,7 +171,7 @@ class Server:
         pushes = [self._push_slice(b, j, secs[j], step, plan)
                   for j in range(self.size)]
         touched = torch.cat([idx for idx, _ in pushes])
-        plan.saved.append((e, touched, e[touched]))
+        plan.saved.append((e, touched, e.index_select(0, touched)))
         for idx, vals in pushes:
             e.index_add_(0, idx, vals.to(e.dtype), alpha=scale)
         return self._slice_pull(b, e, step, plan)
@@ -210,7 +210,8 @@ class Server:
             idx = touched.nonzero().reshape(-1)
             n = idx.numel()
             if n * b.value_bytes + index_bytes_bound(b.numel, n) < b.numel * b.value_bytes:
-                return self._sent(b, total[idx], idx, plan, wm.M_EXPLICIT, idx)
+                return self._sent(b, total.index_select(0, idx), idx, plan, wm.M_EXPLICIT,
+                                  idx)
             return self._sent(b, total, None, plan, wm.M_DENSE)
         # A flush, or a pull slice no smaller than dense (a sliced pull goes _slim_section).
         mem = self.memory[b.index]
@@ -231,7 +232,8 @@ class Server:
         # pull_value_bits: what rounding loses stays in the server's residual (forgotten:
         # delivered).
         pb = b.as_pulled()
-        coded, exp, delivered = quantize(v[sel], pb.slice_dtype, pb.slice_bits)
+        # index_select: 3-4x faster than v[sel] on a CPU (no advanced-indexing machinery)
+        coded, exp, delivered = quantize(v.index_select(0, sel), pb.slice_dtype, pb.slice_bits)
         plan.forget.append((mem, sel, delivered))
         return self._checked(b, coded, delivered, sel, plan, wm.M_SLICE, core, exp)
 

@@ -185,7 +185,7 @@ class Worker:
             t_code = time.perf_counter()
             # value_bits: the values travel in the slice dtype; what rounding lost stays in the
             # residual (``delivered`` is what the server decodes), to be sent later.
-            coded, exp, got = quantize(ap[sel], pb.slice_dtype, pb.slice_bits)
+            coded, exp, got = quantize(ap.index_select(0, sel), pb.slice_dtype, pb.slice_bits)
             secs.append(self.path.section(wm.M_SLICE, coded, pb.numel, indices=core, exp=exp))
             sels.append(sel + p.lo if p.lo else sel)
             delivered.append(got)

@@ -71,19 +71,16 @@ class Scores(Protocol[A]):
         """The ``k`` entries of ``cand`` with the largest ``vals``: all above ``kth``, then
         those equal to it, lowest indices first."""
 
-    def positive(self) -> A:
-        """A boolean mask of the scores > 0 (NaN stays out)."""
-
-    def where(self, mask: A) -> A:
-        """Ascending indices where ``mask`` is set."""
+    def positives(self) -> A:
+        """Ascending indices of the scores > 0 (NaN stays out), in one pass."""
 
     def any_negative(self) -> bool:
         """Whether any score is < 0 (never, with ``magnitude``)."""
 
-    def with_lowest_zeros(self, pos: A, cand: A, need: int) -> A:
-        """The indices set in ``pos`` (``cand``, ascending) plus the ``need`` lowest-indexed
-        others, ascending (``pos`` is modified). Those others all lie below
-        ``need + len(cand)``, so only that prefix of ``pos`` is read, not all of it."""
+    def with_lowest_zeros(self, cand: A, need: int) -> A:
+        """``cand`` (the positive entries, ascending) plus the ``need`` lowest-indexed others,
+        ascending. Those others all lie below ``need + len(cand)``, so only that prefix of the
+        scores is read, not all of it."""
 
     def result(self, idx: A, device: torch.device) -> torch.Tensor:
         """``idx`` as an int64 tensor on ``device``."""

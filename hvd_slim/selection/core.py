@@ -220,8 +220,7 @@ class CoreSelector:
 
     def _select_from_zero(self, s: Scores[A], k: int, want: int) -> A:
         """Threshold zero: every positive entry is a candidate; zeros fill up by lowest index."""
-        pos = s.positive()
-        cand = s.where(pos)
+        cand = s.positives()
         if len(cand) >= k:
             self.last_candidates = len(cand)
             return self._exact(s, cand, k, want)
@@ -229,4 +228,4 @@ class CoreSelector:
             raise ValueError("select: score must be non-negative")
         self._thr = 0.0
         self.last_candidates = s.n
-        return s.with_lowest_zeros(pos, cand, k - len(cand))
+        return s.with_lowest_zeros(cand, k - len(cand))

@@ -22,6 +22,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
+from ..wire.recent import Recent
 from .backend import use_torch
 
 # Domain tag mixed into every key, so exploration streams never coincide with another use of
@@ -153,8 +154,26 @@ def explore(d: int, core: torch.Tensor, k_e: int, key: Sequence[int]) -> torch.T
     c = min(k_e, m)
     if c <= 0:
         return torch.empty(0, dtype=torch.int64, device=cr.device if on_device else "cpu")
-    pos = _positions(key, m, c)
+    memo = (d, k_e, tuple(int(v) for v in key), on_device)
+    if c >= _RECALL_MIN:
+        known = RECENT.get(memo, cr)
+        if known is not None:
+            return known
+    out = _coordinates(cr, _positions(key, m, c), on_device)
+    if c >= _RECALL_MIN:
+        RECENT.put(memo, cr, out)
+    return out
 
+
+# The exploration sets this process drew last: the server regenerates its own push's set, and
+# the worker on the server's rank the pull's, which it drew as the sender (wire/recent.py).
+RECENT = Recent(max_bytes=64 << 20)
+_RECALL_MIN = 1024
+
+
+def _coordinates(cr: Union[torch.Tensor, np.ndarray], pos: np.ndarray, on_device: bool
+                 ) -> torch.Tensor:
+    """The coordinates of complement positions ``pos`` outside the core ``cr``."""
     # Complement position p -> coordinate: p plus the number of core entries at or below it,
     # which is how many of ``core[j] - j`` (non-core coordinates before core[j]) are <= p.
     if on_device:

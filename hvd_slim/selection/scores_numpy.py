@@ -54,15 +54,23 @@ class NumpyScores:
         return np.abs(v) if self.magnitude else v
 
     def at_least(self, thr: float) -> np.ndarray:
-        """Ascending indices with score >= ``thr``, block by block: the block's scores and mask
-        stay in cache instead of full-size temporaries going through memory."""
+        """Ascending indices with score >= ``thr``."""
+        return self._scan(np.greater_equal, thr)
+
+    def positives(self) -> np.ndarray:
+        """Ascending indices with score > 0: NaN stays out (``|NaN| > 0`` is False)."""
+        return self._scan(np.greater, 0.0)
+
+    def _scan(self, op: Any, thr: float) -> np.ndarray:
+        """Ascending indices where ``op(score, thr)``, block by block: the block's scores and
+        mask stay in cache instead of full-size temporaries going through memory."""
         s, n, out = self.s, self.n, []
         scratch = np.empty(min(n, _BLOCK), dtype=s.dtype) if self.magnitude else None
         for lo in range(0, n, _BLOCK):
             blk = s[lo:lo + _BLOCK]
             if scratch is not None:
                 blk = np.abs(blk, out=scratch[:blk.size])
-            hits = np.flatnonzero(blk >= thr)
+            hits = _flat_hits(op(blk, thr))
             if hits.size:
                 out.append(hits + lo)
         return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
@@ -92,26 +100,28 @@ class NumpyScores:
         keep[ties[:need]] = True       # lowest indices first among equal scores
         return cand[keep]
 
-    def positive(self) -> np.ndarray:
-        if self.magnitude:   # not ``!= 0``: NaN must stay out, as it does from ``|s| > 0``
-            return (self.s > 0) | (self.s < 0)
-        return self.s > 0
-
-    @staticmethod
-    def where(mask: np.ndarray) -> np.ndarray:
-        return np.flatnonzero(mask)
-
     def any_negative(self) -> bool:
         return False if self.magnitude else bool(np.any(self.s < 0))
 
-    @staticmethod
-    def with_lowest_zeros(pos: np.ndarray, cand: np.ndarray, need: int) -> np.ndarray:
+    def with_lowest_zeros(self, cand: np.ndarray, need: int) -> np.ndarray:
         """The positive entries ``cand`` plus the ``need`` lowest-indexed others, ascending."""
-        m = min(pos.size, need + cand.size)
-        head = pos[:m]
+        m = min(self.n, need + cand.size)
+        head = self.s[:m]
+        head = np.abs(head) > 0 if self.magnitude else head > 0
         head[np.flatnonzero(~head)[:need]] = True
         return np.concatenate([np.flatnonzero(head), cand[np.searchsorted(cand, m):]])
 
     @staticmethod
     def result(idx: np.ndarray, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(idx).to(device)
+
+
+def _flat_hits(mask: np.ndarray) -> np.ndarray:
+    """``np.flatnonzero(mask)`` for a sparse boolean mask in about half the time: the mask is
+    packed 8 to a byte, and only the non-zero bytes are unpacked and searched (numpy's nonzero
+    costs about 0.5 ns an element; a few percent of hits leave most bytes zero)."""
+    packed = np.packbits(mask)
+    nz = np.flatnonzero(packed != 0)
+    # unpackbits gives 0/1 bytes: read as bool, nonzero takes its fast path (uint8's is 6x slower)
+    bits = np.flatnonzero(np.unpackbits(packed[nz]).view(bool))
+    return (nz[bits >> 3] << 3) | (bits & 7)

@@ -53,7 +53,7 @@ class TorchScores:
         return float(below.max()) if below.numel() else None
 
     def at(self, idx: torch.Tensor) -> torch.Tensor:
-        v = self.s[idx]
+        v = self.s.index_select(0, idx)
         return v.abs() if self.magnitude else v
 
     def at_least(self, thr: float) -> torch.Tensor:
@@ -90,23 +90,18 @@ class TorchScores:
         keep[ties[:need]] = True       # lowest indices first among equal scores
         return cand[keep]
 
-    def positive(self) -> torch.Tensor:
-        if self.magnitude:   # not ``!= 0``: NaN must stay out, as it does from ``|s| > 0``
-            return (self.s > 0) | (self.s < 0)
-        return self.s > 0
-
-    @staticmethod
-    def where(mask: torch.Tensor) -> torch.Tensor:
-        return mask.nonzero().reshape(-1)
+    def positives(self) -> torch.Tensor:
+        """Ascending indices with score > 0 (``|NaN| > 0`` is False: NaN stays out)."""
+        return ((self.s.abs() if self.magnitude else self.s) > 0).nonzero().reshape(-1)
 
     def any_negative(self) -> bool:
         return False if self.magnitude else bool((self.s < 0).any())
 
-    @staticmethod
-    def with_lowest_zeros(pos: torch.Tensor, cand: torch.Tensor, need: int) -> torch.Tensor:
+    def with_lowest_zeros(self, cand: torch.Tensor, need: int) -> torch.Tensor:
         """The positive entries ``cand`` plus the ``need`` lowest-indexed others, ascending."""
-        m = min(pos.numel(), need + cand.numel())
-        head = pos[:m]
+        m = min(self.n, need + cand.numel())
+        head = self.s[:m]
+        head = (head.abs() if self.magnitude else head) > 0
         head[(~head).nonzero().reshape(-1)[:need]] = True
         rest = cand[int(torch.searchsorted(cand, m)):] if cand.numel() else cand
         return torch.cat([head.nonzero().reshape(-1), rest])

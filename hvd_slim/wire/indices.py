@@ -46,10 +46,10 @@ class NumpyKernel:
         return a.astype(np.int64, copy=False)
 
     def survey(self, a: np.ndarray) -> Tuple[int, int, Optional[Drop]]:
-        bad = np.flatnonzero(a[1:] <= a[:-1])
+        bad = a[1:] <= a[:-1]
         drop = None
-        if bad.size:
-            i = int(bad[0])
+        if bad.any():   # argmax only then: a valid array costs one compare, no index list
+            i = int(np.argmax(bad))
             drop = (i + 1, int(a[i]), int(a[i + 1]))
         return int(a[0]), int(a[-1]), drop
 
@@ -61,17 +61,13 @@ class NumpyKernel:
         bits[pos] = 1
         return bits
 
-    def low_bits(self, idx: np.ndarray, low: int) -> np.ndarray:
-        # Each value's low bits as a big-endian word of the smallest width that holds them,
-        # unpacked a byte at a time: n x L bits, MSB first, without an n x L int64 temporary.
-        width = _word_bytes(low)
-        words = (idx & ((1 << low) - 1)).astype(f">u{width}")
-        bits = np.unpackbits(words.view(np.uint8).reshape(-1, width), axis=1)
-        return np.ascontiguousarray(bits[:, 8 * width - low:]).ravel()
+    def table(self, a: np.ndarray, length: int, width: int) -> np.ndarray:
+        out = np.zeros(length * width, dtype=np.int64)
+        out[:a.size] = a
+        return out.reshape(length, width)
 
-    def join_low(self, bits: np.ndarray, count: int, low: int) -> np.ndarray:
-        weights = np.left_shift(np.int64(1), np.arange(low - 1, -1, -1, dtype=np.int64))
-        return bits.reshape(count, low).astype(np.int64) @ weights
+    def to_bytes(self, a: np.ndarray) -> np.ndarray:
+        return a.astype(np.uint8)
 
     def pack(self, bits: np.ndarray) -> np.ndarray:
         return np.packbits(bits)
@@ -87,11 +83,6 @@ class NumpyKernel:
 
     def cat(self, parts: Sequence[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts)
-
-
-def _word_bytes(bits: int) -> int:
-    """The bytes of the smallest unsigned word (1, 2, 4 or 8 bytes) that holds ``bits`` bits."""
-    return next(w for w in (1, 2, 4, 8) if 8 * w >= bits)
 
 
 NUMPY = NumpyKernel()

@@ -52,7 +52,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     The Slim-DP keywords (from ``density`` on) are keyword-only. Each one left unset reads
     ``HVD_SLIM_<NAME>`` from the environment, then takes its default (for torch's Adam and AdamW
-    the update exchange's own: ``density=0.05``, ``value_bits=2``, ``pull_value_bits=8``).
+    the update exchange's own: ``density=0.05``, ``value_bits=2``, ``pull_value_bits=8``, and
+    a pull 4x the push density).
     Tune ``density`` first, then ``value_bits``.
 
     Args:
@@ -113,7 +114,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         pull: ``"slim"`` (default: the server keeps a residual and pulls a slice) or
             ``"union"`` (the exact sum of what was pushed).
         pull_density: Slice size of the server's pull with ``pull="slim"`` (default None:
-            derived from ``density``).
+            derived from ``density``, 2x it; 4x it for Adam's update exchange).
         min_compress_numel: Tensors smaller than this are fused and sent dense (default 4096).
         magnitude_weight: Weight of ``|w|`` next to ``|a|`` in the significance score
             (default 0.0).

@@ -15,7 +15,7 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   ``density=1.0``, 32-bit values), the first seed only;
 - ``lm-fair-sgd``: the same transformer with SGD and Nesterov momentum 0.9 (lr 0.3, no weight
   decay, the same schedule; at lr 0.5 dense diverged), dense against hvd_slim with no keyword,
-  at every seed;
+  at every seed, and with a pull 4x the push (0.08) at the first seed;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -62,22 +62,25 @@ PEERS = (("0.001", "slim", 0.001, {}),
          ("top-k 0.02", "topk", 0.02, {}),
          ("PowerSGD r4", "powersgd", 1.0, {"powersgd_rank": 4}),
          ("DiLoCo H=32", "slim", 1.0, {"slim": {"local_steps": 32, "value_bits": 32}}))
+# SGD's gradient exchange with the update exchange's lever: a pull 4x the push (0.08)
+SGD_PEERS = (("pull 4x", "slim", None, {"slim": {"pull_density": 0.08}}),)
 TARGETS = {"gap": 0.02, "bytes": 40.0, "steps": 1.25}
 
 
 def configs(group: str) -> List[Config]:
     """The runs of ``lm-fair`` and ``lm-fair-sgd`` (every seed) or ``lm-fair-peers`` and
     ``lm-fair-bf16`` (the first seed only)."""
-    rows = PEERS if group == "lm-fair-peers" else MAIN
+    rows = {"lm-fair-peers": PEERS, "lm-fair-sgd": MAIN + SGD_PEERS}.get(group, MAIN)
     case, base = {"lm-fair-sgd": (SGD_CASE, dict(LM_FAIR, **SGD)),
                   "lm-fair-bf16": (BF16_CASE, dict(LM_FAIR, param_dtype="bfloat16"))}.get(
                       group, (CASE, LM_FAIR))
     out = []
-    for label, method, density, extra in rows:
+    for row in rows:
+        label, method, density, extra = row
         extra = dict(extra)
         slim = extra.pop("slim", {})
         spec = dict(base, case=case, variant=label, **extra)
-        if group in ("lm-fair-peers", "lm-fair-bf16"):
+        if group in ("lm-fair-peers", "lm-fair-bf16") or row in SGD_PEERS:
             spec["first_seed_only"] = True
         out.append((f"{case} {label}", method, density, slim, spec))
     return out

@@ -8,8 +8,8 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
 
 - ``lm-fair``: dense (``density=1.0``) and hvd_slim with no keyword (3 seeds);
 - ``lm-fair-peers``: hvd_slim at 0.001, 0.08 and 0.12, its defaults with ``pull="union"``, with
-  a slim pull at 0.2, with a decayed residual (0.95) and with 4-bit pushes, hvd_slim exchanging
-  gradients
+  a slim pull at 0.4 or at 0.2 and 16 bits, with a decayed residual (0.95) and with 4-bit pushes,
+  hvd_slim exchanging gradients
   (``adam_exchange="gradient"``, the defaults before), top-k with error feedback at 0.02,
   PowerSGD rank 4 (DDP's hook) and DiLoCo's own exchange at H = 32 (``local_steps=32``,
   ``density=1.0``, 32-bit values), the first seed only;
@@ -50,7 +50,7 @@ PEERS = (("0.001", "slim", 0.001, {}),
          # against staleness, each at the defaults' pushed bytes or near them: a slim pull as
          # dense as the union of four pushes (8-bit values, the server's residual kept), a
          # decayed worker residual (SparseLoCo's 0.95), and 4-bit pushed values
-         ("pull 0.2", "slim", None, {"slim": {"pull_density": 0.2}}),
+         # (a slim pull at 0.2, 4x the push, was run here too: it is the default now)
          # how far a denser or finer pull goes: 8x the push, and 0.2 at 16 bits
          ("pull 0.4", "slim", None, {"slim": {"pull_density": 0.4}}),
          ("pull 0.2 at 16 bits", "slim", None, {"slim": {"pull_density": 0.2,

@@ -17,7 +17,7 @@ import torch
 
 from ..config import SlimConfig
 from ..memory import ResidualMemory
-from ..selection import ROLE_PULL, ROLE_PUSH, CoreSelector, slice_indices
+from ..selection import ROLE_PULL, ROLE_PUSH, CoreSelector, slice_indices, tie_start
 from ..wire import control
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
@@ -225,7 +225,10 @@ class Server:
         """The pull slice of ``v`` (= e + G, the residual itself): its core by |v| plus
         exploration; the sent coordinates are forgotten at commit."""
         mem = self.memory[b.index]
-        core = self.selector[b.index].select_magnitude(v, b.k_pull_core)
+        # Ties at the threshold (the sum of a few float8 or 2-bit pushes sits on a coarse grid)
+        # are taken from a start that changes every step, not by lowest index every time.
+        core = self.selector[b.index].select_magnitude(
+            v, b.k_pull_core, ties=tie_start((self.cfg.seed, step, b.index)))
         sel = slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
                             role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
                             device=b.device)

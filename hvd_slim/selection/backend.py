@@ -67,9 +67,10 @@ class Scores(Protocol[A]):
     def above(self, cand: A, vals: A, thr: float) -> Tuple[A, A]:
         """The entries of ``cand`` and ``vals`` where ``vals`` exceeds ``thr``, in order."""
 
-    def keep_top(self, cand: A, vals: A, kth: Any, k: int) -> A:
+    def keep_top(self, cand: A, vals: A, kth: Any, k: int, ties: int = 0) -> A:
         """The ``k`` entries of ``cand`` with the largest ``vals``: all above ``kth``, then
-        those equal to it, lowest indices first."""
+        as many of those equal to it as fit, in index order from the ``ties mod count``-th,
+        wrapping around."""
 
     def positives(self) -> A:
         """Ascending indices of the scores > 0 (NaN stays out), in one pass."""

@@ -105,21 +105,24 @@ class CoreSelector:
         self._thr = thr
 
     # ----------------------------------------------------------------------------- select
-    def select(self, score: torch.Tensor, k: int) -> torch.Tensor:
+    def select(self, score: torch.Tensor, k: int, ties: int = 0) -> torch.Tensor:
         """Indices (int64, ascending, unique) of exactly ``min(k, numel)`` top entries of ``score``.
 
-        ``score`` is 1-D, non-negative and NaN-free. Ties at the k-th value go to lower indices.
+        ``score`` is 1-D, non-negative and NaN-free. Of the entries tied at the k-th value, as
+        many as fit are taken in index order, starting with the ``ties mod count``-th and
+        wrapping around (0: the lowest indices); zeros filling up a short set always go by
+        lowest index.
         """
-        return self._run(score, k, magnitude=False)
+        return self._run(score, k, magnitude=False, ties=ties)
 
-    def select_magnitude(self, a: torch.Tensor, k: int) -> torch.Tensor:
+    def select_magnitude(self, a: torch.Tensor, k: int, ties: int = 0) -> torch.Tensor:
         """As :meth:`select` on ``|a|``, without materialising ``|a|``: the candidate pass takes
         absolute values block by block in cache (one read of ``a`` instead of a full-size
         write and re-read). ``a`` is 1-D and NaN-free; the result is bitwise that of
-        ``select(a.abs(), k)``."""
-        return self._run(a, k, magnitude=True)
+        ``select(a.abs(), k, ties)``."""
+        return self._run(a, k, magnitude=True, ties=ties)
 
-    def _run(self, score: torch.Tensor, k: int, magnitude: bool) -> torch.Tensor:
+    def _run(self, score: torch.Tensor, k: int, magnitude: bool, ties: int = 0) -> torch.Tensor:
         k = int(k)
         if k < 0:
             raise ValueError(f"select: k must be >= 0, got {k}")
@@ -128,9 +131,9 @@ class CoreSelector:
             else NumpyScores(_as_numpy(score), magnitude)
         if k == 0 or k >= s.n:
             return torch.arange(min(k, s.n), dtype=torch.int64, device=score.device)
-        return s.result(self._select(s, k), score.device)
+        return s.result(self._select(s, k, int(ties)), score.device)
 
-    def _select(self, s: Scores[A], k: int) -> A:
+    def _select(self, s: Scores[A], k: int, ties: int = 0) -> A:
         n = s.n
         want = k + max(16, math.ceil(self.margin * k))   # aimed-for candidate count
         s.take_sample(max(1, n // self.sample_size))     # strided, deterministic
@@ -169,7 +172,7 @@ class CoreSelector:
             self.last_passes += 1
             return self._select_from_zero(s, k, want)
         self.last_candidates = len(cand)
-        return self._exact(s, cand, k, want, floor=thr)
+        return self._exact(s, cand, k, want, floor=thr, ties=ties)
 
     def _estimate(self, s: Scores[Any], want: float) -> float:
         """A threshold that about ``want`` of ``n`` entries reach, from the sample (0.0: all)."""
@@ -182,7 +185,7 @@ class CoreSelector:
         return s.sample_order(m - r)
 
     def _exact(self, s: Scores[A], cand: A, k: int, want: int,
-               floor: Optional[float] = None) -> A:
+               floor: Optional[float] = None, ties: int = 0) -> A:
         """Exactly ``k`` of ``cand`` (ascending indices), and the threshold for the next call
         (the ``want``-th largest candidate, else one estimated afresh). ``floor``: a value every
         candidate reaches, when there is one.
@@ -203,7 +206,7 @@ class CoreSelector:
             above = s.count_above(vals, floor)
             if above < k:   # the k-th is the floor; so is the want-th when there is one
                 self._thr = floor if c >= want else self._estimate(s, want)
-                return s.keep_top(cand, vals, floor, k)
+                return s.keep_top(cand, vals, floor, k, ties)
             if 2 * above < c:   # most candidates tie at the floor, below the k-th
                 if above < want <= c:
                     at_floor_nxt = floor
@@ -216,7 +219,7 @@ class CoreSelector:
         if nxt is None:
             nxt = at_floor_nxt if at_floor_nxt is not None else self._estimate(s, want)
         self._thr = nxt
-        return s.keep_top(cand, vals, kth, k)   # ties at kth: lowest indices first
+        return s.keep_top(cand, vals, kth, k, ties)   # ties at kth: a run from ``ties``
 
     def _select_from_zero(self, s: Scores[A], k: int, want: int) -> A:
         """Threshold zero: every positive entry is a candidate; zeros fill up by lowest index."""

@@ -32,6 +32,7 @@ _DOMAIN = 0x45585031   # "EXP1"
 # The role tags of an exploration key: a worker's push slice and the server's pull slice draw
 # from different streams even when the server's rank, step and bucket equal a worker's.
 ROLE_PUSH, ROLE_PULL = 0, 1
+_TIES = 0x54494553   # "TIES": the domain of tie_start's keys
 _U53 = 2.0 ** -53
 
 
@@ -69,6 +70,15 @@ class _Philox(threading.local):
 
 
 _PHILOX = _Philox()
+
+
+def tie_start(key: Sequence[int]) -> int:
+    """Where a selection keyed by ``key`` (e.g. ``(seed, step, bucket)``) starts taking the
+    entries tied at its k-th value (:meth:`CoreSelector.select`'s ``ties``): a 63-bit draw
+    from the same seeded Philox stream as exploration, so it changes every step and is the same
+    on every rank and after a resume. Without it the lowest indices win every tie, and on a
+    server summing float8 pushes tens of thousands tie at the threshold."""
+    return int(_rng_words((_TIES,) + tuple(key), 1)[0] >> np.uint64(1))
 
 
 def _uniform(raw: np.ndarray) -> np.ndarray:

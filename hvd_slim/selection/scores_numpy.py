@@ -93,11 +93,14 @@ class NumpyScores:
         return int(np.count_nonzero(vals > thr))
 
     @staticmethod
-    def keep_top(cand: np.ndarray, vals: np.ndarray, kth: Any, k: int) -> np.ndarray:
+    def keep_top(cand: np.ndarray, vals: np.ndarray, kth: Any, k: int, ties: int = 0
+                 ) -> np.ndarray:
         keep = vals > kth
         need = k - int(np.count_nonzero(keep))
-        ties = np.flatnonzero(vals == kth)
-        keep[ties[:need]] = True       # lowest indices first among equal scores
+        tied = np.flatnonzero(vals == kth)
+        start = ties % tied.size if need < tied.size else 0
+        keep[tied[start:start + need]] = True   # a run of the tied, from ``start``...
+        keep[tied[:max(0, start + need - tied.size)]] = True   # ...wrapping around
         return cand[keep]
 
     def any_negative(self) -> bool:

@@ -82,12 +82,14 @@ class TorchScores:
         return int((vals > thr).sum())
 
     @staticmethod
-    def keep_top(cand: torch.Tensor, vals: torch.Tensor, kth: Any, k: int
+    def keep_top(cand: torch.Tensor, vals: torch.Tensor, kth: Any, k: int, ties: int = 0
                  ) -> torch.Tensor:
         keep = vals > kth
         need = k - int(keep.sum())
-        ties = (vals == kth).nonzero().reshape(-1)
-        keep[ties[:need]] = True       # lowest indices first among equal scores
+        tied = (vals == kth).nonzero().reshape(-1)
+        start = ties % tied.numel() if need < tied.numel() else 0
+        keep[tied[start:start + need]] = True   # a run of the tied, from ``start``...
+        keep[tied[:max(0, start + need - tied.numel())]] = True   # ...wrapping around
         return cand[keep]
 
     def positives(self) -> torch.Tensor:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_slim.selection import CoreSelector, explore, significance
+from hvd_slim.selection import CoreSelector, explore, significance, tie_start
 from hvd_slim.selection.scores_numpy import NumpyScores
 
 
@@ -155,6 +155,44 @@ def test_core_takes_a_needed_tied_level_by_lowest_indices():
         assert torch.equal(sel.select_magnitude(x, k), topk_lowest_ties(x, k))
         assert sel.last_passes == 1
         assert sel.state_dict() == {"threshold": 2.5}
+
+
+def topk_ties_from(x: torch.Tensor, k: int, ties: int) -> torch.Tensor:
+    """Reference: the k largest |x|; of those tied at the k-th, a run in index order from the
+    ``ties mod count``-th, wrapping around."""
+    v = x.abs().numpy()
+    kth = np.sort(v)[::-1][k - 1]
+    above = np.flatnonzero(v > kth)
+    tied = np.flatnonzero(v == kth)
+    need = k - above.size
+    start = ties % tied.size if need < tied.size else 0
+    run = np.concatenate([tied[start:], tied[:start]])[:need]
+    return torch.from_numpy(np.sort(np.concatenate([above, run])))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_core_takes_a_tied_level_from_the_given_start_and_wraps(backend):
+    n = 600_000
+    x = ties_at_levels(n, 7, tied=2.5)
+    k = int((x.abs() > 2.5).sum()) + 5_000
+    tied = int((x.abs() == 2.5).sum())
+    sel = CoreSelector(backend=backend)
+    assert torch.equal(sel.select_magnitude(x, k, ties=0), topk_lowest_ties(x, k))
+    # a start near the end of the tied run wraps to the lowest tied indices
+    for ties in (1, 12_345, tied - 100, 3 * tied + 17, 2 ** 62 + 5):
+        got = sel.select_magnitude(x, k, ties=ties)
+        assert torch.equal(got, topk_ties_from(x, k, ties)), ties
+        assert got.numel() == k
+    # the carried threshold does not depend on the start
+    assert sel.state_dict() == {"threshold": 2.5}
+
+
+def test_tie_start_is_keyed_and_reproducible():
+    starts = {tie_start((0, step, 0)) for step in range(50)}
+    assert len(starts) == 50 and all(0 <= s < 2 ** 63 for s in starts)
+    assert tie_start((3, 7, 1)) == tie_start((3, 7, 1)) != tie_start((3, 7, 2))
+    # keys of any length, each entry counted
+    assert tie_start((0, 0, 5, 1, 2)) != tie_start((0, 1, 5, 1, 2))
 
 
 def test_core_exact_when_distribution_shifts():

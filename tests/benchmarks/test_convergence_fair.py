@@ -24,10 +24,11 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
         # a cosine over the whole run, its LR warm-up 5% of it
         assert spec["lr_warmup_steps"] == 80000 // (8 * 4) // 20
     assert by == {"dense": [0, 1, 2], "default": [0, 1, 2], "0.001": [0], "0.08": [0], "0.12": [0],
-                  "update exchange, dense": [0], "pull union": [0],
+                  "pull union": [0], "pull 0.4": [0], "pull 0.2 at 16 bits": [0],
+                  "residual decay 0.95": [0], "push 4 bits": [0],
                   "gradient exchange": [0], "top-k 0.02": [0], "PowerSGD r4": [0],
                   "DiLoCo H=32": [0]}
-    assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "bf16 dense": [0],
+    assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
                    "bf16 default": [0]}
     # the defaults pass no Slim-DP keyword at all
     assert [s for s in plan if s["variant"] == "default"][0]["slim"] == {}

@@ -71,9 +71,10 @@ class IndexKernel(Protocol[A]):
     def bits_at(self, pos: A, nbits: int) -> A:
         """``nbits`` bits, set at the int64 positions ``pos`` and clear elsewhere."""
 
-    def table(self, a: A, length: int, width: int) -> A:
-        """``a`` widened to int64 and zero-padded to ``length * width`` entries, as a
-        ``(length, width)`` array (a fresh one: the caller writes into it)."""
+    def table(self, a: A, length: int, width: int, bits: int = 63) -> A:
+        """``a`` as signed integers of the narrowest width that holds ``bits`` bits (16, 32 or
+        64), zero-padded to ``length * width`` entries, as a ``(length, width)`` array (a fresh
+        one: the caller writes into it)."""
 
     def to_bytes(self, a: A) -> A:
         """The int64 array ``a`` (each entry in 0..255) as 1-D uint8."""
@@ -169,8 +170,10 @@ def _pack_low(k: IndexKernel[A], idx: A, low: int) -> A:
     n = len(idx)
     g, nb = _groups(low)
     rows = -(-n // g)
-    v = k.table(idx & ((1 << low) - 1), rows, g)
-    out = k.table(idx[:0], rows, nb)
+    # Narrow integers where they hold a value shifted by up to 7 bits: the dense warm-up's
+    # steps encode millions of indices, and int64 tables were most of that time.
+    v = k.table(idx & ((1 << low) - 1), rows, g, low + 7)
+    out = k.table(idx[:0], rows, nb, low + 7)
     for b in range(nb):
         acc = None
         for j in range(8 * b // low, min(g, (8 * b + 7) // low + 1)):
@@ -187,8 +190,8 @@ def _unpack_low(k: IndexKernel[A], section: A, count: int, low: int, what: str) 
     after the last one are zero (they decode as further values, which must be 0)."""
     g, nb = _groups(low)
     rows = -(-count // g)
-    by = k.table(section, rows, nb)
-    vals = k.table(section[:0], rows, g)
+    by = k.table(section, rows, nb, low + 7)
+    vals = k.table(section[:0], rows, g, low + 7)
     mask = (1 << low) - 1
     for j in range(g):
         last = (j + 1) * low - 1   # the stream bit of value j's least significant bit

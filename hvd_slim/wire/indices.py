@@ -61,8 +61,8 @@ class NumpyKernel:
         bits[pos] = 1
         return bits
 
-    def table(self, a: np.ndarray, length: int, width: int) -> np.ndarray:
-        out = np.zeros(length * width, dtype=np.int64)
+    def table(self, a: np.ndarray, length: int, width: int, bits: int = 63) -> np.ndarray:
+        out = np.zeros(length * width, dtype=_int_for(bits))
         out[:a.size] = a
         return out.reshape(length, width)
 
@@ -83,6 +83,11 @@ class NumpyKernel:
 
     def cat(self, parts: Sequence[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts)
+
+
+def _int_for(bits: int) -> type:
+    """The narrowest signed numpy integer holding ``bits`` bits."""
+    return np.int16 if bits <= 15 else np.int32 if bits <= 31 else np.int64
 
 
 NUMPY = NumpyKernel()

@@ -87,8 +87,9 @@ class TorchKernel:
         bits[pos] = 1
         return bits
 
-    def table(self, a: torch.Tensor, length: int, width: int) -> torch.Tensor:
-        out = torch.zeros(length * width, dtype=torch.int64, device=a.device)
+    def table(self, a: torch.Tensor, length: int, width: int, bits: int = 63) -> torch.Tensor:
+        dtype = torch.int16 if bits <= 15 else torch.int32 if bits <= 31 else torch.int64
+        out = torch.zeros(length * width, dtype=dtype, device=a.device)
         out[:a.numel()] = a
         return out.view(length, width)
 

@@ -10,7 +10,8 @@ about one vectorised threshold pass:
 2. One pass collects the candidates ``score >= threshold``; too few and the threshold is
    lowered from the sample (a few times at most, then down to zero, which always suffices).
 3. An exact selection among the candidates only (``np.partition``, linear time) gives exactly
-   ``k``; ties at the k-th value go to the lowest indices, so results are deterministic.
+   ``k``; ties at the k-th value are taken in index order from a given start (``ties``; 0,
+   the default, takes the lowest indices), so results are deterministic.
 
 The steps read the scores only through the :class:`~hvd_slim.selection.backend.Scores`
 contract: CPU scores run in numpy (scores_numpy.py), scores on a GPU the same steps in torch

@@ -33,9 +33,13 @@ class NumpyScores:
         self.sample = np.empty(0, dtype=s.dtype)
         self.m = 0
 
+    def _scored(self, x: np.ndarray) -> np.ndarray:
+        """What the scores ``x`` (a part of ``s``) stand for: ``|x|`` with ``magnitude``."""
+        return np.abs(x) if self.magnitude else x
+
     def take_sample(self, stride: int) -> None:
         x = self.s[stride // 2::stride]
-        self.sample = np.abs(x) if self.magnitude else x
+        self.sample = self._scored(x)
         self.m = self.sample.size
 
     def sample_count_ge(self, thr: float) -> int:
@@ -50,8 +54,7 @@ class NumpyScores:
         return float(below.max()) if below.size else None
 
     def at(self, idx: np.ndarray) -> np.ndarray:
-        v = self.s[idx]
-        return np.abs(v) if self.magnitude else v
+        return self._scored(self.s[idx])
 
     def at_least(self, thr: float) -> np.ndarray:
         """Ascending indices with score >= ``thr``."""
@@ -109,8 +112,7 @@ class NumpyScores:
     def with_lowest_zeros(self, cand: np.ndarray, need: int) -> np.ndarray:
         """The positive entries ``cand`` plus the ``need`` lowest-indexed others, ascending."""
         m = min(self.n, need + cand.size)
-        head = self.s[:m]
-        head = np.abs(head) > 0 if self.magnitude else head > 0
+        head = self._scored(self.s[:m]) > 0
         head[np.flatnonzero(~head)[:need]] = True
         return np.concatenate([np.flatnonzero(head), cand[np.searchsorted(cand, m):]])
 

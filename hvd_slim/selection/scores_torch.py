@@ -34,6 +34,10 @@ class TorchScores:
         self.sample = s.new_empty(0)
         self.m = 0
 
+    def _scored(self, x: torch.Tensor) -> torch.Tensor:
+        """What the scores ``x`` (a part of ``s``) stand for: ``|x|`` with ``magnitude``."""
+        return x.abs() if self.magnitude else x
+
     def take_sample(self, stride: int) -> None:
         x = self.s[stride // 2::stride]
         self.sample = x.abs() if self.magnitude else x.contiguous()
@@ -53,13 +57,11 @@ class TorchScores:
         return float(below.max()) if below.numel() else None
 
     def at(self, idx: torch.Tensor) -> torch.Tensor:
-        v = self.s.index_select(0, idx)
-        return v.abs() if self.magnitude else v
+        return self._scored(self.s.index_select(0, idx))
 
     def at_least(self, thr: float) -> torch.Tensor:
         """Ascending indices with score >= ``thr`` (> 0), in one pass over the scores."""
-        hit = (self.s.abs() if self.magnitude else self.s) >= thr
-        return hit.nonzero().reshape(-1)
+        return (self._scored(self.s) >= thr).nonzero().reshape(-1)
 
     @staticmethod
     def order_stats(vals: torch.Tensor, j: int, jw: Optional[int]
@@ -94,7 +96,7 @@ class TorchScores:
 
     def positives(self) -> torch.Tensor:
         """Ascending indices with score > 0 (``|NaN| > 0`` is False: NaN stays out)."""
-        return ((self.s.abs() if self.magnitude else self.s) > 0).nonzero().reshape(-1)
+        return (self._scored(self.s) > 0).nonzero().reshape(-1)
 
     def any_negative(self) -> bool:
         return False if self.magnitude else bool((self.s < 0).any())
@@ -102,8 +104,7 @@ class TorchScores:
     def with_lowest_zeros(self, cand: torch.Tensor, need: int) -> torch.Tensor:
         """The positive entries ``cand`` plus the ``need`` lowest-indexed others, ascending."""
         m = min(self.n, need + cand.numel())
-        head = self.s[:m]
-        head = (head.abs() if self.magnitude else head) > 0
+        head = self._scored(self.s[:m]) > 0
         head[(~head).nonzero().reshape(-1)[:need]] = True
         rest = cand[int(torch.searchsorted(cand, m)):] if cand.numel() else cand
         return torch.cat([head.nonzero().reshape(-1), rest])

@@ -77,7 +77,7 @@ class IndexKernel(Protocol[A]):
         one: the caller writes into it)."""
 
     def to_bytes(self, a: A) -> A:
-        """The int64 array ``a`` (each entry in 0..255) as 1-D uint8."""
+        """The integer array ``a`` (each entry in 0..255) as 1-D uint8."""
 
     def pack(self, bits: A) -> A:
         """Bits into uint8 bytes, MSB first, the last byte zero-padded (``np.packbits``)."""
@@ -186,7 +186,8 @@ def _pack_low(k: IndexKernel[A], idx: A, low: int) -> A:
 
 
 def _unpack_low(k: IndexKernel[A], section: A, count: int, low: int, what: str) -> A:
-    """The inverse of :func:`_pack_low`: ``count`` int64 values, after checking that the bits
+    """The inverse of :func:`_pack_low`: ``count`` values (in the narrow integers of its
+    tables; they widen when ORed into the int64 indices), after checking that the bits
     after the last one are zero (they decode as further values, which must be 0)."""
     g, nb = _groups(low)
     rows = -(-count // g)

@@ -8,11 +8,10 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
 
 - ``lm-fair``: dense (``density=1.0``) and hvd_slim with no keyword (3 seeds);
 - ``lm-fair-peers``: hvd_slim at 0.001, 0.08 and 0.12, its defaults with ``pull="union"``, with
-  a slim pull at 0.4 or at 0.2 and 16 bits, with a decayed residual (0.95) and with 4-bit pushes,
-  hvd_slim exchanging gradients
-  (``adam_exchange="gradient"``, the defaults before), top-k with error feedback at 0.02,
-  PowerSGD rank 4 (DDP's hook) and DiLoCo's own exchange at H = 32 (``local_steps=32``,
-  ``density=1.0``, 32-bit values), the first seed only;
+  a slim pull at 0.4 or at 0.2 and 16 bits, with a decayed residual (0.95) and with 4-bit
+  pushes, hvd_slim exchanging gradients (``adam_exchange="gradient"``, the defaults before),
+  top-k with error feedback at 0.02, PowerSGD rank 4 (DDP's hook) and DiLoCo's own exchange at
+  H = 32 (``local_steps=32``, ``density=1.0``, 32-bit values), the first seed only;
 - ``lm-fair-sgd``: the same transformer with SGD and Nesterov momentum 0.9 (lr 0.3, no weight
   decay, the same schedule; at lr 0.5 dense diverged), dense against hvd_slim with no keyword,
   at every seed, and with a pull 4x the push (0.08) at the first seed;
@@ -45,16 +44,15 @@ MAIN = (("dense", "dense", 1.0, {}), ("default", "slim", None, {}))
 PEERS = (("0.001", "slim", 0.001, {}),
          # a denser push at the update exchange's 2 bits: what more coordinates buy, and cost
          ("0.08", "slim", 0.08, {}), ("0.12", "slim", 0.12, {}),
-         # the defaults with an exact pull: what the server's slice costs
+         # the server's slice, at the defaults' pushed bytes: an exact pull, then how far a
+         # denser (8x the push) or finer (16-bit) slim pull goes; a slim pull at 0.2, 4x the
+         # push, was run here too and is the default now
          ("pull union", "slim", None, {"slim": {"pull": "union"}}),
-         # against staleness, each at the defaults' pushed bytes or near them: a slim pull as
-         # dense as the union of four pushes (8-bit values, the server's residual kept), a
-         # decayed worker residual (SparseLoCo's 0.95), and 4-bit pushed values
-         # (a slim pull at 0.2, 4x the push, was run here too: it is the default now)
-         # how far a denser or finer pull goes: 8x the push, and 0.2 at 16 bits
          ("pull 0.4", "slim", None, {"slim": {"pull_density": 0.4}}),
          ("pull 0.2 at 16 bits", "slim", None, {"slim": {"pull_density": 0.2,
                                                          "pull_value_bits": 16}}),
+         # against staleness at the same bytes: a decayed worker residual (SparseLoCo's 0.95),
+         # and 4-bit pushed values
          ("residual decay 0.95", "slim", None, {"slim": {"residual_decay": 0.95}}),
          ("push 4 bits", "slim", None, {"slim": {"value_bits": 4}}),
          # the defaults before the update exchange: gradients into one Adam (optim/inner/adam.py)
@@ -71,8 +69,8 @@ TARGETS = {"gap": 0.02, "bytes": 40.0, "steps": 1.25}
 
 
 def configs(group: str) -> List[Config]:
-    """The runs of ``lm-fair`` and ``lm-fair-sgd`` (every seed) or ``lm-fair-peers`` and
-    ``lm-fair-bf16`` (the first seed only)."""
+    """The runs of ``lm-fair`` and ``lm-fair-sgd`` (every seed; SGD's peers the first seed
+    only) or ``lm-fair-peers`` and ``lm-fair-bf16`` (the first seed only)."""
     rows = {"lm-fair-peers": PEERS, "lm-fair-sgd": MAIN + SGD_PEERS}.get(group, MAIN)
     case, base = {"lm-fair-sgd": (SGD_CASE, dict(LM_FAIR, **SGD)),
                   "lm-fair-bf16": (BF16_CASE, dict(LM_FAIR, param_dtype="bfloat16"))}.get(

@@ -84,9 +84,25 @@ LOCAL_GRID = tuple(
      for b in GRID_BITS for d in GRID_DENSITY for h in GRID_H if (h, d, b) != (32, 0.01, 4)]
     + [("local_steps=32 dense", 1.0, {"local_steps": 32, "value_bits": 32})])
 
+# Screening local_steps=8's defaults on the language model (``--groups local-defaults``, seed
+# 0): what the rounds cost with DiLoCo's dense exchange, then SparseLoCo's recipe (decayed
+# residual, outer SGD at lr 1) at 2-bit pushes with every tensor compressed (the small ones,
+# 1% of the coordinates, are 2/3 of a 0.01-density round's bytes sent dense) and no warm-up:
+# top-k at 0.01, and seeded random coordinates at 0.05 (their indices never travel, so 5x the
+# coordinates for the same bytes), each with an 8-bit pull 4x the push.
+_SPARSE_ROUNDS = {"local_steps": 8, "value_bits": 2, "pull_value_bits": 8,
+                  "residual_decay": 0.95, "outer_sgd": {"lr": 1.0}, "min_compress_numel": 0,
+                  "warmup_decay_steps": 0}
+LOCAL_DEFAULTS = (
+    ("local_steps=8 dense", 1.0, {"local_steps": 8, "value_bits": 32}),
+    ("local_steps=8 sparseloco top-k 0.01", 0.01, dict(_SPARSE_ROUNDS, pull_density=0.04)),
+    ("local_steps=8 sparseloco random 0.05", 0.05,
+     dict(_SPARSE_ROUNDS, pull_density=0.2, exploration=1.0)),
+    ("local_steps=8 sparseloco top-k 0.05", 0.05, dict(_SPARSE_ROUNDS, pull_density=0.2)))
+
 ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
     {label for label, slim in OVERLAP_ABLATION if slim} | \
-    {label for label, _, slim in LOCAL_ABLATION + LOCAL_GRID if slim}
+    {label for label, _, slim in LOCAL_ABLATION + LOCAL_GRID + LOCAL_DEFAULTS if slim}
 
 
 def _config(case: str, variant: Tuple[str, str, Optional[float], Dict[str, Any]],
@@ -126,6 +142,9 @@ def configs(group: str) -> List[Config]:
                 for label, density, slim in LOCAL_GRID] + \
             [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
              for label, density, slim in LOCAL_GRID]
+    if group == "local-defaults":
+        return [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
+                for label, density, slim in LOCAL_DEFAULTS]
     if group == "untuned-ablation":
         case = "adamw-warmup"
         return [(f"{case} {label}", "slim", density, slim,
@@ -137,7 +156,7 @@ def configs(group: str) -> List[Config]:
 GROUPS = ("untuned", "untuned-peers", "lm", "lm-peers")
 # on request (--groups ...), not by default
 EXTRA_GROUPS = ("lm-ablation", "untuned-ablation", "overlap-ablation", "local-steps",
-                "local-grid")
+                "local-grid", "local-defaults")
 
 
 # --- the report ------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
 - ``lm-fair-sgd``: the same transformer with SGD and Nesterov momentum 0.9 (lr 0.3, no weight
   decay, the same schedule; at lr 0.5 dense diverged), dense against hvd_slim with no keyword,
   at every seed, and with a pull 4x the push (0.08) at the first seed;
+- ``lm-fair-local``: ``local_steps=8`` at its defaults, and DiLoCo's dense rounds at H = 8, the
+  first seed only;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -60,6 +62,10 @@ PEERS = (("0.001", "slim", 0.001, {}),
          ("top-k 0.02", "topk", 0.02, {}),
          ("PowerSGD r4", "powersgd", 1.0, {"powersgd_rank": 4}),
          ("DiLoCo H=32", "slim", 1.0, {"slim": {"local_steps": 32, "value_bits": 32}}))
+# Local steps at the fair horizon (``lm-fair-local``, the first seed): H = 8 at its defaults
+# (SparseLoCo's recipe, config/settings.py's LOCAL_DEFAULTS) and DiLoCo's dense rounds at H = 8
+LOCAL = (("local_steps=8", "slim", None, {"slim": {"local_steps": 8}}),
+         ("local_steps=8 dense", "slim", 1.0, {"slim": {"local_steps": 8, "value_bits": 32}}))
 # SGD's gradient exchange with the update exchange's lever: a pull 4x the push (0.08)
 SGD_PEERS = (("pull 4x", "slim", None, {"slim": {"pull_density": 0.08}}),)
 # (the default with the server's ties taken from a per-step start, selection/explore.py's
@@ -70,8 +76,10 @@ TARGETS = {"gap": 0.02, "bytes": 40.0, "steps": 1.25}
 
 def configs(group: str) -> List[Config]:
     """The runs of ``lm-fair`` and ``lm-fair-sgd`` (every seed; SGD's peers the first seed
-    only) or ``lm-fair-peers`` and ``lm-fair-bf16`` (the first seed only)."""
-    rows = {"lm-fair-peers": PEERS, "lm-fair-sgd": MAIN + SGD_PEERS}.get(group, MAIN)
+    only) or ``lm-fair-peers``, ``lm-fair-bf16`` and ``lm-fair-local`` (the first seed
+    only)."""
+    rows = {"lm-fair-peers": PEERS, "lm-fair-sgd": MAIN + SGD_PEERS,
+            "lm-fair-local": LOCAL}.get(group, MAIN)
     case, base = {"lm-fair-sgd": (SGD_CASE, dict(LM_FAIR, **SGD)),
                   "lm-fair-bf16": (BF16_CASE, dict(LM_FAIR, param_dtype="bfloat16"))}.get(
                       group, (CASE, LM_FAIR))
@@ -81,13 +89,13 @@ def configs(group: str) -> List[Config]:
         extra = dict(extra)
         slim = extra.pop("slim", {})
         spec = dict(base, case=case, variant=label, **extra)
-        if group in ("lm-fair-peers", "lm-fair-bf16") or row in SGD_PEERS:
+        if group in ("lm-fair-peers", "lm-fair-bf16", "lm-fair-local") or row in SGD_PEERS:
             spec["first_seed_only"] = True
         out.append((f"{case} {label}", method, density, slim, spec))
     return out
 
 
-GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd", "lm-fair-bf16")
+GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd", "lm-fair-bf16", "lm-fair-local")
 CASES = {CASE: "AdamW", SGD_CASE: "SGD with Nesterov momentum",
          BF16_CASE: "AdamW, bfloat16 parameters"}
 

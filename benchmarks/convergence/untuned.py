@@ -98,7 +98,19 @@ LOCAL_DEFAULTS = (
     ("local_steps=8 sparseloco top-k 0.01", 0.01, dict(_SPARSE_ROUNDS, pull_density=0.04)),
     ("local_steps=8 sparseloco random 0.05", 0.05,
      dict(_SPARSE_ROUNDS, pull_density=0.2, exploration=1.0)),
-    ("local_steps=8 sparseloco top-k 0.05", 0.05, dict(_SPARSE_ROUNDS, pull_density=0.2)))
+    ("local_steps=8 sparseloco top-k 0.05", 0.05, dict(_SPARSE_ROUNDS, pull_density=0.2)),
+    # then, around the 0.01 top-k point: DiLoCo's rounds with plain averaging (outer SGD at lr
+    # 1), no decay, DiLoCo's outer Nesterov instead of lr 1, the automatic warm-up on
+    ("local_steps=8 dense outer=sgd", 1.0,
+     {"local_steps": 8, "value_bits": 32, "outer_sgd": {"lr": 1.0}}),
+    ("local_steps=8 sparseloco top-k 0.01 no decay", 0.01,
+     dict(_SPARSE_ROUNDS, pull_density=0.04, residual_decay=1.0)),
+    ("local_steps=8 sparseloco top-k 0.01 outer=nesterov", 0.01,
+     dict(_SPARSE_ROUNDS, pull_density=0.04,
+          outer_sgd={"lr": 0.7, "momentum": 0.9, "nesterov": True})),
+    ("local_steps=8 sparseloco top-k 0.01 warm-up", 0.01,
+     {k: v for k, v in dict(_SPARSE_ROUNDS, pull_density=0.04).items()
+      if k != "warmup_decay_steps"}))
 
 ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
     {label for label, slim in OVERLAP_ABLATION if slim} | \

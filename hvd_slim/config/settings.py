@@ -38,6 +38,17 @@ UPDATE_DEFAULTS = {"density": 0.05, "value_bits": 2, "pull_value_bits": 8}
 # then holds about the union of four ranks' pushes, where the gradient exchange's 2x sliced
 # that union in half (the fair horizon's hardest seed: +6.4% -> +2.7% against dense).
 UPDATE_PULL_RATIO = 4.0
+# Local steps (local_steps > 1) over a sparse exchange: SparseLoCo's recipe, for the keywords a
+# user leaves unset. A round's pseudo-gradient is already an optimizer's update (like the update
+# exchange's), and the decayed residual stands in for DiLoCo's outer momentum, which on top of
+# error feedback counts momentum twice (outer/rounds.py has the outer step, plain SGD at lr 1).
+# Every tensor is compressed: at 0.01 the small ones (1% of a transformer's coordinates) were 2/3
+# of a round's bytes sent dense. No warm-up: counted in rounds it spanned a whole short run at
+# 8x the bytes (docs/accuracy.md, "Local steps"). DiLoCo's own dense rounds (density=1.0) keep
+# the plain defaults and its outer Nesterov.
+LOCAL_DEFAULTS = {"density": 0.01, "value_bits": 2, "pull_value_bits": 8,
+                  "residual_decay": 0.95, "min_compress_numel": 0, "warmup_decay_steps": 0}
+LOCAL_PULL_RATIO = 4.0
 ENV_PREFIX = "HVD_SLIM_"
 
 
@@ -340,28 +351,55 @@ class SlimConfig:
             object.__setattr__(out, hidden, getattr(self, hidden, {}))
         return out
 
-    def describe_sources(self, mode_defaults: Sequence[str] = ()) -> str:
-        """Every setting in force with where it came from (``keyword``, ``HVD_SLIM_X``, or
-        ``default``; ``mode_defaults``: those taken from the update exchange's defaults), for
-        the log line rank 0 writes when an optimizer is built."""
+    def describe_sources(self) -> str:
+        """Every setting in force with where it came from (``keyword``, ``HVD_SLIM_X``, a mode's
+        defaults, or ``default``), for the log line rank 0 writes when an optimizer is built."""
         env, given = getattr(self, "_env_sources", {}), getattr(self, "_given", ())
+        modes = self.mode_sources()
         parts = []
         for name, value in self.effective_dict().items():
             source = env.get(name) or ("keyword" if name in given else
-                                       "update default" if name in mode_defaults else
-                                       "default")
+                                       modes.get(name, "default"))
             parts.append(f"{name}={value!r} ({source})")
         return ", ".join(parts)
 
-    def update_defaults(self) -> Dict[str, Any]:
-        """The update exchange's defaults (``UPDATE_DEFAULTS``, and a pull ``UPDATE_PULL_RATIO``
-        times the push density) for the keywords neither passed nor set by a variable: what
-        :meth:`replaced` applies once ``adam_exchange`` resolves to "update"."""
+    @property
+    def sparse_rounds(self) -> bool:
+        """Local steps over a sparse exchange: SparseLoCo's defaults and outer step apply."""
+        return self.local_steps > 1 and self.density < 1.0
+
+    def _mode_fields(self, table: Mapping[str, Any], pull_ratio: float) -> Dict[str, Any]:
+        """``table``'s values, and a pull ``pull_ratio`` times the push density, for the
+        keywords neither passed nor set by a variable."""
         given = getattr(self, "_given", ())
-        out = {k: v for k, v in UPDATE_DEFAULTS.items() if k not in given}
+        out = {k: v for k, v in table.items() if k not in given}
         if "pull_density" not in given:
-            out["pull_density"] = min(1.0, UPDATE_PULL_RATIO * out.get("density", self.density))
+            out["pull_density"] = min(1.0, pull_ratio * out.get("density", self.density))
         return out
+
+    def update_defaults(self) -> Dict[str, Any]:
+        """The update exchange's defaults (``UPDATE_DEFAULTS``, a pull ``UPDATE_PULL_RATIO``
+        times the push): what :meth:`replaced` applies once ``adam_exchange`` resolves to
+        "update"."""
+        return self._mode_fields(UPDATE_DEFAULTS, UPDATE_PULL_RATIO)
+
+    def local_defaults(self) -> Dict[str, Any]:
+        """The local-steps defaults (``LOCAL_DEFAULTS``, a pull ``LOCAL_PULL_RATIO`` times the
+        push) when ``local_steps > 1`` and the density is not set to 1.0 (DiLoCo's dense rounds);
+        else nothing."""
+        given = getattr(self, "_given", ())
+        if self.local_steps <= 1 or ("density" in given and self.density >= 1.0):
+            return {}
+        return self._mode_fields(LOCAL_DEFAULTS, LOCAL_PULL_RATIO)
+
+    def mode_sources(self) -> Dict[str, str]:
+        """The settings taken from a mode's defaults, each with the mode's name: the update
+        exchange's (``adam_exchange`` resolved to "update") or the local steps'."""
+        if self.adam_exchange == "update":
+            return dict.fromkeys(self.update_defaults(), "update default")
+        if self.sparse_rounds:
+            return dict.fromkeys(self.local_defaults(), "local-steps default")
+        return {}
 
     def env_note(self, name: str) -> str:
         """`` (from environment variable HVD_SLIM_X)`` when ``name`` came from the environment."""

@@ -65,17 +65,23 @@ def params_of(desc: Any) -> Dict[str, list]:
 
 
 RESOLVED = ("pull_density", "warmup_decay_steps", "warmup_start_density")
+# The settings that choose other settings' defaults (SlimConfig.mode_sources).
+MODES = ("local_steps", "adam_exchange")
 
 
 def config_difference(configs: Dict[Hashable, Any], where: Callable[[List[Any]], str],
                       ignore: Sequence[str] = ()) -> Optional[str]:
     """``config field 'density': 0.01 on ... vs. 0.05 on ...`` for the first field (in the order of
-    :class:`SlimConfig`'s fields, the automatic ones last) whose values differ, or None."""
+    :class:`SlimConfig`'s fields, the modes first and the automatic ones last) whose values
+    differ, or None."""
     names = list(SlimConfig.__dataclass_fields__)
     for cfg in configs.values():
         names += [k for k in (cfg if isinstance(cfg, dict) else {}) if k not in names]
-    # An automatic field resolves from the others: name the setting that differs, not its echo.
-    names = [n for n in names if n not in RESOLVED] + [n for n in names if n in RESOLVED]
+    # An automatic field resolves from the others: name the setting that differs, not its echo;
+    # and a mode first, whose defaults (config/settings.py) make the others differ too.
+    names = [n for n in MODES if n in names] + \
+        [n for n in names if n not in RESOLVED and n not in MODES] + \
+        [n for n in names if n in RESOLVED]
     for name in names:
         if name in ignore:
             continue

@@ -182,8 +182,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if settings.transport.rank == 0 and log.isEnabledFor(logging.INFO):
         log.info("hvd_slim: DistributedOptimizer(%s) over %d ranks: %s",
                  type(optimizer).__name__, settings.transport.size,
-                 settings.config.describe_sources(
-                     [k for k in fields if k != "adam_exchange"]))
+                 settings.config.describe_sources())
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_SlimOptimizer.__dict__))
     return cls(optimizer.param_groups, settings, optimizer)

@@ -56,7 +56,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
                 raise ValueError("adam_variance='rescaled' cannot be combined with local_steps "
                                  "> 1: the wrapped optimizer steps on local dense gradients. "
                                  f"Leave it 'auto'{cfg.env_note('adam_variance')}")
-            self._outer = OuterRounds(self._requires_update, cfg.local_steps, settings.outer)
+            self._outer = OuterRounds(self._requires_update, cfg.local_steps, settings.outer,
+                                      cfg.density)
         try:
             plan = momentum_plan(self, self._layout, cfg) if self._outer is None else {}
         except ValueError as exc:

@@ -143,12 +143,14 @@ def resolve_settings(named, compression, backward_passes_per_step, op, gradient_
             and ENV_PREFIX + "SERVER_RANK" not in os.environ:
         explicit["server_rank"] = members[0]   # a set's first rank, as rank 0 is the job's
     config = resolve_config(explicit)
+    config = config.replaced(**config.local_defaults())   # local steps: SparseLoCo's recipe
     if adasum:
         raise ValueError(_adasum_refusal(config))
     outer = check_outer_optimizer(outer, [p for _, p in named if p.requires_grad],
                                   config.local_steps, config.env_note("local_steps"))
     if config.local_steps > 1:   # ranks stepping other outer optimizers would drift apart
-        config = config.agreeing(outer_optimizer=describe_outer_optimizer(outer))
+        config = config.agreeing(
+            outer_optimizer=describe_outer_optimizer(outer, config.density))
     if members is None:
         transport = _resolve_transport(transport, named)
         config.check_world(transport.size)

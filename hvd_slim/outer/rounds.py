@@ -6,7 +6,10 @@ gradients, with no communication. At its end the **pseudo-gradient** ``global - 
 every trainable parameter goes through the Slim-DP exchange like a gradient (residual and error
 feedback, core and exploration, push, server, pull), and the **outer optimizer** (default: SGD
 with Nesterov momentum, lr 0.7, momentum 0.9, DiLoCo's) steps the global parameters on the
-pulled average. Every rank then continues from the new global parameters.
+pulled average. Every rank then continues from the new global parameters. Over a sparse exchange
+(``density < 1``) the default outer step is plain SGD at lr 1, SparseLoCo's: the worker's decayed
+residual (``residual_decay``, config/settings.py's ``LOCAL_DEFAULTS``) already carries what an
+outer momentum would, and DiLoCo's Nesterov on top of error feedback counts momentum twice.
 
 The outer optimizer is built over the model's own parameters: for its step they are set to the
 global ones, their ``.grad`` holds the pulled pseudo-gradient, and what it leaves in them is the
@@ -19,12 +22,20 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-DEFAULT_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+DEFAULT_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}   # DiLoCo's, for dense rounds
+SPARSE_OUTER = {"lr": 1.0, "momentum": 0.0}                         # SparseLoCo's
 
 
-def default_outer_optimizer(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-    """DiLoCo's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
-    return torch.optim.SGD(list(params), **DEFAULT_OUTER)
+def outer_defaults(density: float) -> Dict[str, Any]:
+    """The default outer SGD's settings: DiLoCo's for dense rounds (``density`` 1.0), else
+    SparseLoCo's."""
+    return DEFAULT_OUTER if density >= 1.0 else SPARSE_OUTER
+
+
+def default_outer_optimizer(params: Sequence[torch.Tensor],
+                            density: float = 1.0) -> torch.optim.Optimizer:
+    """The default outer optimizer for rounds at ``density``: SGD as :func:`outer_defaults`."""
+    return torch.optim.SGD(list(params), **outer_defaults(density))
 
 
 def check_outer_optimizer(outer: Any, params: Sequence[torch.Tensor], local_steps: int,
@@ -52,10 +63,13 @@ def check_outer_optimizer(outer: Any, params: Sequence[torch.Tensor], local_step
     return outer
 
 
-def describe_outer_optimizer(outer: Optional[torch.optim.Optimizer]) -> str:
-    """The outer optimizer's class and settings, as the first-step handshake compares them."""
+def describe_outer_optimizer(outer: Optional[torch.optim.Optimizer],
+                             density: float = 1.0) -> str:
+    """The outer optimizer's class and settings (None: the default at ``density``), as the
+    first-step handshake compares them."""
     if outer is None:
-        return "SGD(" + ", ".join(f"{k}={v!r}" for k, v in DEFAULT_OUTER.items()) + ") (default)"
+        return "SGD(" + ", ".join(f"{k}={v!r}" for k, v in outer_defaults(density).items()) \
+            + ") (default)"
     # How torch runs the step (not what it computes) may differ between ranks' builds.
     how = ("params", "foreach", "differentiable", "capturable")
     groups = ["(" + ", ".join(f"{k}={v!r}" for k, v in sorted(g.items()) if k not in how)
@@ -76,10 +90,11 @@ class OuterRounds:
     taken since the round began."""
 
     def __init__(self, params: List[torch.Tensor], local_steps: int,
-                 outer: Optional[torch.optim.Optimizer]) -> None:
+                 outer: Optional[torch.optim.Optimizer], density: float = 1.0) -> None:
         self.params = list(params)
         self.local_steps = local_steps
-        self.outer = outer if outer is not None else default_outer_optimizer(self.params)
+        self.outer = outer if outer is not None else \
+            default_outer_optimizer(self.params, density)
         self.global_params = [p.detach().clone() for p in self.params]
         # Taken again at the first step (capture): a script broadcasts rank 0's parameters
         # after building the optimizer, as Horovod's examples do.

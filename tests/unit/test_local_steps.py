@@ -19,9 +19,18 @@ def model():
     return m
 
 
+def nesterov(m):
+    """DiLoCo's outer optimizer, passed explicitly: the rounds' mechanics are tested with an
+    outer momentum, whose state must match bitwise on every rank (over a sparse exchange the
+    default outer SGD has none; its own tests are in test_local_defaults.py)."""
+    return torch.optim.SGD(m.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+
+
 def wrap(m, tr, inner=None, **kw):
     kw.setdefault("min_compress_numel", 100)
     kw.setdefault("density", 0.1)
+    if kw.get("local_steps", 1) > 1:
+        kw.setdefault("outer_optimizer", nesterov(m))
     inner = inner or torch.optim.AdamW(m.parameters(), lr=1e-2)
     return hvd_slim.DistributedOptimizer(inner, named_parameters=m.named_parameters(),
                                          transport=tr, **kw)

@@ -15,6 +15,8 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
 - ``lm-fair-sgd``: the same transformer with SGD and Nesterov momentum 0.9 (lr 0.3, no weight
   decay, the same schedule; at lr 0.5 dense diverged), dense against hvd_slim with no keyword,
   at every seed, and with a pull 4x the push (0.08) at the first seed;
+- ``lm-fair-longer``: the defaults trained 1.25x as many steps (3,125, on 100,000 windows, the
+  schedule over the whole run), at every seed: the steps target's measurement;
 - ``lm-fair-local``: ``local_steps=8`` at its defaults, and DiLoCo's dense rounds at H = 8, the
   first seed only;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
@@ -66,6 +68,14 @@ PEERS = (("0.001", "slim", 0.001, {}),
 # (SparseLoCo's recipe, config/settings.py's LOCAL_DEFAULTS) and DiLoCo's dense rounds at H = 8
 LOCAL = (("local_steps=8", "slim", None, {"slim": {"local_steps": 8}}),
          ("local_steps=8 dense", "slim", 1.0, {"slim": {"local_steps": 8, "value_bits": 32}}))
+# Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
+# final never reaches it on its own curve, and one cannot be stretched without changing its
+# schedule. So the defaults run again 1.25x as long, on the same 80,000 windows and 20,000 more
+# (the same draw, extended), with the schedule over the longer run: where that curve reaches
+# dense's final loss, against the step dense reached it, is the target's ratio.
+LONGER = "default, 1.25x the steps"
+LONGER_ROWS = ((LONGER, "slim", None, {"train_subset": 100000,
+                                       "lr_warmup_steps": STEPS * 5 // 4 // 20}),)
 # SGD's gradient exchange with the update exchange's lever: a pull 4x the push (0.08)
 SGD_PEERS = (("pull 4x", "slim", None, {"slim": {"pull_density": 0.08}}),)
 # (the default with the server's ties taken from a per-step start, selection/explore.py's
@@ -75,11 +85,11 @@ TARGETS = {"gap": 0.02, "bytes": 40.0, "steps": 1.25}
 
 
 def configs(group: str) -> List[Config]:
-    """The runs of ``lm-fair`` and ``lm-fair-sgd`` (every seed; SGD's peers the first seed
-    only) or ``lm-fair-peers``, ``lm-fair-bf16`` and ``lm-fair-local`` (the first seed
-    only)."""
+    """The runs of ``lm-fair``, ``lm-fair-sgd`` and ``lm-fair-longer`` (every seed; SGD's peers
+    the first seed only) or ``lm-fair-peers``, ``lm-fair-bf16`` and ``lm-fair-local`` (the first
+    seed only)."""
     rows = {"lm-fair-peers": PEERS, "lm-fair-sgd": MAIN + SGD_PEERS,
-            "lm-fair-local": LOCAL}.get(group, MAIN)
+            "lm-fair-local": LOCAL, "lm-fair-longer": LONGER_ROWS}.get(group, MAIN)
     case, base = {"lm-fair-sgd": (SGD_CASE, dict(LM_FAIR, **SGD)),
                   "lm-fair-bf16": (BF16_CASE, dict(LM_FAIR, param_dtype="bfloat16"))}.get(
                       group, (CASE, LM_FAIR))
@@ -95,7 +105,8 @@ def configs(group: str) -> List[Config]:
     return out
 
 
-GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd", "lm-fair-bf16", "lm-fair-local")
+GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd", "lm-fair-bf16", "lm-fair-local",
+          "lm-fair-longer")
 CASES = {CASE: "AdamW", SGD_CASE: "SGD with Nesterov momentum",
          BF16_CASE: "AdamW, bfloat16 parameters"}
 
@@ -169,6 +180,9 @@ def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
                 + ("" if len(reached) == len(steps) else f" ({len(steps) - len(reached)} "
                    "never)")) if variant != "dense" else "1.00x"
         verdict = ""
+        if variant == "default" and LONGER in rows:   # the steps target is measured there
+            steps = rows[LONGER]["steps_ratio"]
+            reached = [s for s in steps if s is not None]
         if variant == "default":
             checks = [("gap", 100 * gap <= 100 * TARGETS["gap"] + 1e-9, f"{100 * gap:+.1f}% "
                        f"(≤ {100 * TARGETS['gap']:.0f}%)"),
@@ -176,7 +190,9 @@ def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
                        f"{r['push_ratio']:.0f}x (≥ {TARGETS['bytes']:.0f}x)"),
                       ("steps", bool(reached) and len(reached) == len(steps)
                        and statistics.fmean(reached) <= TARGETS["steps"],
-                       f"steps ≤ {TARGETS['steps']}x")]
+                       f"steps ≤ {TARGETS['steps']}x" + (f" ({LONGER}: {len(reached)} of "
+                                                         f"{len(steps)} seeds reach it)"
+                                                         if LONGER in rows else ""))]
             verdict = "; ".join(f"{name} {'met' if ok else 'missed'}: {what}"
                                 for name, ok, what in checks)
         at = [a for a in r["dense_at"] if a is not None]

@@ -108,9 +108,10 @@ LOCAL_DEFAULTS = (
     ("local_steps=8 sparseloco top-k 0.01 outer=nesterov", 0.01,
      dict(_SPARSE_ROUNDS, pull_density=0.04,
           outer_sgd={"lr": 0.7, "momentum": 0.9, "nesterov": True})),
-    ("local_steps=8 sparseloco top-k 0.01 warm-up", 0.01,
-     {k: v for k, v in dict(_SPARSE_ROUNDS, pull_density=0.04).items()
-      if k != "warmup_decay_steps"}))
+    # (warmup_decay_steps None passed: automatic; left out, the local defaults turn it off,
+    # which the first run of this point did, its record relabelled "void")
+    ("local_steps=8 sparseloco top-k 0.01 warm-up on", 0.01,
+     dict(_SPARSE_ROUNDS, pull_density=0.04, warmup_decay_steps=None)))
 
 ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
     {label for label, slim in OVERLAP_ABLATION if slim} | \

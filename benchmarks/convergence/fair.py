@@ -67,7 +67,11 @@ PEERS = (("0.001", "slim", 0.001, {}),
 # Local steps at the fair horizon (``lm-fair-local``, the first seed): H = 8 at its defaults
 # (SparseLoCo's recipe, config/settings.py's LOCAL_DEFAULTS) and DiLoCo's dense rounds at H = 8
 LOCAL = (("local_steps=8", "slim", None, {"slim": {"local_steps": 8}}),
-         ("local_steps=8 dense", "slim", 1.0, {"slim": {"local_steps": 8, "value_bits": 32}}))
+         ("local_steps=8 dense", "slim", 1.0, {"slim": {"local_steps": 8, "value_bits": 32}}),
+         # the first ended at 2.658 against 1.9 at one step a round: what fades, what density buys
+         ("local_steps=8 no decay", "slim", None, {"slim": {"local_steps": 8,
+                                                          "residual_decay": 1.0}}),
+         ("local_steps=8 0.05", "slim", None, {"slim": {"local_steps": 8, "density": 0.05}}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again 1.25x as long, on the same 80,000 windows and 20,000 more

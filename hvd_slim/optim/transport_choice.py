@@ -87,13 +87,13 @@ def resolve(transport: Any, device: torch.device,
     if not isinstance(transport, str) or transport not in NAMES:
         raise ValueError(f"{source}={transport!r} is not a transport: pass one of {here} "
                          f"(available here) or a hvd_slim.transport.Transport instance")
+    on_torch = basics.is_initialized() and basics.backend() == "torch"
+    if on_torch and transport == "mpi":   # installed or not: this job has no MPI
+        raise basics.needs_mpi(f"{source}='mpi'", "the exchange would run on mpi4py; pass "
+                               "transport='gloo', 'nccl' (CUDA parameters) or 'auto'")
     if transport not in here:
         raise ValueError(f"{source}={transport!r} is not available: "
                          f"{_why_unavailable(transport, device)}; available here: {here}")
-    on_torch = basics.is_initialized() and basics.backend() == "torch"
-    if on_torch and transport == "mpi":
-        raise basics.needs_mpi(f"{source}='mpi'", "the exchange would run on mpi4py; pass "
-                               "transport='gloo', 'nccl' (CUDA parameters) or 'auto'")
     if process_set is not None:
         theirs = "gloo" if on_torch else "mpi"
         if transport not in ("auto", theirs):

@@ -122,6 +122,22 @@ def _report_and_abort(exc_type: Type[BaseException], exc: Optional[BaseException
     return True
 
 
+def end_job(text: str) -> None:
+    """Print ``text`` and end the whole job now, as an uncaught exception would (MPI's Abort,
+    or under torchrun exit status 1 after telling the other ranks why); a one-rank job just
+    leaves with status 1. For a caller that knows the job cannot go on (a test tier's failed
+    test, while the other ranks wait in a collective)."""
+    _say(text.rstrip("\n") + "\n")
+    world = _world()
+    if world is None:
+        _flush()
+        os._exit(1)
+    _say(f"hvd_slim: {world.how}\n")
+    _flush()
+    world.end(f"rank {world.rank} of {world.size}: {text.strip().splitlines()[0]}"
+              if text.strip() else f"rank {world.rank} of {world.size} ended the job")
+
+
 def _call_quietly(hook: Callable[..., Any], *args: Any) -> None:
     try:
         hook(*args)

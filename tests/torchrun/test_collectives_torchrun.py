@@ -73,6 +73,23 @@ def test_async_calls_fuse_poll_and_synchronize(hvd: Any) -> None:
     assert torch.allclose(grouped[1], sum(every(n, shape=(4,), seed=8)), rtol=0, atol=1e-12)
 
 
+def test_grouped_gathers_scatters_and_a_sparse_allreduce(hvd: Any) -> None:
+    n, r = hvd.size(), hvd.rank()
+    a, b = hvd.grouped_allgather([torch.full((r + 1,), r), data(r, shape=(1, 3))])
+    assert torch.equal(a, torch.cat([torch.full((q + 1,), q) for q in range(n)]))
+    assert torch.equal(b, torch.cat(every(n, shape=(1, 3))))
+    x, y = hvd.grouped_reducescatter([data(r, shape=(2 * n, 2)), data(r, shape=(n,), seed=3)],
+                                     op=hvd.Sum)
+    assert torch.equal(x, sum(every(n, shape=(2 * n, 2)))[2 * r:2 * r + 2])
+    assert torch.equal(y, sum(every(n, shape=(n,), seed=3))[r:r + 1])
+    # Rank q holds the value q + 1 at index q and 1 at index 0: duplicates add up.
+    sparse = torch.sparse_coo_tensor([[0, r]], [1.0, r + 1.0], (n,), check_invariants=True)
+    got = hvd.sparse_allreduce_async(sparse, "sparse", hvd.Sum)().to_dense()
+    expected = torch.arange(1.0, n + 1)
+    expected[0] += n
+    assert torch.equal(got, expected)
+
+
 def test_allgather_broadcast_and_their_gradients(hvd: Any) -> None:
     n, r = hvd.size(), hvd.rank()
     mine = data(r, shape=(r + 1, 3)).requires_grad_()

@@ -52,12 +52,14 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
 
 
-def test_dense_exchange_equals_sgd_on_the_all_reduced_gradient(hvd: Any) -> None:
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_dense_exchange_equals_sgd_on_the_all_reduced_gradient(hvd: Any, hierarchical: bool) -> None:
     """density=1.0 moves every coordinate: the result is momentum SGD on the average gradient,
-    computed here with torch.distributed.all_reduce on the default group."""
+    computed here with torch.distributed.all_reduce on the default group. hierarchical=True
+    combines this host's ranks first, on Gloo groups of their own."""
     n, r = hvd.size(), hvd.rank()
     model, ref = net(), net()
-    opt = wrap(hvd, model, density=1.0)
+    opt = wrap(hvd, model, density=1.0, hierarchical=hierarchical)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     for t in range(STEPS):
         x, y = batch(t, r)

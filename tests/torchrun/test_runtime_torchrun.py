@@ -87,14 +87,15 @@ def test_shutdown_and_init_again(hvd: Any) -> None:
     assert hvd.allgather_object(hvd.rank()) == list(range(n))
 
 
-def test_a_bad_timeout_variable_is_refused_at_init(hvd: Any, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("var", ["HVD_SLIM_TIMEOUT", "HVD_SLIM_TRANSPORT_TIMEOUT"])
+def test_a_bad_timeout_variable_is_refused_at_init(hvd: Any, monkeypatch: Any, var: str) -> None:
     hvd.shutdown()
-    monkeypatch.setenv("HVD_SLIM_TIMEOUT", "soon")
+    monkeypatch.setenv(var, "soon")
     try:
-        with pytest.raises(ValueError, match="HVD_SLIM_TIMEOUT"):
+        with pytest.raises(ValueError, match=var):
             hvd.init()
-        assert not hvd.is_initialized()
+        assert not hvd.is_initialized() and not dist.is_initialized()
     finally:
-        monkeypatch.delenv("HVD_SLIM_TIMEOUT")
+        monkeypatch.delenv(var)
         hvd.init()
     assert hvd.is_initialized()

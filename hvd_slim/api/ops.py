@@ -1,6 +1,7 @@
 """How one tensor collective of the Horovod API runs: Horovod's reduce ops, the op check, host
 staging, the scaling of a reduction and the autograd functions, over the
-:class:`~hvd_slim.transport.mpi_api.MpiCollectives` the runtime hands out
+:class:`~hvd_slim.transport.mpi_api.MpiCollectives` (or, under torchrun,
+:class:`~hvd_slim.transport.torch_api.TorchCollectives`) the runtime hands out
 (:func:`~hvd_slim.runtime.basics.job_collectives`). The public calls are in api/collectives.py
 (synchronous) and api/async_ops.py (handles).
 

@@ -250,17 +250,19 @@ def job_comm() -> Any:
 
     Raises:
         ValueError: neither hvd_slim nor Horovod is initialised.
+        RuntimeError: under torchrun, which has no MPI communicator.
     """
     return _mpi_only("hvd_slim.job_comm()", "it returns hvd_slim's MPI communicator").comm
 
 
 def job_collectives() -> Any:
-    """The :class:`~hvd_slim.transport.mpi_api.MpiCollectives` on :func:`job_comm`, which the
-    public tensor API is handed (as the exchange is handed :func:`world_transport`). Collective
-    only when it starts hvd_slim from an initialised Horovod.
+    """The :class:`~hvd_slim.transport.mpi_api.MpiCollectives` on :func:`job_comm` (under
+    torchrun the :class:`~hvd_slim.transport.torch_api.TorchCollectives` on a Gloo group),
+    which the public tensor API is handed (as the exchange is handed its transport).
+    Collective only when it starts hvd_slim from an initialised Horovod.
 
     Returns:
-        The job's ``MpiCollectives``.
+        The job's ``MpiCollectives`` or ``TorchCollectives``.
 
     Raises:
         ValueError: neither hvd_slim nor Horovod is initialised.
@@ -362,6 +364,7 @@ def world_transport() -> Any:
 
     Raises:
         ValueError: neither hvd_slim nor Horovod is initialised.
+        RuntimeError: under torchrun, where the exchange runs on Gloo or NCCL.
     """
     state = _mpi_only("hvd_slim.world_transport()", "it is the optimizer's MPI transport; "
                       "under torchrun the exchange runs on Gloo or NCCL (transport='gloo' or "
@@ -418,7 +421,7 @@ def mpi_enabled() -> bool:
 
 
 __all__: List[str] = [
-    "backend", "needs_mpi", "threads_allowed", "subgroup", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "backend", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "mpi_threads_supported", "mpi_enabled", "world_transport", "job_comm",
     "job_collectives", "NOT_INITIALIZED",
 ]

@@ -23,7 +23,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -216,14 +216,17 @@ def _host_ranks(api: TorchCollectives, rank: int) -> Tuple[int, int, int, int]:
            for b in api.allgather_bytes(np.frombuffer(mine.encode("utf-8"), np.uint8))]
     colors = host_colors([k if k else None for k, _ in got])   # same error on every rank
     if colors is None:
-        hosts = [h for _, h in got]
-        colors = [hosts.index(h) for h in hosts]
-    same_host = [r for r, c in enumerate(colors) if c == colors[rank]]
-    local_rank = same_host.index(rank)
-    # Ranks with the same local rank form the cross group (one rank per host).
-    locals_ = [[r for r, c in enumerate(colors) if c == colors[q]].index(q) for q in range(len(colors))]
-    cross = [r for r, lr in enumerate(locals_) if lr == local_rank]
-    return local_rank, len(same_host), cross.index(rank), len(cross)
+        first: Dict[str, int] = {}
+        colors = [first.setdefault(h, len(first)) for _, h in got]
+    # Each rank's position on its host, in rank order; ranks with the same position form a
+    # cross group (one rank per host).
+    on_host: Dict[int, int] = {}
+    local = []
+    for c in colors:
+        local.append(on_host.get(c, 0))
+        on_host[c] = local[-1] + 1
+    cross = [q for q, lr in enumerate(local) if lr == local[rank]]
+    return local[rank], colors.count(colors[rank]), cross.index(rank), len(cross)
 
 
 def start() -> TorchWorld:
@@ -262,15 +265,19 @@ def start() -> TorchWorld:
                                f"({TIMEOUT_ENV}): {summary(exc)}") from None
         owns = True
     store = None if base is None else dist.PrefixStore(prefix + "api/", base)
-    if store is not None:
-        abort.use_launcher_world(rank, size, _note(store))
-    group = dist.new_group(timeout=API_GROUP_TIMEOUT, backend="gloo")
-    api = TorchCollectives(group, rank, size, store, "job")
-    world = TorchWorld(rank, size, 0, 1, 0, 1, api, store, owns, tmo, [group])
+    abort.use_launcher_world(rank, size, _note(store) if store is not None else lambda text: None)
+    world = TorchWorld(rank, size, 0, 1, 0, 1, None, store, owns, tmo)   # type: ignore[arg-type]
+    try:
+        group = dist.new_group(timeout=API_GROUP_TIMEOUT, backend="gloo")
+        world.groups.append(group)
+        world.api = TorchCollectives(group, rank, size, store, "job")
+        with world.api.watch(tmo.total_seconds(), "hvd_slim.init()"):
+            world.local_rank, world.local_size, world.cross_rank, world.cross_size = \
+                _host_ranks(world.api, rank)
+    except BaseException:
+        world.close()   # a later init() starts afresh
+        raise
     _close_at_exit(world)
-    with api.watch(tmo.total_seconds(), "hvd_slim.init()"):
-        world.local_rank, world.local_size, world.cross_rank, world.cross_size = \
-            _host_ranks(api, rank)
     return world
 
 

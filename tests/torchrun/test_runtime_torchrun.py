@@ -99,3 +99,26 @@ def test_a_bad_timeout_variable_is_refused_at_init(hvd: Any, monkeypatch: Any, v
         monkeypatch.delenv(var)
         hvd.init()
     assert hvd.is_initialized()
+
+
+def test_init_after_the_script_started_torch_distributed_itself(hvd: Any) -> None:
+    """The script called init_process_group first: hvd.init() runs on that world (a group of
+    its own on it) and leaves it to the script at shutdown."""
+    n = hvd.size()
+    hvd.shutdown()
+    dist.init_process_group("gloo")   # torchrun's env:// variables
+    try:
+        hvd.init()
+        assert hvd.backend() == "torch" and (hvd.rank(), hvd.size()) == (dist.get_rank(), n)
+        assert hvd.allgather_object(hvd.rank()) == list(range(n))
+        hvd.shutdown()
+        assert dist.is_initialized()   # the script's, not hvd_slim's
+        mine = torch.ones(1)
+        dist.all_reduce(mine)
+        assert mine.item() == n
+    finally:
+        if hvd.is_initialized():
+            hvd.shutdown()
+        dist.destroy_process_group()
+        hvd.init()
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item() == n

@@ -9,7 +9,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 NP ?= 4
 
-.PHONY: install test test-unit test-mpi demo clean
+.PHONY: install test test-unit test-mpi test-torchrun demo clean
 
 install: $(STAMP)
 
@@ -18,7 +18,8 @@ $(STAMP): setup.py scripts/install.sh
 	touch $(STAMP)
 
 ## make test: the whole suite (unit tier in one process, then the MPI tier at 2 and 3 ranks over
-## MPI and Gloo, the Horovod tier when Horovod is importable, the GPU tier when a GPU is visible)
+## MPI and Gloo, the torchrun tier at 2 and 3 processes, the Horovod tier when Horovod is
+## importable, the GPU tier when a GPU is visible)
 test: install
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
@@ -27,6 +28,10 @@ test-unit: install
 
 test-mpi: install
 	$(PY) -m pytest tests/distributed/test_tier_mpi.py -q -p no:cacheprovider
+
+## make test-torchrun: only the torchrun tier (hvd.init() on torch.distributed, no MPI)
+test-torchrun: install
+	$(PY) -m pytest tests/torchrun/test_tier_torchrun.py -q -p no:cacheprovider
 
 ## make install-horovod: build Horovod 0.28.1 against the venv's torch (system CMake 3.x, a C++17
 ## compiler wrapper; README "Running inside Horovod"). Skips when `import horovod.torch` works.

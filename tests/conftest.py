@@ -4,6 +4,8 @@
   carries none of the markers below.
 * ``mpi``: starts jobs under ``mpirun`` (the distributed tier, and the unit files that launch
   MPI jobs: they say so in their ``pytestmark``).
+* ``torchrun``: starts jobs under ``torchrun`` (tests/torchrun: ``hvd.init()`` on
+  torch.distributed, no MPI).
 * ``horovod``: needs Horovod itself (the Horovod tier).
 * ``gpu``: needs a CUDA GPU (the GPU tier).
 * ``slow``: starts real processes without mpirun (torch.distributed workers, scripts, network
@@ -21,13 +23,15 @@ import pytest
 
 MARKERS = {"unit": "one process, the fake N-rank transport (pytest -m unit)",
            "mpi": "starts jobs under mpirun",
+           "torchrun": "starts jobs under torchrun (no MPI)",
            "horovod": "needs Horovod (horovod.torch)",
            "gpu": "needs a CUDA GPU",
            "slow": "starts real processes without mpirun",
            "bench": "tests of benchmarks/ and examples/ (tests/benchmarks)"}
 HERE = Path(__file__).resolve().parent
 # The tiers whose every test has one kind: by the folder or launcher file it lives in.
-KIND_OF = {"distributed": "mpi", "horovod": "horovod", "gpu": "gpu", "benchmarks": "bench"}
+KIND_OF = {"distributed": "mpi", "torchrun": "torchrun", "horovod": "horovod", "gpu": "gpu",
+           "benchmarks": "bench"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

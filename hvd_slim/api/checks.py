@@ -69,7 +69,7 @@ def agree(api: "MpiCollectives", what: str, name: Optional[str], tensor: torch.T
     rows = api.allgather_int64(key + [shape[0] if shape else 0])
     row_bytes = tensor.element_size() * int(np.prod(shape[1:], dtype=np.int64))
     for r, n in enumerate(rows[:, -1]):   # before a caller sizes anything from them
-        check_length(what + label(name), int(n) * max(row_bytes, 1), r, api.comm.Get_rank())
+        check_length(what + label(name), int(n) * max(row_bytes, 1), r, api.rank)
     if (rows[:, :-1] != rows[0, :-1]).any():
         mine = f"{str(tensor.dtype).replace('torch.', '')} shape {list(shape)}" + "".join(
             f" {k}={v}" for k, v in extra.items())

@@ -25,7 +25,8 @@ Interface, for collectives of any module:
   gradients (``optimizer._serve_joined``; :mod:`hvd_slim.api.join`).
 
 Without MPI_THREAD_MULTIPLE two threads may not use MPI at once, and the optimizer's exchange
-runs on the caller's: then there is no thread, each call runs on the caller's thread as it is
+runs on the caller's: then there is no thread (under torchrun there always is one: Gloo groups
+are independent), each call runs on the caller's thread as it is
 submitted (``poll`` is always True, nothing is fused) and ``join`` still serves the others.
 """
 from __future__ import annotations
@@ -62,8 +63,7 @@ def get() -> Engine:
     state = basics._require_started()
     with _lock:
         if _engine is None or _engine_of is not state:
-            _engine, _engine_of = Engine(bool(basics._mpi().thread_multiple()), state.api,
-                                         registered), state
+            _engine, _engine_of = Engine(basics.threads_allowed(), state.api, registered), state
         return _engine
 
 

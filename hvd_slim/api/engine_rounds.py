@@ -183,7 +183,7 @@ def exchange(api: Any, row: np.ndarray, what: str) -> Round:
     collective outside hvd_slim's API on its communicator, or ranks are out of step) raises on
     the rank that received it, naming the sender, before anything is sized from it."""
     rows = api.allgather_int64(row)
-    me = api.comm.Get_rank()
+    me = api.rank
     for r, got in enumerate(rows):
         kind = int(got[0]) & 0xFF
         if int(got[0]) & ~0xFF != MAGIC or kind not in _KIND_NAMES or not 0 <= got[_DIM0] < 2 ** 48 \

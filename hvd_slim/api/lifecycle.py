@@ -13,18 +13,23 @@ from ..runtime import basics
 from ..transport import torch_dist
 from . import engine
 from . import process_sets as sets
+from .timeout import api_timeout
 
 
 def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None:
-    """Start hvd_slim (and MPI, through mpi4py) on the ranks of ``comm``.
+    """Start hvd_slim on the ranks of ``comm``: on MPI (through mpi4py) under mpirun or
+    horovodrun, on torch.distributed (Gloo) under torchrun or another ``env://`` launcher.
 
     Collective over those ranks. Idempotent: later calls before :func:`shutdown` do nothing.
-    The launcher's rank variables, and an initialised Horovod, are checked against MPI's view.
+    The launcher's rank variables, and an initialised Horovod, are checked against MPI's view;
+    under torchrun every rank registers in the launcher's store first, so a missing or
+    duplicated rank is reported on every rank within ``HVD_SLIM_TRANSPORT_TIMEOUT`` seconds.
 
     Args:
         comm: None (default) for every rank (a Dup of MPI.COMM_WORLD), an mpi4py
             intracommunicator (duplicated), or a non-empty list of distinct COMM_WORLD ranks
             (a sub-communicator, ranked in list order; only the listed ranks call init).
+            Under torchrun only None (a communicator is MPI's).
         process_sets: None (default) or ``"dynamic"``, or a list of
             :class:`~hvd_slim.ProcessSet` to register now (each built from job ranks or, on
             its members, an mpi4py communicator); sets can be added later either way.
@@ -33,12 +38,15 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
         None.
 
     Raises:
-        ValueError: a bad ``process_sets`` or rank list (or this rank is not in it).
+        ValueError: a bad ``process_sets`` or rank list (or this rank is not in it), incomplete
+            launcher variables, or a bad ``HVD_SLIM_TIMEOUT``.
         TypeError: ``comm`` is neither None, a list of ranks nor a communicator.
-        ImportError: mpi4py (or an MPI library) is not installed.
-        RuntimeError: the launcher or Horovod disagrees with MPI on rank or size, or Horovod
-            runs on Gloo without MPI.
+        ImportError: mpi4py (or an MPI library) is not installed (under an MPI launcher).
+        RuntimeError: the launcher or Horovod disagrees with MPI on rank or size, Horovod
+            runs on Gloo without MPI, the ranks did not meet under torchrun, or an MPI-only
+            argument is given under torchrun.
     """
+    api_timeout()   # a bad HVD_SLIM_TIMEOUT is refused before anything starts
     if not basics.start(comm):
         return
     try:
@@ -62,7 +70,7 @@ def shutdown() -> None:
     if not basics.is_initialized():
         return
     engine.stop()   # its thread must be done with the communicators first
-    sets.clear(basics._mpi())
+    sets.clear()
     basics.stop()
 
 
@@ -126,6 +134,10 @@ def _init_sets(process_sets: Any) -> None:
 def _init_each(api: Any, process_sets: List[sets.ProcessSet]) -> None:
     for ps in process_sets:
         if ps.ranks is None:   # from a communicator: its members, by their job rank
+            if basics.backend() != "mpi":
+                raise basics.needs_mpi("hvd.ProcessSet(communicator)", "an mpi4py communicator "
+                                       "names the set's ranks; build the set from a list of job "
+                                       "ranks instead")
             member = ps.mpi_comm is not None and basics._mpi().is_communicator(ps.mpi_comm)
             flags = api.allgather_int64([int(member)])[:, 0]
             ps.ranks = [r for r in range(basics.size()) if flags[r]]

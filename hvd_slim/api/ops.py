@@ -1,6 +1,7 @@
 """How one tensor collective of the Horovod API runs: Horovod's reduce ops, the op check, host
 staging, the scaling of a reduction and the autograd functions, over the
-:class:`~hvd_slim.transport.mpi_api.MpiCollectives` the runtime hands out
+:class:`~hvd_slim.transport.mpi_api.MpiCollectives` (or, under torchrun,
+:class:`~hvd_slim.transport.torch_api.TorchCollectives`) the runtime hands out
 (:func:`~hvd_slim.runtime.basics.job_collectives`). The public calls are in api/collectives.py
 (synchronous) and api/async_ops.py (handles).
 
@@ -170,8 +171,8 @@ def _run_allgather(jobs: List[engine.Job], rnd: Any) -> None:
     host = t if _direct(t, t.dtype) else _host_copy(t)
     row_bytes = host.element_size() * int(np.prod(host.shape[1:], dtype=np.int64))
     for r, n in enumerate(rows):   # checked before the output is sized from them
-        check_length(job.label, int(n) * row_bytes, r, job.group.api.comm.Get_rank())
-    check_length(job.label, int(rows.sum()) * row_bytes, None, job.group.api.comm.Get_rank())
+        check_length(job.label, int(n) * row_bytes, r, job.group.api.rank)
+    check_length(job.label, int(rows.sum()) * row_bytes, None, job.group.api.rank)
     out = torch.empty((int(rows.sum()), *t.shape[1:]), dtype=t.dtype)
     job.group.api.allgatherv_bytes(_bytes(host), rows * row_bytes, out=_bytes(out))
     job.payload["rows"] = rows

@@ -3,9 +3,10 @@
 them on the engine: api/lifecycle.py), and :func:`resolve`, which every collective's
 ``process_set=`` argument goes through.
 
-A registered set owns a communicator of its own (a ``Split`` of the job communicator) and the
-:class:`~hvd_slim.transport.mpi_api.MpiCollectives` on it, so a collective inside a set never
-meets traffic from another set. Ranks are the job's ranks, as in Horovod: ``root_rank`` of a
+A registered set owns a communicator of its own (a ``Split`` of the job communicator; under
+torchrun a Gloo group) and the collectives on it (``MpiCollectives``, ``TorchCollectives``), so
+a collective inside a set never meets traffic from another set; a second one, made at the same
+time, carries the optimizer's exchange inside the set (runtime/basics.py, ``subgroup``). Ranks are the job's ranks, as in Horovod: ``root_rank`` of a
 broadcast within a set is a job rank, translated here to the set's own numbering.
 
 Adding and removing sets is collective over the whole job (every rank calls it, in the same
@@ -23,19 +24,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from ..runtime import basics
+from ..runtime.groups import SetGroups, outside
 from .checks import MismatchError, check_root_rank
 
 
 @dataclass
 class _Entry:
-    """A registered set: its job ranks (sorted), this rank's communicator and collectives on it,
-    and a second communicator for the optimizer's exchange (all None on ranks outside the set);
-    ``transport`` is the exchange's MpiTransport on it, made on first use."""
+    """A registered set: its job ranks (sorted) and this rank's groups in it (the tensor API's
+    collectives and the exchange's transport, None on ranks outside the set)."""
     ranks: List[int]
-    comm: Any
-    api: Any
-    exchange_comm: Any = None
-    transport: Any = None
+    groups: SetGroups
+
+    @property
+    def api(self) -> Any:
+        return self.groups.api
 
 
 class ProcessSet:
@@ -124,7 +126,7 @@ _ids = itertools.count(1)
 
 def _entry(ps: ProcessSet) -> _Entry:
     if ps.process_set_id == 0:
-        return _Entry(list(range(basics.size())), None, None)
+        return _Entry(list(range(basics.size())), outside())
     entry = _registry.get(ps.process_set_id) if ps.process_set_id is not None else None
     if entry is None:
         raise ValueError(f"{ps!r} is not registered (or was removed); register it with "
@@ -169,9 +171,9 @@ def resolve(what: str, process_set: Any) -> Group:
 
 
 def register(ranks: List[int], what: str) -> int:
-    """Collective over the job: check ``ranks`` on every rank, split off its communicator."""
+    """Collective over the job: check ``ranks`` on every rank, make its groups."""
     api = basics.job_collectives()
-    size, me = basics.size(), basics.rank()
+    size = basics.size()
     problems = []
     if len(set(ranks)) != len(ranks):
         problems.append(f"rank(s) {sorted({r for r in ranks if ranks.count(r) > 1})} listed twice")
@@ -190,18 +192,9 @@ def register(ranks: List[int], what: str) -> int:
         raise ValueError(f"{what}({ranks}): " + "; ".join(problems))
     if any(e.ranks == ranks for e in _registry.values()):
         raise ValueError(f"{what}: a process set with ranks {ranks} exists already; reuse it")
-    mpi = basics._mpi()
-    comm = mpi.split_members(basics.job_comm(), me in ranks, me)
-    from ..transport.mpi_api import MpiCollectives  # importable: init() imported mpi4py
     ps_id = next(_ids)
-    member = me in ranks
-    # The optimizer's exchange gets a Dup of its own now, while every member is here: made
-    # later, from the optimizer, it could cross a tensor collective of the set on another rank.
-    _registry[ps_id] = _Entry(ranks, comm if member else None,
-                              MpiCollectives(comm) if member else None,
-                              mpi.dup(comm) if member else None)
+    _registry[ps_id] = _Entry(ranks, basics.subgroup(ranks, ps_id))
     return ps_id
-
 
 
 def remove(process_set: ProcessSet, barrier: Callable[[], None]) -> bool:
@@ -212,14 +205,8 @@ def remove(process_set: ProcessSet, barrier: Callable[[], None]) -> bool:
     if entry is None:
         return False
     barrier()
-    _free(entry, basics._mpi())
+    entry.groups.release()
     return True
-
-
-def _free(entry: _Entry, mpi: Any) -> None:
-    for comm in (entry.exchange_comm, entry.comm):
-        if comm is not None:
-            mpi.free(comm)
 
 
 def members(process_set: ProcessSet) -> List[int]:
@@ -229,25 +216,23 @@ def members(process_set: ProcessSet) -> List[int]:
 
 
 def exchange_transport(process_set: ProcessSet) -> Any:
-    """The :class:`~hvd_slim.transport.mpi.MpiTransport` of ``DistributedOptimizer``'s exchange
-    inside ``process_set``: on the set's own exchange communicator, so it never meets the set's
-    tensor collectives nor any traffic outside the set. Cached per set (every optimizer on the
-    set shares it, as optimizers of the whole job share :func:`basics.world_transport`);
-    communicates nothing. Raises ValueError on a rank outside the set."""
+    """The transport of ``DistributedOptimizer``'s exchange inside ``process_set`` (MPI, or
+    Gloo under torchrun): on the set's own exchange communicator or group, so it never meets
+    the set's tensor collectives nor any traffic outside the set. Cached per set (every
+    optimizer on the set shares it, as optimizers of the whole job share
+    :func:`basics.world_transport`); communicates nothing. Raises ValueError on a rank outside
+    the set."""
     entry = _entry(process_set)
-    if entry.exchange_comm is None:
+    if entry.groups.make_transport is None:
         raise ValueError(f"rank {basics.rank()} is not in {process_set!r}: only its ranks run "
                          f"its exchange")
-    if entry.transport is None:
-        from ..transport.mpi import MpiTransport
-        entry.transport = MpiTransport(entry.exchange_comm)
-    return entry.transport
+    return entry.groups.make_transport()
 
 
 
-def clear(mpi: Any) -> None:
-    """``shutdown``: free every set's communicator (through ``mpi``, the runtime's
-    communicator utilities) and forget the sets; registered ``ProcessSet`` objects go stale."""
+def clear() -> None:
+    """``shutdown``: free every set's communicators or groups and forget the sets; registered
+    ``ProcessSet`` objects go stale."""
     for entry in _registry.values():
-        _free(entry, mpi)
+        entry.groups.release()
     _registry.clear()

@@ -6,10 +6,11 @@ Every such call runs inside :func:`operation`, handed the runtime's
 :func:`~hvd_slim.runtime.basics.job_collectives`, and the limit is set with their ``watch``: the
 deadline mechanism every transport has (:class:`~hvd_slim.transport.base.Deadlines`).
 A collective that outlives it raises :class:`~hvd_slim.transport.base.TransportTimeout` naming
-the call, the ranks that did not arrive (see :mod:`hvd_slim.transport.mpi_api`) and how to wait
-longer. Uncaught, that error ends every rank (:mod:`hvd_slim.runtime.abort`). Caught, the job
-cannot go on: the communicator is retired, and at exit the job is ended with MPI Abort, since
-MPI cannot finalise with the abandoned collective pending.
+the call, the ranks that did not arrive (see :mod:`hvd_slim.transport.mpi_api`, and
+:mod:`hvd_slim.transport.torch_api` under torchrun) and how to wait longer. Uncaught, that
+error ends every rank (:mod:`hvd_slim.runtime.abort`). Caught, the job cannot go on: the
+communicator is retired, and at exit the job is ended with MPI Abort (under torchrun, exit
+status 1), since MPI cannot finalise with the abandoned collective pending.
 """
 from __future__ import annotations
 

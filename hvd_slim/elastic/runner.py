@@ -63,8 +63,21 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
 
     Returns:
         The wrapped function, taking the same arguments and returning what ``func`` returns.
+        Under torchrun calling it raises RuntimeError: rebuilding on the survivors needs MPI
+        (torchrun restarts the whole job instead: ``--max-restarts``).
     """
-    return run_fn(func, _reset)
+    loop = run_fn(func, _reset)
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
+        if basics.is_initialized() and basics.backend() == "torch":
+            raise basics.needs_mpi(
+                "hvd.elastic.run", "after a rank is lost, the survivors rebuild the job's MPI "
+                "communicator among themselves (mpirun --enable-recovery); under torchrun, "
+                "restart the whole job instead (torchrun --max-restarts N) and resume from a "
+                "checkpoint")
+        return loop(state, *args, **kwargs)
+    return wrapper
 
 
 def _reset() -> None:

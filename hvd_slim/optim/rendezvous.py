@@ -9,6 +9,10 @@ Three ways in, tried in this order:
    rendezvous, which also finds torchrun's agent store.
 3. The script already called ``torch.distributed.init_process_group``: that world is used.
 
+Under torchrun, ``hvd.init()`` starts hvd_slim on torch.distributed itself
+(runtime/torch_world.py, which holds the store and registration used here too), so the
+transports are groups on the default group it initialised.
+
 If torch.distributed is already initialised, hvd_slim makes a private group on it (``new_group``)
 after checking that its ranks agree; otherwise it initialises the default group itself. Every
 rank first registers in the store, so a duplicated or missing rank or disagreeing world sizes
@@ -19,50 +23,22 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import time
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..api import engine
-from ..runtime import basics, env, horovod
+from ..runtime import basics, horovod, torch_world
 from ..transport import torch_dist
 
-TIMEOUT_ENV = "HVD_SLIM_TRANSPORT_TIMEOUT"
-DEFAULT_TIMEOUT_S = 300.0
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# The bootstrap's pieces live in the runtime, which starts hvd.init() under torchrun with them.
+TIMEOUT_ENV, DEFAULT_TIMEOUT_S, TORCHRUN_VARS = (torch_world.TIMEOUT_ENV,
+                                                 torch_world.DEFAULT_TIMEOUT_S,
+                                                 torch_world.TORCHRUN_VARS)
+timeout, torchrun_env = torch_world.timeout, torch_world.torchrun_env
+_register, _first_line = torch_world.register, torch_world.first_line
 _generation = 0  # bootstraps happen in the same order on every rank: a shared store key prefix
-
-
-def timeout(environ: Optional[Mapping[str, str]] = None) -> datetime.timedelta:
-    """The process-group and rendezvous timeout, from ``HVD_SLIM_TRANSPORT_TIMEOUT`` (seconds)."""
-    raw = (os.environ if environ is None else environ).get(TIMEOUT_ENV)
-    if raw is None:
-        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise ValueError(f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds > 0")
-    return datetime.timedelta(seconds=value)
-
-
-def torchrun_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[int, int]]:
-    """``(rank, size)`` from torchrun's variables, or None when none is set. Raises ValueError when
-    some are missing, out of range, or disagree with another launcher's variables."""
-    environ = os.environ if environ is None else environ
-    present = [v for v in TORCHRUN_VARS if v in environ]
-    if not present:
-        return None
-    missing = [v for v in TORCHRUN_VARS if v not in environ]
-    if missing:
-        raise ValueError(f"torchrun-style launch: {', '.join(present)} set but {', '.join(missing)} "
-                         f"not; launch with torchrun, or under mpirun/horovodrun unset them")
-    announced = env.env_rank_size(environ)  # checks ints, range, agreement with other launchers
-    assert announced is not None
-    return announced[0], announced[1]
 
 
 def torch_transport(backend: str, device: torch.device) -> Any:
@@ -82,7 +58,8 @@ def torch_transport(backend: str, device: torch.device) -> Any:
         torch.cuda.set_device(dev)
     if basics.is_initialized() or horovod.initialized_horovod() is not None:
         basics.job_collectives()  # starts hvd_slim from Horovod when needed
-        rank, size, how = basics.rank(), basics.size(), "mpi"
+        # Under torchrun hvd.init() has initialised torch.distributed: a group is made on it.
+        rank, size, how = basics.rank(), basics.size(), basics.backend()
     elif torchrun_env() is not None:
         (rank, size), how = torchrun_env(), "torchrun"
     elif dist.is_available() and dist.is_initialized():
@@ -111,10 +88,6 @@ def torch_transport(backend: str, device: torch.device) -> Any:
         group, on_close = None, dist.destroy_process_group
     return torch_dist.remember(torch_dist.TorchDistTransport(group, backend, dev, rank, size, tmo,
                                                              on_close))
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _mpi_store(rank: int, size: int, tmo: datetime.timedelta) -> Any:
@@ -151,42 +124,4 @@ def _mpi_store(rank: int, size: int, tmo: datetime.timedelta) -> Any:
 
 
 def _torchrun_store(tmo: datetime.timedelta) -> Any:
-    import torch.distributed as dist
-    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    try:
-        store, _, _ = next(dist.rendezvous("env://", timeout=tmo))
-    except Exception as exc:  # noqa: BLE001 - re-raised with the address and the likely cause
-        raise RuntimeError(f"hvd_slim rendezvous: the env:// store at {where} failed: "
-                           f"{_first_line(exc)} (RANK={os.environ.get('RANK')}, WORLD_SIZE="
-                           f"{os.environ.get('WORLD_SIZE')}); is the port free, is exactly one "
-                           f"process rank 0, and are all WORLD_SIZE ranks started?") from None
-    return store
-
-
-def _register(store: Any, rank: int, size: int, tmo: datetime.timedelta) -> None:
-    """Every rank checks in; raises the same clear error everywhere on duplicated or missing
-    ranks or disagreeing world sizes."""
-    def fail(msg: str) -> None:
-        store.set("error", msg)
-        raise RuntimeError(msg)
-
-    first = store.compare_set("size", "", str(size)).decode()
-    if first != str(size):
-        fail(f"hvd_slim rendezvous: rank {rank} was launched for a world of {size} ranks but "
-             f"another rank for {first}; the launcher's ranks are inconsistent")
-    if store.add(f"rank/{rank}", 1) != 1:
-        fail(f"hvd_slim rendezvous: two processes claim rank {rank} of {size}; the launcher's "
-             f"ranks are inconsistent (check RANK / OMPI_COMM_WORLD_RANK)")
-    store.add("joined", 1)
-    deadline = time.monotonic() + tmo.total_seconds()
-    while True:
-        if store.check(["error"]):
-            raise RuntimeError(store.get("error").decode())
-        if store.add("joined", 0) >= size:
-            return
-        if time.monotonic() > deadline:
-            missing: List[int] = [r for r in range(size) if not store.check([f"rank/{r}"])]
-            raise RuntimeError(f"hvd_slim rendezvous: only {size - len(missing)} of {size} ranks "
-                               f"joined within {tmo.total_seconds():g} s; missing ranks {missing}. "
-                               f"Start every rank, or check the launcher's RANK/WORLD_SIZE")
-        time.sleep(0.02)
+    return torch_world.env_store(tmo)

@@ -4,7 +4,8 @@ This module only chooses; the transports themselves are implemented in :mod:`hvd
 The keyword wins; without it ``HVD_SLIM_TRANSPORT`` decides, then ``"auto"``:
 
 * ``"auto"``: NCCL for CUDA parameters when torch.distributed has NCCL and a GPU is visible;
-  otherwise MPI, except under torchrun with hvd_slim not started on MPI, where it is Gloo.
+  otherwise MPI, except under torchrun (``hvd.init()`` there runs on torch.distributed, and
+  without it hvd_slim is not started on MPI), where it is Gloo.
 * ``"mpi"``: mpi4py on hvd_slim's own communicator (CUDA messages staged through pinned host
   buffers, or handed to MPI directly when it reports CUDA support).
 * ``"gloo"``: torch.distributed's Gloo backend, on the host (CUDA messages staged, pinned).
@@ -56,6 +57,8 @@ def choose_auto(device: torch.device) -> str:
     """What ``"auto"`` means for parameters on ``device`` here and now."""
     if "nccl" in available(device):
         return "nccl"
+    if basics.is_initialized() and basics.backend() == "torch":
+        return "gloo"
     started = basics.is_initialized() or horovod.initialized_horovod() is not None
     if not started and torchrun_env() is not None and "gloo" in available(device):
         return "gloo"
@@ -68,9 +71,11 @@ def resolve(transport: Any, device: torch.device,
     and parameters on ``device``. Collective the first time a transport is started.
 
     ``process_set`` (a registered set with this rank; None: the whole job): the exchange runs
-    on MPI among the set's ranks (``"auto"`` is MPI there). Gloo and NCCL are refused: their
-    process groups are made collectively over every rank of the job, which a set's ranks alone
-    cannot do."""
+    among the set's ranks on the transport the set made when it was registered: MPI, or Gloo
+    under torchrun (``"auto"`` picks it). Any other is refused: torch.distributed groups are
+    made collectively over every rank of the job, which a set's ranks alone cannot do.
+
+    Under torchrun (hvd_slim on torch.distributed) ``"mpi"`` is refused: no MPI runs."""
     environ = os.environ if environ is None else environ
     source = "transport"
     if transport is None:
@@ -82,14 +87,20 @@ def resolve(transport: Any, device: torch.device,
     if not isinstance(transport, str) or transport not in NAMES:
         raise ValueError(f"{source}={transport!r} is not a transport: pass one of {here} "
                          f"(available here) or a hvd_slim.transport.Transport instance")
+    on_torch = basics.is_initialized() and basics.backend() == "torch"
+    if on_torch and transport == "mpi":   # installed or not: this job has no MPI
+        raise basics.needs_mpi(f"{source}='mpi'", "the exchange would run on mpi4py; pass "
+                               "transport='gloo', 'nccl' (CUDA parameters) or 'auto'")
     if transport not in here:
         raise ValueError(f"{source}={transport!r} is not available: "
                          f"{_why_unavailable(transport, device)}; available here: {here}")
     if process_set is not None:
-        if transport in ("gloo", "nccl"):
+        theirs = "gloo" if on_torch else "mpi"
+        if transport not in ("auto", theirs):
             raise ValueError(f"{source}={transport!r} cannot run the exchange inside "
                              f"process_set={process_set!r}: hvd_slim runs a process set's "
-                             f"exchange on MPI only; pass transport=\"mpi\" (or \"auto\")")
+                             f"exchange on the group the set made when it was registered, "
+                             f"{theirs} here; pass transport={theirs!r} (or \"auto\")")
         return process_sets.exchange_transport(process_set)
     if transport == "auto":
         transport = choose_auto(device)

@@ -1,8 +1,12 @@
-"""Abort the whole MPI job when any rank dies of an uncaught exception.
+"""End the whole job when any rank dies of an uncaught exception.
 
 Without this, a rank that raises simply exits while its peers wait forever in their next
-collective, and ``mpirun`` hangs. The hooks print which rank failed and why, flush, and call
-``MPI.COMM_WORLD.Abort(1)`` so the job ends with a non-zero status.
+collective, and ``mpirun`` hangs. The hooks print which rank failed and why, flush, and end the
+job with a non-zero status: under MPI with ``MPI.COMM_WORLD.Abort(1)``; under an ``env://``
+launcher (torchrun, :mod:`hvd_slim.runtime.torch_world`) by leaving with status 1, which makes
+torchrun stop the other ranks, after writing the message to the job's store, where the ranks
+waiting in a collective read it (:mod:`hvd_slim.transport.torch_api`): their errors name the
+failed rank even where no launcher ends them.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import sys
 import threading
 import traceback
 from types import TracebackType
-from typing import Any, Callable, Optional, Type
+from typing import Any, Callable, NamedTuple, Optional, Type
 
 _installed = False
 _end_at_exit: Optional[str] = None   # why this process must not finalise MPI normally
@@ -20,16 +24,67 @@ _skip_finalize: Optional[str] = None   # why this process must leave without MPI
 _exit_code: Any = 0   # what sys.exit was last given, for a process that leaves with os._exit
 
 
-def _world() -> Optional[tuple]:
-    """(rank, size, mpi module) when MPI is up and the job has more than one rank, else None."""
+class _World(NamedTuple):
+    """A job of more than one rank: this process's place in it and how to end it all."""
+    rank: int
+    size: int
+    how: str                       # how the job is ended, for the message
+    end: Callable[[str], None]     # given the message; does not return
+
+
+class _Launched(NamedTuple):
+    """A job started by an ``env://`` launcher (:func:`use_launcher_world`)."""
+    rank: int
+    size: int
+    note: Callable[[str], None]
+
+
+_launched: Optional[_Launched] = None
+
+
+def use_launcher_world(rank: int, size: int, note: Callable[[str], None]) -> None:
+    """hvd_slim runs on torch.distributed as ``rank`` of ``size`` (runtime/torch_world.py):
+    ending the job means leaving with status 1 (the launcher stops the other ranks), after
+    ``note(message)`` has told them why."""
+    global _launched
+    _launched = _Launched(rank, size, note)
+
+
+def forget_launcher_world() -> None:
+    """``shutdown`` under an ``env://`` launcher: an exception now ends this process only."""
+    global _launched
+    _launched = None
+
+
+def _world() -> Optional[_World]:
+    """How to end the job when it has more than one rank, else None: MPI's Abort when MPI is
+    up, else the launcher's when hvd_slim runs on torch.distributed."""
     mpi = sys.modules.get("hvd_slim.transport.mpi_comm")
-    if mpi is None:
+    if mpi is not None:
+        try:
+            rank, size = mpi.world_rank_size()
+        except Exception:  # noqa: BLE001 - MPI finalised or broken: fall back to the plain hook
+            size = 0
+        if size > 1:
+            return _World(rank, size, f"aborting all {size} ranks (MPI.COMM_WORLD.Abort(1))",
+                          lambda text: mpi.abort_world(1))
+    launched = _launched
+    if launched is None or launched.size < 2:
         return None
-    try:
-        rank, size = mpi.world_rank_size()
-    except Exception:  # noqa: BLE001 - MPI finalised or broken: fall back to the plain hook
-        return None
-    return (rank, size, mpi) if size > 1 else None
+    return _World(launched.rank, launched.size,
+                  f"ending rank {launched.rank} with exit status 1 (the launcher, torchrun, "
+                  f"stops the other {launched.size - 1} rank(s))",
+                  lambda text: _leave(launched, text))
+
+
+def _leave(launched: _Launched, text: str) -> None:
+    """Tell the other ranks why (the job's store), then leave at once: exit handlers could
+    wait on the peers, or on a collective that never completes."""
+    _call_quietly(launched.note, text)
+    if "logging" in sys.modules:
+        _call_quietly(sys.modules["logging"].shutdown)
+    _flush()
+    os._exit(1)
 
 
 def _say(text: str) -> None:
@@ -59,13 +114,28 @@ def _report_and_abort(exc_type: Type[BaseException], exc: Optional[BaseException
     world = _world()
     if world is None:
         return False
-    rank, size, mpi = world
     lines = traceback.format_exception(exc_type, exc, tb)
-    _say(f"hvd_slim: rank {rank} of {size} failed with {exc_type.__name__}: {exc}{where}\n"
-         + "".join(lines) + f"hvd_slim: aborting all {size} ranks (MPI.COMM_WORLD.Abort(1))\n")
+    first = f"rank {world.rank} of {world.size} failed with {exc_type.__name__}: {exc}{where}"
+    _say(f"hvd_slim: {first}\n" + "".join(lines) + f"hvd_slim: {world.how}\n")
     _flush()
-    mpi.abort_world(1)
+    world.end(first)
     return True
+
+
+def end_job(text: str) -> None:
+    """Print ``text`` and end the whole job now, as an uncaught exception would (MPI's Abort,
+    or under torchrun exit status 1 after telling the other ranks why); a one-rank job just
+    leaves with status 1. For a caller that knows the job cannot go on (a test tier's failed
+    test, while the other ranks wait in a collective)."""
+    _say(text.rstrip("\n") + "\n")
+    world = _world()
+    if world is None:
+        _flush()
+        os._exit(1)
+    _say(f"hvd_slim: {world.how}\n")
+    _flush()
+    world.end(f"rank {world.rank} of {world.size}: {text.strip().splitlines()[0]}"
+              if text.strip() else f"rank {world.rank} of {world.size} ended the job")
 
 
 def _call_quietly(hook: Callable[..., Any], *args: Any) -> None:
@@ -111,9 +181,10 @@ def install() -> None:
 
 
 def end_job_at_exit(reason: str) -> None:
-    """A collective was abandoned (it timed out): MPI cannot finalise cleanly any more, and the
-    peers may still wait in it. If this process reaches exit anyway (the error was caught),
-    end the whole job there with MPI Abort, saying why, instead of hanging in MPI_Finalize."""
+    """A collective was abandoned (it timed out): MPI cannot finalise cleanly any more (nor
+    torch.distributed tear down its group), and the peers may still wait in it. If this process
+    reaches exit anyway (the error was caught), end the whole job there (MPI Abort, or exit
+    status 1 under torchrun), saying why, instead of hanging in MPI_Finalize."""
     global _end_at_exit
     if _end_at_exit is None:
         # mpi4py finalises MPI through Py_AtExit, which runs after every atexit handler.
@@ -132,12 +203,12 @@ def _abort_at_exit() -> None:
     world = _world()
     if world is None or _end_at_exit is None:
         return
-    rank, size, mpi = world
-    _say(f"hvd_slim: rank {rank} of {size} reached exit after a collective timed out "
-         f"({_end_at_exit}); ending all {size} ranks (MPI.COMM_WORLD.Abort(1)): MPI "
-         "cannot finalise with that collective pending\n")
+    first = (f"rank {world.rank} of {world.size} reached exit after a collective timed out "
+             f"({_end_at_exit})")
+    _say(f"hvd_slim: {first}; {world.how}: the job cannot end cleanly with that collective "
+         "pending\n")
     _flush()
-    mpi.abort_world(1)
+    world.end(first)
 
 
 def leave_without_finalize(reason: str) -> None:

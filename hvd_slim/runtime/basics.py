@@ -1,11 +1,15 @@
 """Process-level state in Horovod's shape: :func:`start`/:func:`stop` (under ``hvd.init`` and
 ``hvd.shutdown``, api/lifecycle.py), rank and size queries (the
-build flags are in build_flags.py), and the two objects the rest of the package reaches MPI through, both handed out from
-here: :func:`job_collectives` (the tensor API's collectives on the job communicator) and
-:func:`world_transport` (the optimizer's exchange, on a communicator of its own).
+build flags are in build_flags.py), and the two objects the rest of the package reaches the
+network through, both handed out from here: :func:`job_collectives` (the tensor API's
+collectives on the job's communicator or group) and :func:`world_transport` (the optimizer's
+MPI exchange, on a communicator of its own).
 
-mpi4py is imported (and MPI initialised) only inside :func:`start`, so ``import hvd_slim`` stays
-cheap and works on a machine without MPI.
+Two backends (:func:`backend`). Under an MPI launcher (mpirun, horovodrun), ``"mpi"``: mpi4py
+is imported (and MPI initialised) only inside :func:`start`, so ``import hvd_slim`` stays cheap
+and works on a machine without MPI. Under an ``env://`` launcher (torchrun), ``"torch"``: the
+job runs on torch.distributed (runtime/torch_world.py) and MPI is never touched; what only MPI
+provides raises :func:`needs_mpi`'s error naming the call.
 
 Inside an initialised Horovod (``horovod.torch``'s ``hvd.init()``) no ``hvd_slim.init()`` is
 needed: rank queries answer from Horovod, and the first collective (building a
@@ -17,7 +21,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from . import abort, env, horovod, hosts
+from . import abort, env, groups, horovod, hosts, torch_world
+from .groups import SetGroups
 
 NOT_INITIALIZED = "hvd_slim has not been initialized; use hvd.init()."
 
@@ -25,9 +30,9 @@ NOT_INITIALIZED = "hvd_slim has not been initialized; use hvd.init()."
 @dataclass
 class _State:
     comm: Any            # the job communicator (a private Dup); the tensor API runs on it
-    api: Any             # the tensor API's collectives (MpiCollectives) on comm
+    api: Any             # the tensor API's collectives (MpiCollectives, TorchCollectives)
     exchange_comm: Any   # a second Dup reserved for the optimizer's exchange
-    local_comm: Any
+    local_comm: Any      # (the communicators are None under torchrun)
     cross_comm: Any
     rank: int
     size: int
@@ -37,6 +42,7 @@ class _State:
     cross_size: int
     transport: Any = None
     hosts: Any = None   # hosts.host_transports(), made on first use (hierarchical=True)
+    world: Any = None   # the TorchWorld under torchrun (backend "torch"), else None
 
 
 _state: Optional[_State] = None
@@ -84,6 +90,9 @@ def start(comm: Optional[Any] = None) -> bool:
     with _lock:
         if _state is not None:
             return False
+        if torch_world.launched_by_env():
+            _state = _start_torch(comm)
+            return True
         # Before MPI starts: under horovodrun --gloo it would come up as a singleton per rank.
         horovod.check_not_gloo_only()
         mpi = _mpi()
@@ -110,6 +119,21 @@ def start(comm: Optional[Any] = None) -> bool:
     return True
 
 
+def _start_torch(comm: Optional[Any]) -> _State:
+    """:func:`start` under an ``env://`` launcher: the job on torch.distributed."""
+    if comm is not None:
+        raise needs_mpi("hvd_slim.init(comm=...)", "a communicator or a list of ranks to run on "
+                        "is an MPI communicator; under torchrun every rank of the job takes "
+                        "part: call hvd.init() without comm, and use hvd.add_process_set() for "
+                        "collectives among some ranks")
+    # Installed first so a failure from here on still ends every rank of the job.
+    abort.install()
+    w = torch_world.start()
+    return _State(comm=None, api=w.api, exchange_comm=None, local_comm=None, cross_comm=None,
+                  rank=w.rank, size=w.size, local_rank=w.local_rank, local_size=w.local_size,
+                  cross_rank=w.cross_rank, cross_size=w.cross_size, world=w)
+
+
 def stop() -> None:
     """Free the job's communicators and the exchange's transports (``hvd_slim.shutdown``,
     api/lifecycle.py, first stops what runs on them). A no-op when not started."""
@@ -117,6 +141,9 @@ def stop() -> None:
     with _lock:
         state, _state = _state, None
     if state is None:
+        return
+    if state.world is not None:
+        state.world.close()
         return
     if state.transport is not None:
         state.transport.close()
@@ -155,6 +182,53 @@ def _require_started() -> _State:
     return _require()
 
 
+def backend() -> str:
+    """What the running job's collectives run on.
+
+    Returns:
+        ``"mpi"`` (mpi4py, under mpirun or horovodrun) or ``"torch"`` (torch.distributed,
+        under torchrun or another ``env://`` launcher).
+
+    Raises:
+        ValueError: hvd_slim is not initialised.
+    """
+    return "mpi" if _require().world is None else "torch"
+
+
+def needs_mpi(call: str, why: str) -> RuntimeError:
+    """The error for ``call``, which only MPI provides, in a job running on torch.distributed;
+    ``why`` says what MPI gives it and what to do instead under torchrun."""
+    return RuntimeError(f"{call} needs MPI: {why}. This job was started by torchrun (RANK, "
+                        f"WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so hvd_slim runs on "
+                        f"torch.distributed; launch with mpirun or horovodrun to use it")
+
+
+def _mpi_only(call: str, why: str) -> _State:
+    """The running state, or :func:`needs_mpi`'s error when it runs on torch.distributed."""
+    state = _require_started()
+    if state.world is not None:
+        raise needs_mpi(call, why)
+    return state
+
+
+def threads_allowed() -> bool:
+    """Whether the tensor API may run its collectives on a thread of its own while the
+    optimizer's exchange runs on the caller's: MPI needs MPI_THREAD_MULTIPLE for that; Gloo
+    groups are independent of each other."""
+    state = _require_started()
+    return True if state.world is not None else bool(_mpi().thread_multiple())
+
+
+def subgroup(ranks: List[int], set_id: int) -> SetGroups:
+    """Collective over the job: the groups of the process set of job ranks ``ranks`` (sorted)
+    with id ``set_id`` (the same on every rank): MPI communicators split off the job's, or
+    torch.distributed groups (runtime/torch_world.py)."""
+    state = _require_started()
+    if state.world is not None:
+        return state.world.subgroup(ranks, set_id)
+    return groups.mpi_subgroup(_mpi(), state.comm, state.rank, ranks)
+
+
 def _query(attr: str) -> int:
     """A rank/size query; before hvd_slim starts inside Horovod, Horovod answers it (a query
     must never trigger the collective start-up, which would hang if one rank asked alone)."""
@@ -176,17 +250,19 @@ def job_comm() -> Any:
 
     Raises:
         ValueError: neither hvd_slim nor Horovod is initialised.
+        RuntimeError: under torchrun, which has no MPI communicator.
     """
-    return _require_started().comm
+    return _mpi_only("hvd_slim.job_comm()", "it returns hvd_slim's MPI communicator").comm
 
 
 def job_collectives() -> Any:
-    """The :class:`~hvd_slim.transport.mpi_api.MpiCollectives` on :func:`job_comm`, which the
-    public tensor API is handed (as the exchange is handed :func:`world_transport`). Collective
-    only when it starts hvd_slim from an initialised Horovod.
+    """The :class:`~hvd_slim.transport.mpi_api.MpiCollectives` on :func:`job_comm` (under
+    torchrun the :class:`~hvd_slim.transport.torch_api.TorchCollectives` on a Gloo group),
+    which the public tensor API is handed (as the exchange is handed its transport).
+    Collective only when it starts hvd_slim from an initialised Horovod.
 
     Returns:
-        The job's ``MpiCollectives``.
+        The job's ``MpiCollectives`` or ``TorchCollectives``.
 
     Raises:
         ValueError: neither hvd_slim nor Horovod is initialised.
@@ -288,8 +364,11 @@ def world_transport() -> Any:
 
     Raises:
         ValueError: neither hvd_slim nor Horovod is initialised.
+        RuntimeError: under torchrun, where the exchange runs on Gloo or NCCL.
     """
-    state = _require_started()
+    state = _mpi_only("hvd_slim.world_transport()", "it is the optimizer's MPI transport; "
+                      "under torchrun the exchange runs on Gloo or NCCL (transport='gloo' or "
+                      "'nccl', or 'auto')")
     if state.transport is None:
         from ..transport.mpi import MpiTransport  # importable: init() imported mpi4py
         state.transport = MpiTransport(state.exchange_comm)
@@ -308,7 +387,9 @@ def host_transports() -> Any:
     Raises:
         ValueError: neither hvd_slim nor Horovod is initialised.
     """
-    state = _require_started()
+    state = _mpi_only("hierarchical=True over transport='mpi'", "its host and cross-host "
+                      "transports are MPI communicators; under torchrun pass transport='gloo' "
+                      "or 'nccl'")
     if state.hosts is None:
         state.hosts = hosts.host_transports(_mpi(), state.comm, state.local_comm)
     return state.hosts
@@ -318,26 +399,29 @@ def mpi_threads_supported() -> bool:
     """Whether MPI runs with MPI_THREAD_MULTIPLE.
 
     Returns:
-        True when MPI provides MPI_THREAD_MULTIPLE, else False.
+        True when MPI provides MPI_THREAD_MULTIPLE, else False (also under torchrun, where
+        no MPI runs, as Horovod answers on Gloo).
 
     Raises:
         ValueError: hvd_slim is not initialised (an initialised Horovod does not answer).
     """
-    _require()
+    if _require().world is not None:
+        return False
     return bool(_mpi().thread_multiple())
 
 
 def mpi_enabled() -> bool:
-    """Whether MPI is in use: hvd_slim always runs its collectives over MPI.
+    """Whether MPI runs the collectives: under mpirun or horovodrun, not under torchrun.
 
     Returns:
-        True once hvd_slim is initialised, else False.
+        True once hvd_slim is initialised on MPI, else False.
     """
-    return _state is not None
+    state = _state
+    return state is not None and state.world is None
 
 
 __all__: List[str] = [
-    "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "backend", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "mpi_threads_supported", "mpi_enabled", "world_transport", "job_comm",
     "job_collectives", "NOT_INITIALIZED",
 ]

@@ -1,10 +1,15 @@
-"""Horovod's build queries (``mpi_built``, ``nccl_built``, ...): what this package can do,
-answered without starting MPI. hvd_slim's collectives run over mpi4py only; the optimizer's Gloo
-and NCCL transports (``transport=``) go through torch.distributed and are not reported here.
+"""Horovod's build queries (``mpi_built``, ``gloo_built``, ...): what this package can do,
+answered without starting MPI. hvd_slim's collectives run over mpi4py under an MPI launcher and
+over torch.distributed's Gloo under torchrun; the optimizer's NCCL transport (``transport=``)
+is not reported here.
 """
 from __future__ import annotations
 
 import importlib.util
+
+import torch.distributed as dist
+
+from . import basics
 
 __all__ = ["mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
            "cuda_built", "rocm_built"]
@@ -20,23 +25,23 @@ def mpi_built() -> bool:
 
 
 def gloo_enabled() -> bool:
-    """Whether Gloo runs the collectives: never, hvd_slim has no Gloo controller.
+    """Whether Gloo runs the collectives: under torchrun (hvd_slim on torch.distributed).
 
     Returns:
-        False.
+        True when hvd_slim is initialised on torch.distributed's Gloo, else False.
     """
-    return False
+    state = basics._state
+    return state is not None and state.world is not None
 
 
 def gloo_built() -> bool:
-    """Whether Gloo support is built in: no, hvd_slim has no Gloo controller.
-
-    (``transport="gloo"`` for the optimizer uses torch.distributed's Gloo, not this.)
+    """Whether Gloo can run the collectives: torch.distributed's Gloo, which ``hvd.init()``
+    uses under torchrun (and ``transport="gloo"`` for the optimizer).
 
     Returns:
-        False.
+        True when this torch has torch.distributed with Gloo, else False.
     """
-    return False
+    return bool(dist.is_available() and dist.is_gloo_available())
 
 
 def nccl_built() -> bool:

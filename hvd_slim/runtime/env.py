@@ -1,8 +1,9 @@
 """Rank discovery from the launcher's environment (mpirun, PMI launchers, horovodrun, torchrun).
 
-The values are only used to cross-check MPI at ``init()``: a process started by a launcher whose
-MPI differs from the one mpi4py loaded comes up as a lone singleton, and without this check every
-rank would silently train alone as "rank 0 of 1".
+Under an MPI launcher the values cross-check MPI at ``init()``: a process started by a launcher
+whose MPI differs from the one mpi4py loaded comes up as a lone singleton, and without this
+check every rank would silently train alone as "rank 0 of 1". Under torchrun (``RANK`` and
+``WORLD_SIZE``, runtime/torch_world.py) they are the job's ranks.
 """
 from __future__ import annotations
 
@@ -57,13 +58,6 @@ def check_against_mpi(mpi_rank: int, mpi_size: int, env: Optional[Mapping[str, s
     if announced is None:
         return
     rank, size, source = announced
-    if (rank, size) != (mpi_rank, mpi_size) and source == "RANK/WORLD_SIZE":
-        raise RuntimeError(
-            f"hvd_slim.init(): this process was started by torchrun as rank {rank} of {size} "
-            f"(RANK/WORLD_SIZE), not by an MPI launcher, so MPI reports rank {mpi_rank} of "
-            f"{mpi_size}. hvd_slim.init() and its Horovod-style collectives need mpirun or "
-            f"horovodrun. Under torchrun, skip hvd_slim.init(), pass transport='gloo' (or 'nccl' "
-            f"for CUDA parameters) to DistributedOptimizer and broadcast with torch.distributed.")
     if (rank, size) != (mpi_rank, mpi_size):
         raise RuntimeError(
             f"hvd_slim.init(): the launcher says this is rank {rank} of {size} ({source}) but MPI "

@@ -29,18 +29,19 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from .base import Deadlines, TransportError, TransportTimeout, as_payload
+from .api_base import REDUCIBLE as _REDUCIBLE
+from .api_base import ROLL_CALL_S, ApiCollectives, roll_call_verdict
+from .api_base import flat as _flat
+from .api_base import offsets as _offsets
+from .base import TransportError, TransportTimeout
 from .bounds import check_length
 from .deadline import poll_until
 from .mpi_comm import CHUNK, mpi_errors
 
 _OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
-_REDUCIBLE = {np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64,
-                                    np.float32, np.float64)}
 _TAG_ROLL_CALL = 0x5D2
 _TAG_PAIR = 0x5D3   # sendrecv_bytes (Adasum's pairwise exchange)
 _INT_MAX = (1 << 31) - 1
-ROLL_CALL_S = 5.0   # the most a timed-out rank listens for the others' roll calls
 
 
 def _roll_call(comm: Any, n: int, label: str, grace: float, kept: list) -> str:
@@ -65,22 +66,10 @@ def _roll_call(comm: Any, n: int, label: str, grace: float, kept: list) -> str:
         if len(heard) == size - 1 or time.monotonic() >= end:
             break
         time.sleep(0.01)
-    silent = [j for j in range(size) if j != rank and j not in heard]
-    parts = [f"rank(s) {', '.join(map(str, silent))} did not arrive"] if silent else []
-    parts += [f"rank {j} waits in {where or 'another collective'} (its collective #{count})"
-              for j, (count, where) in sorted(heard.items()) if (count, where) != (n, label)]
-    return "; ".join(parts) or ("every rank arrived, yet the collective did not complete (did "
-                                "the ranks pass different sizes?)")
+    return roll_call_verdict(rank, size, heard, n, label)
 
 
 # ---- the collectives ---------------------------------------------------------------------------
-
-def _flat(buf: np.ndarray, what: str) -> np.ndarray:
-    """A 1-D view of ``buf``; refuses non-contiguous arrays, whose reshape would silently copy."""
-    if not buf.flags.c_contiguous:
-        raise ValueError(f"{what}: the buffer must be C-contiguous so that MPI writes into it in place")
-    return buf.reshape(-1)
-
 
 def _int_counts(what: str, counts: np.ndarray) -> None:
     """Refuse counts or displacements past MPI's int32 limit (the same on every rank, since every
@@ -100,13 +89,7 @@ class _Both:
         return bool(MPI.Request.Testall(self.reqs))
 
 
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    displs = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=displs[1:])
-    return displs
-
-
-class MpiCollectives(Deadlines):
+class MpiCollectives(ApiCollectives):
     """The tensor API's collectives on one mpi4py intracommunicator, each waiting at most the
     deadline of :meth:`watch` (None or <= 0: no limit). The runtime makes one per job
     communicator; keep one instance per communicator, since the roll call counts its calls."""
@@ -116,6 +99,16 @@ class MpiCollectives(Deadlines):
         self.calls = 0   # collectives made on the communicator: the roll call compares them
         # After a timeout: why, and what MPI may still touch (kept alive as long as this is).
         self.retired: Optional[Tuple[str, List[Any]]] = None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the communicator."""
+        return self.comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        """The number of ranks in the communicator."""
+        return self.comm.Get_size()
 
     def _run(self, call: str, start: Callable[[], Any], *keep: Any) -> None:
         """Start one nonblocking collective and wait for it under the deadline; ``keep`` are the
@@ -143,11 +136,6 @@ class MpiCollectives(Deadlines):
             self.retired = (f"{what} timed out", kept)
             raise TransportTimeout(f"rank {rank}: {what} timed out after {seconds:g} s in MPI "
                                    f"{call} (collective #{n} on this communicator): {who}") from None
-
-    def _called(self, call: str) -> str:
-        """``call`` with the public call it serves (the watch label), for error messages."""
-        label = self.deadline[1]
-        return f"{label} (in {call})" if label else call
 
     @mpi_errors("Allreduce")
     def allreduce_inplace(self, buf: np.ndarray, op: str) -> None:
@@ -263,18 +251,6 @@ class MpiCollectives(Deadlines):
         spec = [out, (lengths, _offsets(lengths)), MPI.BYTE]
         self._run("Iallgatherv", lambda: self.comm.Iallgatherv(flat, spec), flat, spec)
         return out
-
-    def allgather_bytes(self, payload: np.ndarray, max_bytes: Optional[int] = None) -> List[np.ndarray]:
-        """Every rank's variable-size uint8 payload, in rank order, as views of one buffer.
-        With ``max_bytes``, a length outside ``[0, max_bytes]`` from any rank (ranks that called
-        collectives in different orders) raises TransportError instead of being allocated."""
-        payload = as_payload(payload)
-        lengths = self.allgather_int64([payload.size])[:, 0]
-        if max_bytes is not None and ((lengths < 0) | (lengths > max_bytes)).any():
-            raise TransportError(f"rank {self.comm.Get_rank()}: the ranks announced payloads of "
-                                 f"{lengths.tolist()} bytes where at most {max_bytes} were expected; "
-                                 f"they probably called collectives in different orders")
-        return np.split(self.allgatherv_bytes(payload, lengths), _offsets(lengths)[1:])
 
     @mpi_errors("Barrier")
     def barrier(self) -> None:

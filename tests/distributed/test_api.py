@@ -38,8 +38,10 @@ def test_rank_and_size_match_env_and_mpi(hvd):
     node.Free()
     cross.Free()
     assert hvd.mpi_threads_supported() == (MPI.Query_thread() == MPI.THREAD_MULTIPLE)
-    assert not any([hvd.gloo_enabled(), hvd.gloo_built(), hvd.nccl_built(), hvd.cuda_built(),
-                    hvd.rocm_built()])
+    assert not any([hvd.gloo_enabled(), hvd.nccl_built(), hvd.cuda_built(), hvd.rocm_built()])
+    assert hvd.mpi_enabled() and hvd.backend() == "mpi"
+    # Gloo is built where torch has it (hvd.init() under torchrun runs on it).
+    assert hvd.gloo_built() == torch.distributed.is_gloo_available()
 
 
 def test_init_is_idempotent(hvd):

@@ -5,8 +5,9 @@ simulation of the set's ranks (FakeCluster threads, no MPI); conservation holds 
 workers; the handshake catches a mismatch inside a set; bad arguments are refused on every rank
 alike; a checkpoint resumes bitwise within its set and is refused by another.
 
-The set's optimizers pass transport="mpi": the tier also runs with HVD_SLIM_TRANSPORT=gloo, and a
-process set's exchange runs on MPI only (gloo/nccl are refused there, tested below).
+The set's optimizers pass transport="mpi": the tier also runs with HVD_SLIM_TRANSPORT=gloo, and
+under mpirun a process set's exchange runs on MPI only (gloo/nccl are refused there, tested
+below; under torchrun it runs on Gloo: tests/torchrun).
 """
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def test_bad_process_set_arguments_are_refused(hvd, sets):
     cases = [(object(), {}, "process_set must be an hvd.ProcessSet"),
              (hvd.ProcessSet([0]), {}, "process_set: .*is not registered"),
              (ps, dict(transport="gloo"), "transport='gloo' cannot run the exchange inside "
-                                          "process_set=.*MPI only"),
+                                          "process_set=.*registered, mpi here"),
              (ps, dict(server_rank=hvd.size()), "server_rank must be a rank of the process set")]
     if hvd.size() > 1:   # a removed set (every rank: neither the even nor the odd one)
         gone = hvd.add_process_set(list(range(hvd.size())))

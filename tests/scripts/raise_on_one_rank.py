@@ -1,7 +1,9 @@
 """Rank 1 fails right after ``hvd.init()`` while the other ranks wait in a collective it will
-never join. With hvd_slim's abort hooks the whole mpirun job must end, non-zero, naming rank 1.
+never join. With hvd_slim's abort hooks the whole job must end, non-zero, naming rank 1, under
+mpirun (tests/distributed/test_tier_mpi.py) and under torchrun (tests/torchrun/test_tier_torchrun.py).
 
-Usage: ``mpirun -np N python tests/scripts/raise_on_one_rank.py [main|thread|gloo]``: ``main``
+Usage: ``mpirun -np N python tests/scripts/raise_on_one_rank.py [main|thread|gloo]`` (or
+``torchrun --nproc-per-node N tests/scripts/raise_on_one_rank.py ...``): ``main``
 raises in the main thread, ``thread`` in a worker thread, ``gloo`` in the main thread after a
 Gloo transport started torch.distributed (whose excepthook then wraps hvd_slim's).
 """

@@ -6,7 +6,8 @@ Usage: ``HVD_SLIM_TIMEOUT=3 mpirun -np N python tests/scripts/skip_collective.py
 with OP one of ``allreduce``, ``broadcast_object``, ``barrier``. Every rank that times out
 prints ``skip_collective: rank R caught: <message>``, then re-raises; with ``catch`` it returns
 normally instead, and the job must still end (at exit, since MPI cannot finalise then).
-Launched by tests/distributed/test_tier_mpi.py.
+Launched by tests/distributed/test_tier_mpi.py, and under torchrun by
+tests/torchrun/test_tier_torchrun.py.
 """
 import sys
 import time

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hvd_slim
-from hvd_slim.runtime import basics, env, horovod
+from hvd_slim.runtime import basics, env, horovod, torch_world
 from hvd_slim.optim import transport_choice as choose_transport, rendezvous
 from hvd_slim.transport import FakeCluster, TransportError
 from hvd_slim.transport import torch_dist
@@ -107,8 +107,21 @@ def test_torchrun_environment_is_checked():
     with pytest.raises(ValueError, match=r"OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE say rank 0 of "
                                          r"2 but RANK/WORLD_SIZE say rank 1 of 2"):
         rendezvous.torchrun_env(dict(full, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2"))
-    with pytest.raises(RuntimeError, match=r"started by torchrun as rank 1 of 2.*skip hvd_slim.init"):
-        env.check_against_mpi(0, 1, full)
+    # torchrun's own workers trust RANK even where an outer launcher's (srun's PMI) leak in.
+    leaked = dict(full, PMI_RANK="0", PMI_SIZE="1", TORCHELASTIC_RUN_ID="job")
+    assert rendezvous.torchrun_env(leaked) == (1, 2)
+
+
+def test_hvd_init_runs_on_torch_distributed_under_torchrun_only():
+    full = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert torch_world.launched_by_env(full)
+    assert torch_world.launched_by_env({"RANK": "1"})   # incomplete: torchrun_env says what lacks
+    assert not torch_world.launched_by_env({})
+    mpirun = dict(full, OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2")
+    assert not torch_world.launched_by_env(mpirun)      # an MPI launcher started it: MPI
+    assert torch_world.launched_by_env(dict(mpirun, TORCHELASTIC_RUN_ID="job"))   # torchrun did
+    with pytest.raises(RuntimeError, match=r"launcher says this is rank 1 of 2 \(OMPI"):
+        env.check_against_mpi(0, 1, mpirun)
 
 
 def test_transport_timeout_variable():

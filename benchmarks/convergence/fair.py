@@ -71,7 +71,9 @@ LOCAL = (("local_steps=8", "slim", None, {"slim": {"local_steps": 8}}),
          # the first ended at 2.658 against 1.9 at one step a round: what fades, what density buys
          ("local_steps=8 no decay", "slim", None, {"slim": {"local_steps": 8,
                                                           "residual_decay": 1.0}}),
-         ("local_steps=8 0.05", "slim", None, {"slim": {"local_steps": 8, "density": 0.05}}))
+         ("local_steps=8 0.05", "slim", None, {"slim": {"local_steps": 8, "density": 0.05}}),
+         ("local_steps=8 0.05 no decay", "slim", None,
+          {"slim": {"local_steps": 8, "density": 0.05, "residual_decay": 1.0}}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again 1.25x as long, on the same 80,000 windows and 20,000 more

@@ -38,16 +38,19 @@ UPDATE_DEFAULTS = {"density": 0.05, "value_bits": 2, "pull_value_bits": 8}
 # then holds about the union of four ranks' pushes, where the gradient exchange's 2x sliced
 # that union in half (the fair horizon's hardest seed: +6.4% -> +2.7% against dense).
 UPDATE_PULL_RATIO = 4.0
-# Local steps (local_steps > 1) over a sparse exchange: SparseLoCo's recipe, for the keywords a
-# user leaves unset. A round's pseudo-gradient is already an optimizer's update (like the update
-# exchange's), and the decayed residual stands in for DiLoCo's outer momentum, which on top of
-# error feedback counts momentum twice (outer/rounds.py has the outer step, plain SGD at lr 1).
-# Every tensor is compressed: at 0.01 the small ones (1% of a transformer's coordinates) were 2/3
-# of a round's bytes sent dense. No warm-up: counted in rounds it spanned a whole short run at
-# 8x the bytes (docs/accuracy.md, "Local steps"). DiLoCo's own dense rounds (density=1.0) keep
-# the plain defaults and its outer Nesterov.
+# Local steps (local_steps > 1) over a sparse exchange, for the keywords a user leaves unset:
+# SparseLoCo's recipe without its decay. A round's pseudo-gradient is already an optimizer's
+# update (like the update exchange's), so more coordinates at fewer bits; the residual stands in
+# for DiLoCo's outer momentum, which on top of error feedback counts momentum twice (outer/
+# rounds.py has the outer step, plain SGD at lr 1). Every tensor is compressed: at 0.01 the small
+# ones (1% of a transformer's coordinates) were 2/3 of a round's bytes sent dense. No warm-up:
+# counted in rounds it spanned a whole short run at up to 8x the bytes. No decay: at 0.01 a
+# coordinate is sent about every 100 rounds, and SparseLoCo's 0.95 fades what waits longer than
+# about 20 (fair horizon, H = 8: 2.658 bits per byte with it, 2.389 without; docs/accuracy.md,
+# "Local steps at their defaults"). DiLoCo's own dense rounds (density=1.0) keep the plain
+# defaults and its outer Nesterov.
 LOCAL_DEFAULTS = {"density": 0.01, "value_bits": 2, "pull_value_bits": 8,
-                  "residual_decay": 0.95, "min_compress_numel": 0, "warmup_decay_steps": 0}
+                  "min_compress_numel": 0, "warmup_decay_steps": 0}
 LOCAL_PULL_RATIO = 4.0
 ENV_PREFIX = "HVD_SLIM_"
 

@@ -7,9 +7,9 @@ every trainable parameter goes through the Slim-DP exchange like a gradient (res
 feedback, core and exploration, push, server, pull), and the **outer optimizer** (default: SGD
 with Nesterov momentum, lr 0.7, momentum 0.9, DiLoCo's) steps the global parameters on the
 pulled average. Every rank then continues from the new global parameters. Over a sparse exchange
-(``density < 1``) the default outer step is plain SGD at lr 1, SparseLoCo's: the worker's decayed
-residual (``residual_decay``, config/settings.py's ``LOCAL_DEFAULTS``) already carries what an
-outer momentum would, and DiLoCo's Nesterov on top of error feedback counts momentum twice.
+(``density < 1``) the default outer step is plain SGD at lr 1, SparseLoCo's: the worker's residual
+(error feedback, config/settings.py's ``LOCAL_DEFAULTS``) already carries what an outer momentum
+would, and DiLoCo's Nesterov on top of it counts momentum twice.
 
 The outer optimizer is built over the model's own parameters: for its step they are set to the
 global ones, their ``.grad`` holds the pulled pseudo-gradient, and what it leaves in them is the

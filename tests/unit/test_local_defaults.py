@@ -124,9 +124,7 @@ def test_resume_at_the_defaults_is_bitwise():
 def test_a_checkpoint_from_dilocos_defaults_is_refused_naming_the_setting():
     tr = FakeCluster(1).transport(0)
     m = model()
-    old = bare(m, tr, local_steps=4, **{k: v for k, v in (("density", 0.02),
-                                                          ("value_bits", 8),
-                                                          ("residual_decay", 1.0))})
+    old = bare(m, tr, local_steps=4, density=0.02, value_bits=8)   # the defaults before
     x, y = batch(0, 0)
     old.zero_grad()
     torch.nn.functional.cross_entropy(m(x), y).backward()

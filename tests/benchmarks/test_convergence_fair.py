@@ -20,6 +20,9 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
             sgd.setdefault(spec["variant"], []).append(spec["seed"])
             continue
         by.setdefault(spec["variant"], []).append(spec["seed"])
+        if spec["variant"] == fair.LONGER:   # every window, its LR warm-up as asked for 1.25x
+            assert spec["train_subset"] == 100000 and spec["lr_warmup_steps"] == 156
+            continue
         assert spec["model"] == "byte-lm-small" and spec["train_subset"] == 80000
         # a cosine over the whole run, its LR warm-up 5% of it
         assert spec["lr_warmup_steps"] == 80000 // (8 * 4) // 20
@@ -27,7 +30,9 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "pull union": [0], "pull 0.4": [0], "pull 0.2 at 16 bits": [0],
                   "residual decay 0.95": [0], "push 4 bits": [0],
                   "gradient exchange": [0], "top-k 0.02": [0], "PowerSGD r4": [0],
-                  "DiLoCo H=32": [0]}
+                  "DiLoCo H=32": [0], fair.LONGER: [0, 1, 2], "local_steps=8": [0],
+                  "local_steps=8 dense": [0], "local_steps=8 no decay": [0],
+                  "local_steps=8 0.05": [0], "local_steps=8 0.05 no decay": [0]}
     assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
                    "bf16 default": [0]}
     # the defaults pass no Slim-DP keyword at all
@@ -75,3 +80,15 @@ def test_the_report_compares_each_optimizer_with_its_own_dense(tmp_path):
     assert "| default | 1 | 2.0200 | +1.00% |" in adamw
     assert "| default | 1 | 2.5500 | +2.00% |" in sgd and "40.0x" in sgd
     assert (tmp_path / "fair.md").read_text() == text
+
+
+def test_the_steps_verdict_comes_from_the_longer_run_when_there_is_one():
+    runs = [_run("dense", 0, [(100, 3.0), (200, 2.0)], 1000.0),
+            _run("default", 0, [(100, 3.0), (200, 2.02)], 20.0),
+            _run(fair.LONGER, 0, [(100, 3.0), (200, 2.04), (240, 1.98)], 24.0)]
+    rows = fair.summarise(runs)
+    assert rows[fair.LONGER]["steps_ratio"] == [pytest.approx(220 / 200)]   # 2.0 at step 220
+    text = fair.table(rows)
+    assert "steps met: steps ≤ 1.25x (" + fair.LONGER + ": 1 of 1 seeds reach it)" in text
+    runs[-1] = _run(fair.LONGER, 0, [(100, 3.0), (200, 2.04), (240, 2.01)], 24.0)
+    assert "steps missed" in fair.table(fair.summarise(runs))

@@ -33,7 +33,7 @@ from ..transport.torch_api import ABORT_KEY, TorchCollectives
 from ..transport.torch_dist import TorchDistTransport, summary
 from . import abort, env
 from .groups import SetGroups, outside
-from .hosts import HOST_KEY_VAR, host_colors
+from .hosts import HOST_KEY_VAR, Placement, host_colors
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # An MPI launcher's rank variables: their presence means mpirun (or srun's PMI) started this
@@ -155,14 +155,9 @@ def check_default_group(who: str, rank: int, size: int, launcher: str, ranks: st
 
 
 @dataclass
-class TorchWorld:
-    """The running job on torch.distributed, as runtime/basics.py holds it."""
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
+class TorchWorld(Placement):
+    """The running job on torch.distributed, as runtime/basics.py holds it: this rank's
+    placement (first, in its field order), then what runs it."""
     api: TorchCollectives
     store: Any                      # the job's keys (roll calls, the abort note), or None
     owns_default: bool              # hvd_slim initialised the default group: it destroys it

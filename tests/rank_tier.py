@@ -1,6 +1,6 @@
 """What the tiers that run one pytest process per rank (tests/distributed under mpirun,
-tests/torchrun under torchrun) share in their conftests; they differ only in how they learn
-their rank, how they end the job and how their summary line starts.
+tests/torchrun under torchrun) share, in their conftests and their launchers; they differ only
+in how they learn their rank, how they end the job and how their summary line starts.
 
 * :class:`OutsideTheJob`: outside the tier's job the tier's test modules are not even imported
   (each is reported skipped, so a plain ``pytest tests/`` never runs them in one process), and
@@ -14,14 +14,17 @@ their rank, how they end the job and how their summary line starts.
 
 A tier's conftest binds :class:`OutsideTheJob`'s methods to pytest's hook names (so that
 pytest calls them for its own folder only) and registers a :class:`RankHooks` as a plugin in
-``pytest_configure``. :func:`api_namespace` makes its ``hvd`` fixture.
+``pytest_configure``. :func:`api_namespace` makes its ``hvd`` fixture, and the tier's
+launcher checks the ranks' summary lines with :func:`tier_problem` and a job of
+tests/scripts/skip_collective.py with :func:`check_skipped_collective`.
 """
 from __future__ import annotations
 
+import re
 import sys
 import types
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import pytest
 
@@ -138,3 +141,44 @@ def api_namespace(*modules: Any) -> types.SimpleNamespace:
                 setattr(ns, key, getattr(module, key))
     return ns
 
+
+def tier_problem(prefix: str, np_: int, rc: int, out: str, launcher: str) -> Optional[str]:
+    """What went wrong in a tier's run on ``np_`` ranks (``launcher`` exited with ``rc``,
+    printing ``out``), from the summary lines that start with ``prefix``; None when it exited 0
+    and every rank reported the same nonzero number of passed tests and no failure."""
+    summaries: Dict[int, Tuple[int, int, int]] = {
+        int(m.group(1)): (int(m.group(2)), int(m.group(3)), int(m.group(4)))
+        for m in re.finditer(rf"{re.escape(prefix)}: rank (\d+) of {np_} passed=(\d+) "
+                             rf"failed=(\d+) skipped=\d+ exitstatus=(\d+)", out)}
+    if rc != 0:
+        return f"{launcher} exited with {rc}"
+    if sorted(summaries) != list(range(np_)):
+        return f"ranks {sorted(set(range(np_)) - set(summaries))} did not report a summary"
+    if any(failed or status for _, failed, status in summaries.values()):
+        return f"a rank reported failures: {summaries}"
+    if len({passed for passed, _, _ in summaries.values()}) != 1 or summaries[0][0] == 0:
+        return f"the ranks passed different (or zero) numbers of tests: {summaries}"
+    return None
+
+
+def check_skipped_collective(out: str, np_: int, label: str, timeout: int, catch: bool,
+                             waits_in: str, context: str) -> None:
+    """Assert that in the output ``out`` of tests/scripts/skip_collective.py on ``np_`` ranks,
+    whose last rank skipped the call ``label``, every other rank caught a TransportTimeout
+    after ``timeout`` s that names the call, where it waited (the regex ``waits_in``, e.g.
+    ``MPI I\\w+ \\(collective #\\d+ on this communicator\\)``), the missing rank and how to
+    wait longer; and that the job ended: at exit after a caught timeout (``catch``), else from
+    the uncaught one. ``context`` ends each failure's message."""
+    skipper = np_ - 1
+    for r in range(skipper):
+        line = re.search(rf"skip_collective: rank {r} caught: (.*)", out)
+        assert line, f"rank {r} did not time out: {context}"
+        m = re.match(rf"rank {r}: {re.escape(label)} timed out after {timeout} s in {waits_in}: "
+                     r"rank\(s\) ([\d, ]+) did not arrive\. A rank died or hangs", line.group(1))
+        assert m and m.group(1) == str(skipper), f"rank {r}: {line.group(1)!r}; {context}"
+        assert line.group(1).endswith(f"raise HVD_SLIM_TIMEOUT (seconds; 0 waits forever) "
+                                      f"(now {timeout} s)"), line.group(1)
+    ending = (r"reached exit after a collective timed out" if catch
+              else rf"hvd_slim: rank \d of {np_} failed with TransportTimeout")
+    assert re.search(ending, out), context
+    assert "unreachable" not in out, context

@@ -70,12 +70,8 @@ def torch_transport(backend: str, device: torch.device) -> Any:
             f"hvd.init()) under mpirun/horovodrun, launch with torchrun ({', '.join(TORCHRUN_VARS)}), "
             f"or call torch.distributed.init_process_group() first")
     if dist.is_initialized():
-        theirs = (dist.get_rank(), dist.get_world_size())
-        if theirs != (rank, size):
-            raise RuntimeError(
-                f"transport={backend!r}: torch.distributed is already initialised as rank {theirs[0]} "
-                f"of {theirs[1]} but hvd_slim's launcher ({how}) says rank {rank} of {size}; "
-                f"initialise torch.distributed over the same ranks, or leave it to hvd_slim")
+        torch_world.check_default_group(f"transport={backend!r}", rank, size,
+                                        f"hvd_slim's launcher ({how})", "the same ranks")
         group = dist.new_group(backend=backend, timeout=tmo)
         on_close = lambda: dist.destroy_process_group(group)  # noqa: E731
     else:

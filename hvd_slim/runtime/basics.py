@@ -23,23 +23,18 @@ from typing import Any, List, Optional
 
 from . import abort, env, groups, horovod, hosts, torch_world
 from .groups import SetGroups
+from .hosts import Placement
 
 NOT_INITIALIZED = "hvd_slim has not been initialized; use hvd.init()."
 
 
 @dataclass
-class _State:
+class _State(Placement):   # built with keywords only: Placement's fields come first
     comm: Any            # the job communicator (a private Dup); the tensor API runs on it
     api: Any             # the tensor API's collectives (MpiCollectives, TorchCollectives)
     exchange_comm: Any   # a second Dup reserved for the optimizer's exchange
     local_comm: Any      # (the communicators are None under torchrun)
     cross_comm: Any
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
     transport: Any = None
     hosts: Any = None   # hosts.host_transports(), made on first use (hierarchical=True)
     world: Any = None   # the TorchWorld under torchrun (backend "torch"), else None

@@ -10,11 +10,26 @@ none; every rank checks the same gathered keys, so all raise the same error toge
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import ConfigError
 
 HOST_KEY_VAR = "HVD_SLIM_HOST_KEY"
+
+
+@dataclass
+class Placement:
+    """This process's place in the job: what ``rank()``, ``size()``, ``local_rank()``,
+    ``local_size()``, ``cross_rank()`` and ``cross_size()`` answer. The runtime's state holds
+    it on either launcher (runtime/basics.py), as does the job on torch.distributed
+    (runtime/torch_world.py) that it copies it from under torchrun."""
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
 
 
 def host_colors(keys: List[Optional[str]]) -> Optional[List[int]]:

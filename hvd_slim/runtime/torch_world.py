@@ -33,7 +33,7 @@ from ..transport.torch_api import ABORT_KEY, TorchCollectives
 from ..transport.torch_dist import TorchDistTransport, summary
 from . import abort, env
 from .groups import SetGroups, outside
-from .hosts import HOST_KEY_VAR, host_colors
+from .hosts import HOST_KEY_VAR, Placement, host_colors
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # An MPI launcher's rank variables: their presence means mpirun (or srun's PMI) started this
@@ -142,15 +142,22 @@ def register(store: Any, rank: int, size: int, tmo: datetime.timedelta) -> None:
         time.sleep(0.02)
 
 
+def check_default_group(who: str, rank: int, size: int, launcher: str, ranks: str) -> None:
+    """Raise RuntimeError, for ``who`` (the call that joins the job), when the default group the
+    script initialised puts this process elsewhere than rank ``rank`` of ``size``, as
+    ``launcher`` says; the message advises initialising it over ``ranks``."""
+    theirs = (dist.get_rank(), dist.get_world_size())
+    if theirs != (rank, size):
+        raise RuntimeError(
+            f"{who}: torch.distributed is already initialised as rank {theirs[0]} of {theirs[1]} "
+            f"but {launcher} says rank {rank} of {size}; initialise torch.distributed over "
+            f"{ranks}, or leave it to hvd_slim")
+
+
 @dataclass
-class TorchWorld:
-    """The running job on torch.distributed, as runtime/basics.py holds it."""
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
+class TorchWorld(Placement):
+    """The running job on torch.distributed, as runtime/basics.py holds it: this rank's
+    placement (first, in its field order), then what runs it."""
     api: TorchCollectives
     store: Any                      # the job's keys (roll calls, the abort note), or None
     owns_default: bool              # hvd_slim initialised the default group: it destroys it
@@ -243,12 +250,8 @@ def start() -> TorchWorld:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"hvd_slim/runtime/{restart}/{_generation}/"
     if dist.is_initialized():
-        theirs = (dist.get_rank(), dist.get_world_size())
-        if theirs != (rank, size):
-            raise RuntimeError(
-                f"hvd_slim.init(): torch.distributed is already initialised as rank {theirs[0]} "
-                f"of {theirs[1]} but the launcher (RANK/WORLD_SIZE) says rank {rank} of {size}; "
-                f"initialise torch.distributed over the launcher's ranks, or leave it to hvd_slim")
+        check_default_group("hvd_slim.init()", rank, size, "the launcher (RANK/WORLD_SIZE)",
+                            "the launcher's ranks")
         base, owns = _default_store(), False
     else:
         base = env_store(tmo)

@@ -70,6 +70,26 @@ class ApiCollectives(Deadlines):
                          out: Optional[np.ndarray] = None) -> np.ndarray:   # pragma: no cover
         raise NotImplementedError
 
+    def alltoallv_bytes(self, send: np.ndarray, send_counts: np.ndarray, recv: np.ndarray,
+                        recv_counts: np.ndarray) -> None:
+        """Send block ``j`` of ``send`` (``send_counts[j]`` bytes, blocks in rank order) to rank
+        ``j`` and receive rank ``i``'s block for this rank (``recv_counts[i]`` bytes) into
+        ``recv``, in rank order. Both arrays are contiguous uint8 views."""
+        send_counts = np.asarray(send_counts, dtype=np.int64)
+        recv_counts = np.asarray(recv_counts, dtype=np.int64)
+        src = flat(send, "alltoallv_bytes").view(np.uint8)
+        out = flat(recv, "alltoallv_bytes").view(np.uint8)
+        if src.size != int(send_counts.sum()) or out.size != int(recv_counts.sum()):
+            raise ValueError(f"alltoallv_bytes: buffers of {src.size} and {out.size} bytes, but the "
+                             f"counts say {int(send_counts.sum())} and {int(recv_counts.sum())}")
+        self._alltoallv(src, send_counts, out, recv_counts)
+
+    def _alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv: np.ndarray,
+                   recv_counts: np.ndarray) -> None:   # pragma: no cover - abstract
+        """:meth:`alltoallv_bytes` on the library, given the flat uint8 buffers and int64 counts
+        it has checked against each other."""
+        raise NotImplementedError
+
     def allgather_bytes(self, payload: np.ndarray, max_bytes: Optional[int] = None) -> List[np.ndarray]:
         """Every rank's variable-size uint8 payload, in rank order, as views of one buffer.
         With ``max_bytes``, a length outside ``[0, max_bytes]`` from any rank (ranks that called

@@ -168,22 +168,13 @@ class MpiCollectives(ApiCollectives):
                   lambda: self.comm.Ireduce_scatter(flat, out, spec, op=_OPS[op]), flat, out, spec)
 
     @mpi_errors("Alltoallv")
-    def alltoallv_bytes(self, send: np.ndarray, send_counts: np.ndarray, recv: np.ndarray,
-                        recv_counts: np.ndarray) -> None:
-        """Send block ``j`` of ``send`` (``send_counts[j]`` bytes, blocks in rank order) to rank
-        ``j`` and receive rank ``i``'s block for this rank (``recv_counts[i]`` bytes) into
-        ``recv``, in rank order. Both arrays are contiguous uint8 views."""
-        send_counts = np.asarray(send_counts, dtype=np.int64)
-        recv_counts = np.asarray(recv_counts, dtype=np.int64)
-        flat = _flat(send, "alltoallv_bytes").view(np.uint8)
-        out = _flat(recv, "alltoallv_bytes").view(np.uint8)
-        if flat.size != int(send_counts.sum()) or out.size != int(recv_counts.sum()):
-            raise ValueError(f"alltoallv_bytes: buffers of {flat.size} and {out.size} bytes, but the "
-                             f"counts say {int(send_counts.sum())} and {int(recv_counts.sum())}")
+    def _alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv: np.ndarray,
+                   recv_counts: np.ndarray) -> None:
+        """:meth:`alltoallv_bytes` (checked by the base class) in ``Ialltoallv``."""
         _int_counts("alltoallv_bytes", send_counts)
         _int_counts("alltoallv_bytes", recv_counts)
-        s_spec = [flat, (send_counts.astype(np.int32), _offsets(send_counts).astype(np.int32)), MPI.BYTE]
-        r_spec = [out, (recv_counts.astype(np.int32), _offsets(recv_counts).astype(np.int32)), MPI.BYTE]
+        s_spec = [send, (send_counts.astype(np.int32), _offsets(send_counts).astype(np.int32)), MPI.BYTE]
+        r_spec = [recv, (recv_counts.astype(np.int32), _offsets(recv_counts).astype(np.int32)), MPI.BYTE]
         self._run("Ialltoallv", lambda: self.comm.Ialltoallv(s_spec, r_spec), s_spec, r_spec)
 
     @mpi_errors("Sendrecv")

@@ -197,19 +197,10 @@ class TorchCollectives(ApiCollectives):
                              np.full(self.size, out.size * item, dtype=np.int64))
         _REDUCE[op](blocks, axis=0, dtype=src.dtype, out=out)
 
-    def alltoallv_bytes(self, send: np.ndarray, send_counts: np.ndarray, recv: np.ndarray,
-                        recv_counts: np.ndarray) -> None:
-        """Send block ``j`` of ``send`` (``send_counts[j]`` bytes, blocks in rank order) to rank
-        ``j`` and receive rank ``i``'s block for this rank (``recv_counts[i]`` bytes) into
-        ``recv``, in rank order. Both arrays are contiguous uint8 views."""
-        send_counts = np.asarray(send_counts, dtype=np.int64)
-        recv_counts = np.asarray(recv_counts, dtype=np.int64)
-        src = flat(send, "alltoallv_bytes").view(np.uint8)
-        out = flat(recv, "alltoallv_bytes").view(np.uint8)
-        if src.size != int(send_counts.sum()) or out.size != int(recv_counts.sum()):
-            raise ValueError(f"alltoallv_bytes: buffers of {src.size} and {out.size} bytes, but the "
-                             f"counts say {int(send_counts.sum())} and {int(recv_counts.sum())}")
-        t_in, t_out = _tensor(src), _tensor(out)
+    def _alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv: np.ndarray,
+                   recv_counts: np.ndarray) -> None:
+        """:meth:`alltoallv_bytes` (checked by the base class) in one ``all_to_all_single``."""
+        t_in, t_out = _tensor(send), _tensor(recv)
         self._run("all_to_all_single", lambda: dist.all_to_all_single(
             t_out, t_in, output_split_sizes=recv_counts.tolist(),
             input_split_sizes=send_counts.tolist(), group=self.group, async_op=True), t_in, t_out)

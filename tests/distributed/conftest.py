@@ -14,13 +14,13 @@ MPI (or by hand:
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 
 from hvd_slim.runtime import env_rank_size
+from tests.rank_tier import OutsideTheJob, RankHooks, api_namespace
 
 _ENV = env_rank_size()
 UNDER_MPI = _ENV is not None
@@ -28,70 +28,29 @@ _HERE = Path(__file__).resolve().parent
 LAUNCHER = "test_tier_mpi.py"   # the tier's launcher: collected outside MPI only
 _REASON = ("tests/distributed needs one process per MPI rank: run tests/distributed/test_tier_mpi.py, or "
            "`mpirun -np 2 python -m pytest tests/distributed -p no:cacheprovider`")
-_counts: Dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0}
 
 
-class _SkippedModule(pytest.Module):
-    """Stands in for a test module outside MPI: reports it skipped without importing it."""
-
-    def collect(self) -> Any:
-        pytest.skip(_REASON)
-
-
-def pytest_pycollect_makemodule(module_path: Path, parent: Any) -> Any:
-    if not UNDER_MPI and _HERE in Path(module_path).resolve().parents \
-            and Path(module_path).name != LAUNCHER:
-        return _SkippedModule.from_parent(parent, path=Path(module_path))
-    return None
+# Bound as this conftest's own hooks, not registered as a plugin: pytest then calls them only
+# for the paths below this folder.
+_outside = OutsideTheJob(UNDER_MPI, _HERE, LAUNCHER, _REASON)
+pytest_pycollect_makemodule = _outside.pycollect_makemodule
+pytest_ignore_collect = _outside.ignore_collect
 
 
-def pytest_ignore_collect(collection_path: Path, config: Any) -> Any:
-    # Under MPI the launcher would start the tier again from inside it.
-    return True if UNDER_MPI and collection_path.name == LAUNCHER else None
-
-
-def _rank_tag() -> str:
-    return f"rank {_ENV[0]}" if _ENV else "rank ?"
-
-
-def _abort(nodeid: str, text: str) -> None:
-    """Report a failure on this rank and end every rank of the job."""
-    sys.stderr.write(f"\n{_rank_tag()}: FAILED {nodeid}\n{text}\n{_rank_tag()}: aborting the MPI job\n")
+def _abort(report: str) -> None:
+    """Print a failed test's ``report`` and abort every rank of the MPI job."""
+    sys.stderr.write(f"{report}\n")
     sys.stdout.flush()
     sys.stderr.flush()
     from hvd_slim.transport import mpi_comm
     mpi_comm.abort_world(1)
 
 
-def pytest_sessionstart(session: Any) -> None:
-    if UNDER_MPI:
-        import hvd_slim
-        hvd_slim.init()
-
-
-def pytest_collectreport(report: Any) -> None:
-    if UNDER_MPI and report.failed:
-        _abort(report.nodeid or "<collection>", str(report.longrepr))
-
-
-def pytest_runtest_logreport(report: Any) -> None:
-    if not UNDER_MPI:
-        return
-    if report.failed:
-        _counts["failed"] += 1
-        _abort(report.nodeid, report.longreprtext)
-    elif report.when == "call" and report.passed:
-        _counts["passed"] += 1
-    elif report.skipped:
-        _counts["skipped"] += 1
-
-
-def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    if UNDER_MPI:
-        rank, size, _ = _ENV
-        sys.stdout.write(f"\nhvd_slim-tier: rank {rank} of {size} passed={_counts['passed']} "
-                         f"failed={_counts['failed']} skipped={_counts['skipped']} exitstatus={int(exitstatus)}\n")
-        sys.stdout.flush()
+def pytest_configure(config: pytest.Config) -> None:
+    """Register this rank's hooks (see tests/rank_tier.py)."""
+    config.pluginmanager.register(RankHooks(
+        UNDER_MPI, rank=_ENV[0] if _ENV else None, size=_ENV[1] if _ENV else None,
+        end_job=_abort, ending="aborting the MPI job", prefix="hvd_slim-tier"))
 
 
 @pytest.fixture(scope="session")
@@ -101,12 +60,7 @@ def hvd() -> Any:
     import hvd_slim
     from hvd_slim.api import collectives, functions
     from hvd_slim import runtime
-    ns = types.SimpleNamespace()
-    for module in (runtime, collectives, functions, hvd_slim):
-        for key in dir(module):
-            if not key.startswith("_"):
-                setattr(ns, key, getattr(module, key))
-    return ns
+    return api_namespace(runtime, collectives, functions, hvd_slim)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ Environment:
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.mpi_launch import ROOT, run_mpi, tail
+from tests.rank_tier import check_skipped_collective, tier_problem
 
 try:
     NPS = [int(x) for x in os.environ.get("HVD_SLIM_TEST_NP", "2,3").split(",") if x.strip()]
@@ -47,18 +47,7 @@ def test_distributed_tier(np_: int, transport: str) -> None:
     rc, out, _ = run_mpi(np_, [sys.executable, "-m", "pytest", "tests/distributed", "-q",
                                "-p", "no:cacheprovider", "--color=no"], TIMEOUT,
                          extra_env={"HVD_SLIM_TRANSPORT": transport})
-    summaries = {int(m.group(1)): (int(m.group(2)), int(m.group(3)), int(m.group(4)))
-                 for m in re.finditer(rf"hvd_slim-tier: rank (\d+) of {np_} passed=(\d+) failed=(\d+) "
-                                      rf"skipped=\d+ exitstatus=(\d+)", out)}
-    problem = None
-    if rc != 0:
-        problem = f"mpirun exited with {rc}"
-    elif sorted(summaries) != list(range(np_)):
-        problem = f"ranks {sorted(set(range(np_)) - set(summaries))} did not report a summary"
-    elif any(failed or status for _, failed, status in summaries.values()):
-        problem = f"a rank reported failures: {summaries}"
-    elif len({passed for passed, _, _ in summaries.values()}) != 1 or summaries[0][0] == 0:
-        problem = f"the ranks passed different (or zero) numbers of tests: {summaries}"
+    problem = tier_problem("hvd_slim-tier", np_, rc, out, "mpirun")
     assert problem is None, (f"distributed tier at -np {np_} over {transport}: {problem}; output "
                              f"tail:\n{tail(out)}")
 
@@ -107,22 +96,11 @@ def test_a_skipped_api_collective_times_the_others_out(np_: int, op: str, catch:
     """The last rank skips a tensor-API call and stays alive: after HVD_SLIM_TIMEOUT every other
     rank raises a TransportTimeout naming the call and the missing rank, and the job ends, also
     when the ranks catch the error and exit normally."""
-    timeout, skipper = 3, np_ - 1
+    timeout = 3
     script = ROOT / "tests" / "scripts" / "skip_collective.py"
     rc, out, elapsed = run_mpi(np_, [sys.executable, str(script), op] + ["catch"] * catch,
                                ABORT_TIMEOUT, extra_env={"HVD_SLIM_TIMEOUT": str(timeout)})
     context = f"-np {np_} ({op}), exit {rc} after {elapsed:.1f}s; output tail:\n{tail(out)}"
     assert rc != 0 and elapsed < ABORT_TIMEOUT / 2, context
-    for r in range(skipper):
-        line = re.search(rf"skip_collective: rank {r} caught: (.*)", out)
-        assert line, f"rank {r} did not time out: {context}"
-        m = re.match(rf"rank {r}: {re.escape(_LABELS[op])} timed out after {timeout} s in MPI "
-                     r"I\w+ \(collective #\d+ on this communicator\): rank\(s\) ([\d, ]+) did "
-                     r"not arrive\. A rank died or hangs", line.group(1))
-        assert m and m.group(1) == str(skipper), f"rank {r}: {line.group(1)!r}; {context}"
-        assert line.group(1).endswith(f"raise HVD_SLIM_TIMEOUT (seconds; 0 waits forever) "
-                                      f"(now {timeout} s)"), line.group(1)
-    ending = (r"reached exit after a collective timed out" if catch
-              else rf"hvd_slim: rank \d of {np_} failed with TransportTimeout")
-    assert re.search(ending, out), context
-    assert "unreachable" not in out, context
+    check_skipped_collective(out, np_, _LABELS[op], timeout, catch,
+                             r"MPI I\w+ \(collective #\d+ on this communicator\)", context)

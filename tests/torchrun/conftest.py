@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import pytest
+
+from tests.rank_tier import OutsideTheJob, RankHooks, api_namespace
 
 TIER_ENV = "HVD_SLIM_TORCHRUN_TIER"
 UNDER_TORCHRUN = os.environ.get(TIER_ENV) == "1" and "TORCHELASTIC_RUN_ID" in os.environ
@@ -32,73 +33,32 @@ _HERE = Path(__file__).resolve().parent
 LAUNCHER = "test_tier_torchrun.py"
 _REASON = ("tests/torchrun needs one process per rank under torchrun: run "
            "tests/torchrun/test_tier_torchrun.py (see its conftest for the command)")
-_counts: Dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0}
 
 if UNDER_TORCHRUN:
     # No MPI in this tier: an import of mpi4py anywhere raises ImportError.
     sys.modules["mpi4py"] = None  # type: ignore[assignment]
 
 
-class _SkippedModule(pytest.Module):
-    """Stands in for a rank-side module outside torchrun: reported skipped, never imported."""
-
-    def collect(self) -> Any:
-        pytest.skip(_REASON)
-
-
-def pytest_pycollect_makemodule(module_path: Path, parent: Any) -> Any:
-    if not UNDER_TORCHRUN and Path(module_path).resolve().parent == _HERE \
-            and Path(module_path).name != LAUNCHER:
-        return _SkippedModule.from_parent(parent, path=Path(module_path))
-    return None
+# Bound as this conftest's own hooks, not registered as a plugin: pytest then calls them only
+# for the paths below this folder.
+_outside = OutsideTheJob(UNDER_TORCHRUN, _HERE, LAUNCHER, _REASON)
+pytest_pycollect_makemodule = _outside.pycollect_makemodule
+pytest_ignore_collect = _outside.ignore_collect
 
 
-def pytest_ignore_collect(collection_path: Path, config: Any) -> Any:
-    # Under torchrun the launcher would start the tier again from inside it.
-    return True if UNDER_TORCHRUN and collection_path.name == LAUNCHER else None
-
-
-def _tag() -> str:
-    return f"rank {os.environ.get('RANK', '?')}"
-
-
-def _end(nodeid: str, text: str) -> None:
-    """Report a failure on this rank and end every rank of the job."""
+def _end(report: str) -> None:
+    """Print a failed test's ``report`` and end every rank of the job (hvd_slim's own way: exit
+    status 1, and torchrun stops the others)."""
     from hvd_slim.runtime import abort
     sys.stdout.flush()
-    abort.end_job(f"\n{_tag()}: FAILED {nodeid}\n{text}\n{_tag()}: ending the torchrun job")
+    abort.end_job(report)
 
 
-def pytest_sessionstart(session: Any) -> None:
-    if UNDER_TORCHRUN:
-        import hvd_slim
-        hvd_slim.init()
-
-
-def pytest_collectreport(report: Any) -> None:
-    if UNDER_TORCHRUN and report.failed:
-        _end(report.nodeid or "<collection>", str(report.longrepr))
-
-
-def pytest_runtest_logreport(report: Any) -> None:
-    if not UNDER_TORCHRUN:
-        return
-    if report.failed:
-        _counts["failed"] += 1
-        _end(report.nodeid, report.longreprtext)
-    elif report.when == "call" and report.passed:
-        _counts["passed"] += 1
-    elif report.skipped:
-        _counts["skipped"] += 1
-
-
-def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    if UNDER_TORCHRUN:
-        sys.stdout.write(f"\nhvd_slim-torchrun-tier: rank {os.environ['RANK']} of "
-                         f"{os.environ['WORLD_SIZE']} passed={_counts['passed']} "
-                         f"failed={_counts['failed']} skipped={_counts['skipped']} "
-                         f"exitstatus={int(exitstatus)}\n")
-        sys.stdout.flush()
+def pytest_configure(config: pytest.Config) -> None:
+    """Register this rank's hooks (see tests/rank_tier.py)."""
+    config.pluginmanager.register(RankHooks(
+        UNDER_TORCHRUN, rank=os.environ.get("RANK"), size=os.environ.get("WORLD_SIZE"),
+        end_job=_end, ending="ending the torchrun job", prefix="hvd_slim-torchrun-tier"))
 
 
 @pytest.fixture(scope="session")
@@ -107,12 +67,7 @@ def hvd() -> Any:
     runtime's extra queries (``backend``, ``job_comm``, ``world_transport``)."""
     import hvd_slim
     from hvd_slim import runtime
-    ns = types.SimpleNamespace()
-    for module in (runtime, hvd_slim):
-        for key in dir(module):
-            if not key.startswith("_"):
-                setattr(ns, key, getattr(module, key))
-    return ns
+    return api_namespace(runtime, hvd_slim)
 
 
 @pytest.fixture

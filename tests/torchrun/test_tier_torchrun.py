@@ -19,6 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.mpi_launch import ROOT, run_session, session_env, tail
+from tests.rank_tier import check_skipped_collective, tier_problem
 
 NPS = [int(x) for x in os.environ.get("HVD_SLIM_TEST_NP", "2,3").split(",") if x.strip()]
 TIMEOUT = float(os.environ.get("HVD_SLIM_TEST_TIMEOUT", "600"))
@@ -44,18 +45,7 @@ def test_torchrun_tier(np_: int) -> None:
     rc, out, _ = run_torchrun(np_, ["-m", "pytest", "tests/torchrun", "-q", "-p",
                                     "no:cacheprovider", "--color=no"], TIMEOUT,
                               {"HVD_SLIM_TORCHRUN_TIER": "1"})
-    summaries = {int(m.group(1)): (int(m.group(2)), int(m.group(3)), int(m.group(4)))
-                 for m in re.finditer(rf"hvd_slim-torchrun-tier: rank (\d+) of {np_} passed=(\d+) "
-                                      rf"failed=(\d+) skipped=\d+ exitstatus=(\d+)", out)}
-    problem = None
-    if rc != 0:
-        problem = f"torchrun exited with {rc}"
-    elif sorted(summaries) != list(range(np_)):
-        problem = f"ranks {sorted(set(range(np_)) - set(summaries))} did not report a summary"
-    elif any(failed or status for _, failed, status in summaries.values()):
-        problem = f"a rank reported failures: {summaries}"
-    elif len({passed for passed, _, _ in summaries.values()}) != 1 or summaries[0][0] == 0:
-        problem = f"the ranks passed different (or zero) numbers of tests: {summaries}"
+    problem = tier_problem("hvd_slim-torchrun-tier", np_, rc, out, "torchrun")
     assert problem is None, f"torchrun tier at {np_} processes: {problem}; output tail:\n{tail(out)}"
 
 
@@ -89,22 +79,12 @@ def test_a_skipped_api_collective_times_the_others_out(np_: int, op: str, catch:
     """The last rank skips a tensor-API call and stays alive: after HVD_SLIM_TIMEOUT every other
     rank raises a TransportTimeout naming the call and the missing rank, and the job ends,
     also when the ranks catch the error and exit normally."""
-    timeout, skipper = 3, np_ - 1
+    timeout = 3
     script = str(ROOT / "tests" / "scripts" / "skip_collective.py")
     rc, out, elapsed = run_torchrun(np_, [script, op] + ["catch"] * catch, ABORT_TIMEOUT,
                                     {"HVD_SLIM_TIMEOUT": str(timeout)})
     context = f"{np_} processes ({op}), exit {rc} after {elapsed:.1f}s; output tail:\n{tail(out)}"
     assert rc != 0 and elapsed < ABORT_TIMEOUT / 2, context
-    for r in range(skipper):
-        line = re.search(rf"skip_collective: rank {r} caught: (.*)", out)
-        assert line, f"rank {r} did not time out: {context}"
-        m = re.match(rf"rank {r}: {re.escape(_LABELS[op])} timed out after {timeout} s in Gloo "
-                     r"\w+ \(collective #\d+ on this group\): rank\(s\) ([\d, ]+) did not "
-                     r"arrive\. A rank died or hangs", line.group(1))
-        assert m and m.group(1) == str(skipper), f"rank {r}: {line.group(1)!r}; {context}"
-        assert line.group(1).endswith(f"raise HVD_SLIM_TIMEOUT (seconds; 0 waits forever) "
-                                      f"(now {timeout} s)"), line.group(1)
-    ending = (r"reached exit after a collective timed out" if catch
-              else rf"hvd_slim: rank \d of {np_} failed with TransportTimeout")
-    assert re.search(ending, out) and "ending rank" in out, context
-    assert "unreachable" not in out, context
+    check_skipped_collective(out, np_, _LABELS[op], timeout, catch,
+                             r"Gloo \w+ \(collective #\d+ on this group\)", context)
+    assert "ending rank" in out, context

@@ -62,5 +62,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_session(switched_argv(c, args.np, args.flags), args.timeout,
                            dict(env, **c.env()), capture=False)[0]
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -187,10 +187,10 @@ def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
                 + ("" if len(reached) == len(steps) else f" ({len(steps) - len(reached)} "
                    "never)")) if variant != "dense" else "1.00x"
         verdict = ""
-        if variant == "default" and LONGER in rows:   # the steps target is measured there
-            steps = rows[LONGER]["steps_ratio"]
-            reached = [s for s in steps if s is not None]
         if variant == "default":
+            if LONGER in rows:   # the steps target is measured there
+                steps = rows[LONGER]["steps_ratio"]
+                reached = [s for s in steps if s is not None]
             checks = [("gap", 100 * gap <= 100 * TARGETS["gap"] + 1e-9, f"{100 * gap:+.1f}% "
                        f"(≤ {100 * TARGETS['gap']:.0f}%)"),
                       ("bytes", r["push_ratio"] >= TARGETS["bytes"],

@@ -93,7 +93,7 @@ LOCAL_GRID = tuple(
 _SPARSE_ROUNDS = {"local_steps": 8, "value_bits": 2, "pull_value_bits": 8,
                   "residual_decay": 0.95, "outer_sgd": {"lr": 1.0}, "min_compress_numel": 0,
                   "warmup_decay_steps": 0}
-LOCAL_DEFAULTS = (
+LOCAL_SCREEN = (
     ("local_steps=8 dense", 1.0, {"local_steps": 8, "value_bits": 32}),
     ("local_steps=8 sparseloco top-k 0.01", 0.01, dict(_SPARSE_ROUNDS, pull_density=0.04)),
     ("local_steps=8 sparseloco random 0.05", 0.05,
@@ -115,7 +115,7 @@ LOCAL_DEFAULTS = (
 
 ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
     {label for label, slim in OVERLAP_ABLATION if slim} | \
-    {label for label, _, slim in LOCAL_ABLATION + LOCAL_GRID + LOCAL_DEFAULTS if slim}
+    {label for label, _, slim in LOCAL_ABLATION + LOCAL_GRID + LOCAL_SCREEN if slim}
 
 
 def _config(case: str, variant: Tuple[str, str, Optional[float], Dict[str, Any]],
@@ -157,7 +157,7 @@ def configs(group: str) -> List[Config]:
              for label, density, slim in LOCAL_GRID]
     if group == "local-defaults":
         return [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
-                for label, density, slim in LOCAL_DEFAULTS]
+                for label, density, slim in LOCAL_SCREEN]
     if group == "untuned-ablation":
         case = "adamw-warmup"
         return [(f"{case} {label}", "slim", density, slim,

@@ -388,12 +388,9 @@ class SlimConfig:
 
     def local_defaults(self) -> Dict[str, Any]:
         """The local-steps defaults (``LOCAL_DEFAULTS``, a pull ``LOCAL_PULL_RATIO`` times the
-        push) when ``local_steps > 1`` and the density is not set to 1.0 (DiLoCo's dense rounds);
-        else nothing."""
-        given = getattr(self, "_given", ())
-        if self.local_steps <= 1 or ("density" in given and self.density >= 1.0):
-            return {}
-        return self._mode_fields(LOCAL_DEFAULTS, LOCAL_PULL_RATIO)
+        push) for :attr:`sparse_rounds` (a density below 1.0 can only be set, or be the default;
+        1.0 is DiLoCo's dense rounds); else nothing."""
+        return self._mode_fields(LOCAL_DEFAULTS, LOCAL_PULL_RATIO) if self.sparse_rounds else {}
 
     def mode_sources(self) -> Dict[str, str]:
         """The settings taken from a mode's defaults, each with the mode's name: the update

@@ -4,10 +4,11 @@ Every rank keeps the **global parameters** (the same on every rank, bitwise) bes
 which are its **local** ones. A round is H steps of the wrapped optimizer on this rank's own
 gradients, with no communication. At its end the **pseudo-gradient** ``global - local`` of
 every trainable parameter goes through the Slim-DP exchange like a gradient (residual and error
-feedback, core and exploration, push, server, pull), and the **outer optimizer** (default: SGD
-with Nesterov momentum, lr 0.7, momentum 0.9, DiLoCo's) steps the global parameters on the
-pulled average. Every rank then continues from the new global parameters. Over a sparse exchange
-(``density < 1``) the default outer step is plain SGD at lr 1, SparseLoCo's: the worker's residual
+feedback, core and exploration, push, server, pull), and the **outer optimizer** steps the
+global parameters on the pulled average. Every rank then continues from the new global
+parameters. The default outer optimizer for dense rounds (``density=1.0``) is DiLoCo's: SGD
+with Nesterov momentum, lr 0.7, momentum 0.9. Over a sparse exchange (``density < 1``) it is
+plain SGD at lr 1, SparseLoCo's: the worker's residual
 (error feedback, config/settings.py's ``LOCAL_DEFAULTS``) already carries what an outer momentum
 would, and DiLoCo's Nesterov on top of it counts momentum twice.
 

@@ -16,8 +16,9 @@
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import List
+from typing import Iterator, List
 
 import pytest
 
@@ -50,3 +51,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
             item.add_marker(KIND_OF[top])
         elif top == "unit" and not any(item.get_closest_marker(m) for m in MARKERS if m != "unit"):
             item.add_marker("unit")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_leave_mpi_alone(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A unit test must not initialise MPI in the pytest process: importing ``mpi4py.MPI``
+    makes it an Open MPI singleton, whose daemon and C-level environment every later subprocess
+    inherits, and the benchmark tier's nested ``mpirun`` jobs then fail to start."""
+    before = "mpi4py.MPI" in sys.modules
+    yield
+    if request.node.get_closest_marker("unit") and not before and "mpi4py.MPI" in sys.modules:
+        pytest.fail("this unit test imported mpi4py.MPI (initialising MPI in the pytest "
+                    "process); use the fake transport, or mark it `mpi` and run it under mpirun",
+                    pytrace=False)

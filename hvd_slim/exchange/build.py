@@ -69,10 +69,8 @@ def _host_transports(transport: Transport, note: str) -> tuple:
 
 
 def threads_allowed(transport: Transport) -> bool:
-    """Whether ``overlap`` may run the exchange on a thread of its own: MPI needs
+    """Whether ``overlap`` may run the exchange on a thread of its own. MPI needs
     MPI_THREAD_MULTIPLE (the engine's thread uses MPI too); without it the stages run in
-    ``step()``, as the same exchanges, so the results are the same."""
-    if transport.name != "mpi":
-        return True
-    from ..transport.mpi_comm import thread_multiple
-    return thread_multiple()
+    ``step()``, as the same exchanges, so the results are the same. The transport answers,
+    so that asking never initialises MPI in a process that uses another transport."""
+    return transport.threads_allowed()

@@ -196,6 +196,12 @@ class Transport(Deadlines, abc.ABC):
         tensor on ``device``. The default stages through (pinned) host memory."""
         return broadcast_staged(self.broadcast, payload, root, bound, device)
 
+    def threads_allowed(self) -> bool:
+        """Whether a thread of the exchange's own may call this transport while the training
+        thread calls it too (``overlap``, delayed rounds). The default, True, suits transports
+        whose calls are thread-safe; MPI's depends on the thread level it was initialised with."""
+        return True
+
     def close(self) -> None:
         """Release resources; the default has none."""
 

@@ -23,6 +23,7 @@ from mpi4py import MPI
 from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, _check_roots,
                    as_payload, check_bound)
 from .deadline import poll_until
+from . import mpi_comm
 from .mpi_comm import CHUNK, mpi_errors
 from .mpi_many import broadcast_many_buffers, gather_many_buffers
 
@@ -46,6 +47,10 @@ class MpiTransport(Transport):
         super().__init__(comm.Get_rank(), comm.Get_size())
         self.comm = comm
         self._broken: Optional[str] = None
+
+    def threads_allowed(self) -> bool:
+        """True only under MPI_THREAD_MULTIPLE: another thread's MPI calls need it."""
+        return mpi_comm.thread_multiple()
 
     # --- waiting ------------------------------------------------------------------------------
     def _check_usable(self) -> None:

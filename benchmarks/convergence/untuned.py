@@ -113,7 +113,19 @@ LOCAL_SCREEN = (
     ("local_steps=8 sparseloco top-k 0.01 warm-up on", 0.01,
      dict(_SPARSE_ROUNDS, pull_density=0.04, warmup_decay_steps=None)))
 
-ABLATED = {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
+# The warm-up ending on a signal (``--groups warmup-settle``; exchange/warmup.py) against the
+# warm-up by count, which the defaults' runs above had: the language model, the battery's plotted
+# case and its AdamW script, and local steps at H = 8 given a warm-up (the local defaults have
+# none, as the warm-up by count spanned most of a short run).
+SETTLE = 0.5
+SETTLE_SCREEN = (("lm", "default warmup_settle=0.5", None, {"warmup_settle": SETTLE}),
+                 ("sgd-m0.5", "default warmup_settle=0.5", None, {"warmup_settle": SETTLE}),
+                 ("adamw-warmup", "default warmup_settle=0.5", None,
+                  {"warmup_settle": SETTLE}),
+                 ("lm", "local_steps=8 warm-up settle=0.5", None,
+                  {"local_steps": 8, "warmup_decay_steps": None, "warmup_settle": SETTLE}))
+
+ABLATED = {label for _, label, _, _ in SETTLE_SCREEN} | {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
     {label for label, slim in OVERLAP_ABLATION if slim} | \
     {label for label, _, slim in LOCAL_ABLATION + LOCAL_GRID + LOCAL_SCREEN if slim}
 
@@ -158,6 +170,11 @@ def configs(group: str) -> List[Config]:
     if group == "local-defaults":
         return [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
                 for label, density, slim in LOCAL_SCREEN]
+    if group == "warmup-settle":
+        return [(f"{case} {label}", "slim", density, slim,
+                 dict(LM if case == "lm" else dict(CNN, **CASES[case]), case=case,
+                      variant=label))
+                for case, label, density, slim in SETTLE_SCREEN]
     if group == "untuned-ablation":
         case = "adamw-warmup"
         return [(f"{case} {label}", "slim", density, slim,
@@ -169,7 +186,7 @@ def configs(group: str) -> List[Config]:
 GROUPS = ("untuned", "untuned-peers", "lm", "lm-peers")
 # on request (--groups ...), not by default
 EXTRA_GROUPS = ("lm-ablation", "untuned-ablation", "overlap-ablation", "local-steps",
-                "local-grid", "local-defaults")
+                "local-grid", "local-defaults", "warmup-settle")
 
 
 # --- the report ------------------------------------------------------------------------------

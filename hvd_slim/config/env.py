@@ -36,7 +36,7 @@ def _parse_env(name: str, text: str) -> Any:
                 raise ValueError(f"{t!r} is none of these")
             return flags[t.lower()]
         if name in ("pull_density", "warmup_start_density", "warmup_decay_steps",
-                    "pull_value_bits") \
+                    "pull_value_bits", "warmup_settle") \
                 and t.lower() in ("none", "auto", ""):
             return None
         if name == "servers" and t.lower() == "auto":
@@ -67,6 +67,7 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "warmup_dense_steps": "an integer >= 0",
               "warmup_decay_steps": "an integer >= 0 or auto",
               "warmup_start_density": "a number in (0, 1] or auto",
+              "warmup_settle": "a number in (0, 1], or none to decay by count",
               "value_bits": "one of 2, 4, 8, 16 or 32",
               "pull_value_bits": "one of 2, 4, 8, 16 or 32, or auto", "adam_variance": "auto, rescaled or live",
               "adam_exchange": "auto, update or gradient",

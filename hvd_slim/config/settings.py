@@ -73,7 +73,7 @@ ENV_KEYWORDS = ("density", "exploration", "magnitude_weight",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
                 "warmup_start_density", "servers", "hierarchical", "overlap", "overlap_forward",
                 "local_steps", "outer_delay", "residual_decay", "adam_exchange",
-                "pull_value_bits")
+                "pull_value_bits", "warmup_settle")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -123,6 +123,10 @@ class SlimConfig:
     # warmup_decay_steps; None: automatic (8x the density, over ceil(1/density) steps)
     warmup_decay_steps: Optional[int] = None
     warmup_start_density: Optional[float] = None
+    # None: the decay starts at once. A fraction eta: the start density holds while the pulled
+    # update's norm still changes by more than eta from one window of steps to the next, then
+    # the decay runs (exchange/warmup.py); never longer than the warm-up by count.
+    warmup_settle: Optional[float] = None
     # --- the wrapped optimizer -----------------------------------------------------------------
     momentum_correction: Optional[bool] = None  # None = on for SGD with momentum > 0
     # Share of a rank's velocity dropped where a coordinate is sent: 1.0 (True) is DGC's momentum
@@ -210,6 +214,8 @@ class SlimConfig:
                                   f"({norm['density']!r}): the warm-up falls from it to density",
                                   "warmup_start_density")
             norm["warmup_start_density"] = start
+        if self.warmup_settle is not None:
+            norm["warmup_settle"] = _check_fraction("warmup_settle", self.warmup_settle, True)
         mm = self.momentum_masking
         norm["momentum_masking"] = float(mm) if isinstance(mm, bool) else \
             _check_fraction("momentum_masking", mm, low_open=False)
@@ -251,6 +257,12 @@ class SlimConfig:
         norm["outer_delay"] = _check_outer_delay(self.outer_delay, norm["local_steps"])
         for name, value in norm.items():
             object.__setattr__(self, name, value)
+        if self.warmup_settle is not None and self.effective_warmup_decay_steps == 0:
+            raise ConfigError(f"warmup_settle={self.warmup_settle!r} ends a warm-up, but there is none: warmup_decay_steps is 0 (or "
+                              f"the warm-up starts at density; with local_steps > 1 over a "
+                              f"sparse exchange it is off by default). Pass warmup_decay_steps="
+                              f"None (automatic) or a count > 0, or leave warmup_settle unset",
+                              "warmup_settle")
 
     # --- derived -------------------------------------------------------------------------------
     @property
@@ -286,6 +298,35 @@ class SlimConfig:
     def warmup_steps(self) -> int:
         return self.warmup_dense_steps + self.effective_warmup_decay_steps
 
+    @property
+    def warmup_hold_limit(self) -> int:
+        """With ``warmup_settle``: the most exchange steps the start density holds. Held that
+        long, and then decayed over :attr:`warmup_settle_decay` steps, the warm-up's push
+        densities sum to no more than the count's: it sends about as many bytes at most (the index
+        coding and each slice's rounding are not quite proportional). 0 without it."""
+        if self.warmup_settle is None:
+            return 0
+        count, short = self.effective_warmup_decay_steps, self.warmup_settle_decay
+        budget = sum(self.decay_densities(i, count)[0] for i in range(count)) - \
+            sum(self.decay_densities(i, short)[0] for i in range(short))
+        return max(0, math.floor(budget / self.effective_warmup_start_density))
+
+    @property
+    def warmup_settle_decay(self) -> int:
+        """With ``warmup_settle``: the decay's steps once the hold ends, a quarter of the
+        count's (what is held has already waited); without it, the count's."""
+        decay = self.effective_warmup_decay_steps
+        return decay if self.warmup_settle is None else math.ceil(decay / 4)
+
+    def decay_densities(self, i: int, steps: int) -> Tuple[float, float]:
+        """``(push, pull)`` at step ``i`` of a geometric decay of ``steps`` steps from the start
+        densities (``i = -1``: the start itself) to the targets, which step ``steps`` reaches."""
+        x = (i + 1) / (steps + 1)
+        start, pull = self.effective_warmup_start_density, self.effective_pull_density
+        pull_start = min(1.0, start * pull / self.density)
+        push = start * (self.density / start) ** x
+        return push, max(push, pull_start * (pull / pull_start) ** x)
+
     def densities_at(self, step: int) -> Optional[Tuple[float, float]]:
         """``(push, pull)`` densities of exchange step ``step`` during the warm-up, else None.
 
@@ -299,11 +340,7 @@ class SlimConfig:
             return None
         if step < dense:
             return 1.0, 1.0
-        x = (step - dense + 1) / (decay + 1)
-        start, pull = self.effective_warmup_start_density, self.effective_pull_density
-        pull_start = min(1.0, start * pull / self.density)
-        push = start * (self.density / start) ** x
-        return push, max(push, pull_start * (pull / pull_start) ** x)
+        return self.decay_densities(step - dense, decay)
 
     def check_world(self, size: int) -> None:
         """Checks that need the world size: the server must be one of the ranks, and there

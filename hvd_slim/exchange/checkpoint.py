@@ -16,6 +16,7 @@ import torch
 from ..config import RESUMABLE_FIELDS
 from .describe import config_difference, param_difference, params_of
 from .layout import DENSE
+from .warmup import Schedule
 
 if TYPE_CHECKING:   # step.py imports this module
     from .step import SlimExchange
@@ -25,10 +26,11 @@ if TYPE_CHECKING:   # step.py imports this module
 OLD_FIELDS = {"adam_variance": "auto", "momentum_masking": 1.0, "value_bits": 32,
               "warmup_start_density": 1.0, "servers": 1, "hierarchical": False,
               "overlap": 1, "local_steps": 1, "outer_delay": 0, "residual_decay": 1.0,
-              "adam_exchange": "gradient"}
+              "adam_exchange": "gradient", "warmup_settle": None}
 # Fields added after version 3's "effective" record: a record without one predates it.
 LATER_FIELDS = {"servers": 1, "hierarchical": False, "overlap": 1, "local_steps": 1,
-                "outer_delay": 0, "residual_decay": 1.0, "adam_exchange": "gradient"}
+                "outer_delay": 0, "residual_decay": 1.0, "adam_exchange": "gradient",
+                "warmup_settle": None}
 
 # 3: adds "effective", the settings in force (automatic fields resolved); 4: no cached cores
 # (refresh_interval is gone: every step selects anew, so the cores of older states are ignored)
@@ -51,7 +53,7 @@ def state_of(ex: SlimExchange) -> dict:
             "selector": {i: s.state_dict() for i, s in ex.worker.selector.items()},
             "servers": ex.servers,
             "server": None if ex.server is None else ex.server.state_dict(),
-            "stats": ex.stats.state_dict()}
+            "stats": ex.stats.state_dict(), "warmup": ex.layout.schedule.state_dict()}
 
 
 def residual_norm(ex: SlimExchange) -> float:
@@ -116,6 +118,8 @@ def validate(ex: SlimExchange, state: Any) -> None:
         _check_server(ex, state.get("server"))
     if not isinstance(state.get("stats", {}), dict):
         raise ValueError("hvd_slim checkpoint: 'stats' must be a dict")
+    if ex.cfg.warmup_settle is not None:   # (the same settings: saved with the schedule's state)
+        Schedule.check_state(state.get("warmup"))
 
 
 def load(ex: SlimExchange, state: dict) -> None:
@@ -128,6 +132,8 @@ def load(ex: SlimExchange, state: dict) -> None:
     if ex.server is not None:
         ex.server.load_state_dict(state["server"])
     ex.stats.load_state_dict(state.get("stats", {}))
+    if ex.cfg.warmup_settle is not None:
+        ex.layout.schedule.load_state_dict(state["warmup"])
 
 
 # --- checks ------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 from ..config import SlimConfig
 from ..wire.indices import index_bytes_bound
 from ..wire.values import PACKED_BITS, packed_nbytes, slice_dtype
+from .warmup import Schedule
 
 DENSE = "dense"
 SPARSE = "sparse"
@@ -173,16 +174,20 @@ class Layout:
             self.buckets.append(b)
         self.names = [n for n, _ in ordered]
         self._config = config
-        self._at: Tuple[int, List[Bucket]] = (-1, self.buckets)
+        self.schedule = Schedule(config)
+        # The sizes of the last step asked for, keyed by the step and where the warm-up's decay
+        # starts (which a loaded checkpoint may move).
+        self._at: Tuple[Tuple[int, int], List[Bucket]] = ((-1, -1), self.buckets)
 
     def at_step(self, step: int) -> List[Bucket]:
         """The buckets with the slice sizes of exchange step ``step``: ``buckets`` itself, except
-        during a warm-up (:meth:`SlimConfig.densities_at`), where compressed buckets get that
+        during a warm-up (:meth:`Schedule.densities_at`), where compressed buckets get that
         step's sizes and may be sent whole (:func:`sent_whole`) while keeping their memory."""
-        dens = self._config.densities_at(step)
+        dens = self.schedule.densities_at(step)
         if dens is None:
             return self.buckets
-        if self._at[0] != step:
+        key = (step, self.schedule.decay_start)
+        if self._at[0] != key:
             expl = self._config.exploration
             out = []
             for b in self.buckets:
@@ -192,7 +197,7 @@ class Layout:
                     b = dataclasses.replace(b, k=k, k_core=kc, k_explore=ke, k_pull=kp,
                                             k_pull_core=kpc, k_pull_explore=kpe)
                 out.append(b)
-            self._at = (step, out)
+            self._at = (key, out)
         return self._at[1]
 
     @property
@@ -218,6 +223,20 @@ class Layout:
                 for b in self.buckets for s in b.segments]
         rows += [[n, list(shape), _dt(dtype), "", "frozen"] for n, shape, dtype in self.frozen]
         return sorted(rows, key=lambda row: row[0])
+
+    def delivered_norm(self) -> float:
+        """The norm of the compressed buckets' ``p.grad`` (after a pull: what it delivered), in
+        float64; the same on every rank that holds the same gradients."""
+        total = 0.0
+        for b in self.buckets:
+            if b.kind != SPARSE:
+                continue
+            for s in b.segments:
+                g = s.param.grad
+                if g is not None:
+                    g = g.coalesce().values() if g.is_sparse else g
+                    total += float(g.double().square().sum())
+        return math.sqrt(total)
 
     # --- flat views ------------------------------------------------------------------------
     @staticmethod

@@ -178,6 +178,9 @@ class SlimExchange:
             return
         start = time.perf_counter()
         self.worker.apply(pending.pulled, pending.t, pending.rendered)
+        schedule = self.layout.schedule
+        if schedule.observing(pending.t):   # the warm-up's signal: what this step delivered
+            schedule.observe(pending.t, self.layout.delivered_norm())
         self.stats.timed("apply", start)
         self.step_count += 1
         self.stats.finish_step(time.perf_counter() - pending.t0)

@@ -39,6 +39,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          warmup_dense_steps: int = UNSET,
                          warmup_decay_steps: Optional[int] = UNSET,
                          warmup_start_density: Optional[float] = UNSET,
+                         warmup_settle: Optional[float] = UNSET,
                          overlap_forward: bool = UNSET, outer_optimizer: Any = UNSET,
                          outer_delay: int = UNSET, residual_decay: float = UNSET,
                          adam_variance: str = UNSET) -> torch.optim.Optimizer:
@@ -124,13 +125,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         warmup_decay_steps: Steps of the geometric decay from ``warmup_start_density`` to
             ``density`` (default None: 1/density steps).
         warmup_start_density: Where that decay starts (default None: 8x ``density``).
+        warmup_settle: End the warm-up on a measured signal: the start density holds while
+            the pulled update's norm changes by more than this fraction from one window of
+            steps to the next, then a decay a quarter as long runs; never longer than the
+            warm-up by count (default None: the decay starts at once).
         overlap_forward: With ``overlap``, once backward is over send the stages nearest the
             input first and let ``step()`` return before the rest is back; each stage's update
             is applied when the next forward pass reaches its modules (``model.state_dict()``
             lands them first; call ``optimizer.apply_updates()`` before reading parameters
             outside a forward otherwise). Default False.
         outer_optimizer: With ``local_steps``, a ``torch.optim.Optimizer`` over the same
-            parameters (default None: SGD, lr 0.7, Nesterov momentum 0.9).
+            parameters (default None: over a sparse exchange SGD at lr 1 without momentum;
+            with ``density=1.0`` DiLoCo's SGD at lr 0.7 with Nesterov momentum 0.9).
         outer_delay: With ``local_steps``, ``1`` overlaps a round's exchange with the next
             round and applies its outer step one round late; ``0`` (default) waits for it at
             the round's end.

@@ -173,6 +173,7 @@ BAD_ENV = [
     ("local_steps", "0"), ("local_steps", "many"),
     ("outer_delay", "2"), ("outer_delay", "soon"),
     ("residual_decay", "0"), ("residual_decay", "1.5"), ("residual_decay", "fast"),
+    ("warmup_settle", "0"), ("warmup_settle", "soon"),
 ]
 
 
@@ -203,7 +204,7 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
             "warmup_start_density": 0.5, "servers": 2, "hierarchical": False,
             "overlap": 2, "overlap_forward": False, "local_steps": 8, "outer_delay": 0, "residual_decay": 0.9,
-            "adam_exchange": "gradient", "pull_value_bits": 4}[name]
+            "adam_exchange": "gradient", "pull_value_bits": 4, "warmup_settle": 0.5}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

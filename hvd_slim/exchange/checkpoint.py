@@ -78,6 +78,21 @@ def held_residuals(ex: SlimExchange) -> Dict[int, torch.Tensor]:
     return out
 
 
+def held_as_pushes(ex: SlimExchange) -> Dict[int, torch.Tensor]:
+    """:meth:`SlimExchange.held_as_pushes`."""
+    out = {i: m.residual.to(torch.float64, copy=True) for i, m in ex.worker.memory.items()}
+    if ex.server is not None:
+        cfg = ex.cfg
+        # The server's residual sums pushes times its scale (op average: predivide / N).
+        unscale = 1.0 if cfg.op == "sum" else ex.size / cfg.gradient_predivide_factor
+        for piece in ex.shards.by_shard(None)[ex.shard]:
+            mem = ex.server.memory.get(piece.b.index)
+            if mem is not None:
+                i = ex.layout.buckets[piece.bucket].index
+                out[i][piece.lo:piece.hi] += mem.residual.double() * unscale
+    return out
+
+
 def validate(ex: SlimExchange, state: Any) -> None:
     """Raise ValueError (naming what differs and how to fix it) unless ``state`` can be loaded
     into ``ex`` completely. Reads only."""

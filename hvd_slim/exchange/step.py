@@ -257,6 +257,13 @@ class SlimExchange:
         vector: its worker's plus, on a server, its shard's pieces of the server residual."""
         return checkpoint.held_residuals(self)
 
+    def held_as_pushes(self) -> Dict[int, torch.Tensor]:
+        """Per compressed bucket (by index), what this rank holds as one float64 vector in the
+        units of its own pushes: its worker's residual plus, on a server, its shard's pieces of
+        the server residual undone of the server's scale (N for an average). Added to this
+        rank's next gradient in another exchange, every value still arrives exactly once."""
+        return checkpoint.held_as_pushes(self)
+
     def state_dict(self) -> dict:
         """This rank's residuals, velocities, selectors, step and stats (and the server's state on
         the server rank): tensors and plain values only."""

@@ -1,0 +1,44 @@
+"""What ``SlimState`` accepts: the Slim-DP keywords a gradient hook can serve."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from ..config import ENV_KEYWORDS, ConfigError, SlimConfig
+
+# Each keyword the hook cannot serve, and why; checked on the resolved settings, so a value from
+# HVD_SLIM_<NAME> is named with its variable.
+NEEDS_OPTIMIZER = {
+    "local_steps": ("1", lambda c: c.local_steps == 1,
+                    "local steps need the optimizer (it steps alone between rounds)"),
+    "outer_delay": ("0", lambda c: c.outer_delay == 0, "it belongs to local_steps"),
+    "overlap": ("1", lambda c: c.overlap == 1,
+                "DDP's buckets already overlap the exchange with backward"),
+    "overlap_forward": ("False", lambda c: not c.overlap_forward, "it belongs to overlap"),
+    "hierarchical": ("False", lambda c: not c.hierarchical,
+                     "the hook does not combine a host's ranks first yet"),
+    "momentum_correction": ("None or False", lambda c: c.momentum_correction is not True,
+                            "the hook sees gradients, not the optimizer's momentum"),
+    "adam_exchange": ("'auto' or 'gradient'", lambda c: c.adam_exchange != "update",
+                      "the hook sees gradients, not Adam's update"),
+    "magnitude_weight": ("0", lambda c: c.magnitude_weight == 0,
+                         "the hook sees gradients, not the parameters"),
+}
+HOOK_KEYWORDS = frozenset(ENV_KEYWORDS)
+
+
+def check_keywords(keywords: Mapping[str, Any], config: Optional[SlimConfig] = None) -> None:
+    """Unknown keywords (TypeError), then, given the resolved ``config``, the values a DDP hook
+    cannot serve (ConfigError naming the keyword or its variable, and what to use instead)."""
+    unknown = sorted(set(keywords) - HOOK_KEYWORDS)
+    if unknown:
+        raise TypeError(f"SlimState() got unexpected keyword(s) {', '.join(unknown)}; it takes "
+                        f"process_group and the Slim-DP keywords of "
+                        f"hvd_slim.DistributedOptimizer (docs/keywords.md)")
+    if config is None:
+        return
+    for name, (allowed, ok, why) in NEEDS_OPTIMIZER.items():
+        if not ok(config):
+            raise ConfigError(f"SlimState: {name}={getattr(config, name)!r}"
+                              f"{config.env_note(name)} cannot be served by a DDP hook ({why}); "
+                              f"leave it at {allowed} here, or use hvd_slim.DistributedOptimizer",
+                              name)

@@ -1,0 +1,349 @@
+"""``SlimState``: what the Slim-DP DDP communication hook keeps between calls (one per DDP model).
+
+DDP hands its communication hook one flat gradient bucket at a time during backward. Each
+bucket gets an exchange of its own (exchange/step.py) over one stand-in parameter the size of the
+bucket, sharing its storage: the bucket is the flat buffer the exchange selects on, keeps a
+residual for, and writes the pulled update into. The exchanges run on the process group's
+torch.distributed backend (Gloo for CPU tensors, NCCL for CUDA), with the guarantees of
+``DistributedOptimizer``'s: validated settings, the handshake at each exchange's first step (a rank
+with another bucket or other settings is named), bitwise identical replicas, NaN/Inf verdicts
+every rank shares, and a checkpoint that resumes bitwise.
+
+**Buckets change once.** DDP lays its buckets out again after its first iteration or two, in the
+order gradients became ready. Exchanges are therefore keyed by what a bucket carries (its
+parameters), not by its index. When a bucket with new contents arrives, the exchanges holding any
+of its parameters retire: what this rank holds of theirs (its residual, and on a server its
+shard's residual) is split by parameter and joins those parameters' gradients in the new
+buckets, so no value is lost or sent twice.
+
+**Parameters are named by position.** DDP shows the hook tensors, not names. A parameter's key is
+its position in the first backward pass the state sees (bucket by bucket, in DDP's first
+layout, which a fresh DDP model of the same module always repeats). Checkpoints store these keys,
+so a resumed state finds each saved exchange's bucket in the fresh model, or splits it by
+parameter when DDP lays it out otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..config import ConfigError, SlimConfig
+from ..config.env import resolve_config
+from ..exchange import Layout
+from ..exchange.build import build_exchange
+from ..exchange.describe import config_difference
+from ..exchange.stats import ExchangeStats
+from ..transport.base import Transport
+from .checks import check_keywords
+
+VERSION = 1
+Keys = Tuple[int, ...]
+
+
+@dataclass
+class _Bucket:
+    """One bucket's exchange, over a stand-in parameter that shares the bucket's storage."""
+
+    exchange: Any
+    stand_in: torch.nn.Parameter
+    index: int
+    keys: Keys                     # its parameters, by position (see the module docstring)
+    numels: Tuple[int, ...]        # theirs, in the exchange's order
+    # For a bucket holding the same parameters in another order: where, in its flat buffer,
+    # each of the exchange's coordinates lies.
+    orders: Dict[Keys, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def order(self, keys: Keys, numels: Tuple[int, ...]) -> torch.Tensor:
+        """The positions in a bucket laid out as ``keys`` of this exchange's coordinates."""
+        found = self.orders.get(keys)
+        if found is None:
+            start, offset = {}, 0
+            for k, n in zip(keys, numels):
+                start[k], offset = offset, offset + n
+            found = self.orders[keys] = torch.cat([
+                torch.arange(start[k], start[k] + n) for k, n in zip(self.keys, self.numels)]
+            ).to(self.stand_in.device)
+        return found
+
+
+class SlimState:
+    """The state of :func:`hvd_slim.ddp.slim_hook` for one DDP model, as PowerSGD's
+    ``PowerSGDState`` is for its hook::
+
+        ddp_model.register_comm_hook(SlimState(), slim_hook)
+
+    Args:
+        process_group: The process group the exchange runs on (default None: the default
+            group, as DDP's). Its backend carries the messages: Gloo (CPU gradients) or NCCL.
+        **keywords: The Slim-DP keywords of ``hvd_slim.DistributedOptimizer`` (``density``,
+            ``value_bits``, ``pull_value_bits``, ``servers``, ``nonfinite``, ``timeout``, the
+            warm-up's, ...), each read from ``HVD_SLIM_<NAME>`` when not passed. What needs
+            the optimizer or the model is refused by name: ``local_steps``, ``overlap``
+            (DDP's buckets already overlap backward), ``hierarchical``, momentum correction,
+            ``adam_exchange="update"`` and ``magnitude_weight``.
+
+    Raises:
+        TypeError: an unknown keyword.
+        ConfigError: (a ValueError) a value out of range, or one the hook cannot serve; a
+            value from the environment names its variable.
+    """
+
+    def __init__(self, process_group: Any = None, **keywords: Any) -> None:
+        transport = keywords.pop("transport", None)
+        check_keywords(keywords)
+        config = resolve_config(keywords)
+        check_keywords(keywords, config)
+        # The hook exchanges gradients: no optimizer is there to take momentum or Adam's update.
+        self.config: SlimConfig = config.replaced(momentum_correction=False,
+                                                  adam_exchange="gradient")
+        self.process_group = process_group
+        if transport is not None and not isinstance(transport, Transport):
+            raise TypeError(f"transport must be an hvd_slim Transport (for tests), got "
+                            f"{type(transport).__name__}")
+        self._transport: Optional[Transport] = transport
+        self._live: Dict[frozenset, _Bucket] = {}   # by the parameters a bucket carries
+        self._saved: List[dict] = []           # loaded exchanges waiting for their bucket
+        self._carry: Dict[int, torch.Tensor] = {}   # by key: held values waiting for a bucket
+        self._keys: Dict[int, int] = {}        # id(parameter) -> key
+        self._keys_final = False               # after the first backward pass: no new ones
+        self._retired = {f: 0 for f in ExchangeStats.FIELDS}
+        self._pass: List[tuple] = []           # this pass: begun, not yet settled
+        self._failed: Optional[Exception] = None           # why this pass failed, if it did
+        self._skipped = 0                      # passes every rank skipped (NaN/Inf)
+        self.iteration = 0                     # backward passes that reached the hook
+
+    # --- the transport ----------------------------------------------------------------------
+    @property
+    def transport(self) -> Transport:
+        """The exchange's transport over ``process_group`` (made at the first bucket)."""
+        if self._transport is None:
+            from .group import group_transport
+            self._transport = group_transport(self.process_group)
+        return self._transport
+
+    # --- one backward pass ------------------------------------------------------------------
+    def reduce(self, index: int, buffer: torch.Tensor, params: Sequence[torch.Tensor],
+               last: bool) -> "torch.futures.Future[torch.Tensor]":
+        """A future of the averaged update for DDP's bucket ``index``: its flat gradient
+        ``buffer``, the concatenation of ``params``' gradients; ``last``: the last bucket of
+        this backward pass.
+
+        Each bucket is exchanged (pushed, aggregated, pulled) when it comes; the pass is
+        settled at its last bucket, all or nothing as DistributedOptimizer's step: when any
+        bucket's step was skipped by every rank (a NaN/Inf under ``nonfinite="flag"``),
+        nothing of any exchange changes and every bucket's update is NaN, so GradScaler skips
+        and backs off alike everywhere. The futures complete then; DDP waits for them at the
+        end of backward. An error ends the pass on every bucket, each keeping its gradient."""
+        fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future()
+        try:
+            if self._failed is not None:
+                raise self._failed
+            keys, numels = self._keys_of(index, params), tuple(p.numel() for p in params)
+            b = self._live.get(frozenset(keys))
+            if b is None:
+                b = self._begin(index, buffer, keys, numels)
+            # The same parameters in another order (DDP's first layout and its rebuilt one):
+            # the exchange keeps its own order, so a resumed run matches an unbroken one.
+            order = None if keys == b.keys else b.order(keys, numels)
+            b.stand_in.grad = buffer if order is None else buffer.index_select(0, order)
+            self._pass.append((b, b.exchange.begin(), fut, order, buffer))
+        except Exception as exc:  # noqa: BLE001 - every bucket of the pass reports it
+            self._fail(exc, fut)
+        if last:
+            try:
+                if self._failed is None:
+                    self._settle()
+            finally:
+                self._pass, self._failed = [], None
+                self.iteration += 1
+                self._keys_final = True
+        return fut
+
+    def _settle(self) -> None:
+        skipped = any(entry[1].pulled is None for entry in self._pass)
+        for b, pending, *_ in self._pass:
+            b.exchange.settle(pending, commit=not skipped)
+        if skipped:
+            self._skipped += 1
+            if self.config.nonfinite == "flag":
+                for b, *_ in self._pass:
+                    b.exchange.flag_grads()
+        for b, _, fut, order, buffer in self._pass:
+            got = b.stand_in.grad
+            fut.set_result(got if order is None else
+                           torch.empty_like(buffer).index_copy_(0, order, got))
+
+    def _fail(self, exc: Exception, fut: "torch.futures.Future[torch.Tensor]") -> None:
+        """The pass failed: what its exchanges began keeps its gradient in their residuals."""
+        if self._failed is None:
+            self._failed = exc
+            for b, pending, other, *_ in self._pass:
+                b.exchange.absorb(pending)
+                other.set_exception(exc)
+            self._pass = []
+        fut.set_exception(exc)
+
+    def _keys_of(self, index: int, params: Sequence[torch.Tensor]) -> Keys:
+        out = []
+        for p in params:
+            k = self._keys.get(id(p))
+            if k is None:
+                if self._keys_final:
+                    raise ValueError(f"hvd_slim.ddp: DDP's bucket {index} carries a parameter "
+                                     f"({tuple(p.shape)}) this SlimState has not seen: it "
+                                     f"already serves another DDP model. Make one SlimState "
+                                     f"per model")
+                k = self._keys[id(p)] = len(self._keys)
+            out.append(k)
+        return tuple(out)
+
+    def _begin(self, index: int, buffer: torch.Tensor, keys: Keys,
+               numels: Tuple[int, ...]) -> _Bucket:
+        """The exchange for a bucket carrying ``keys`` for the first time: a saved one made for
+        the same parameters (in its own order), else a new one, fed what the exchanges it
+        replaces held."""
+        mine, sizes = set(keys), dict(zip(keys, numels))
+        saved = next((s for s in self._saved if set(s["keys"]) == mine and
+                      dict(zip(s["keys"], s["numels"])) == sizes), None)
+        if saved is not None:
+            self._saved.remove(saved)
+            b = self._new(int(saved.get("index", index)), buffer, tuple(saved["keys"]),
+                          tuple(saved["numels"]))
+            b.exchange.load_state_dict(saved["exchange"])   # validated completely first
+            self._live[frozenset(keys)] = b
+            return b
+        for k, old in [(k, b) for k, b in self._live.items() if mine.intersection(k)]:
+            del self._live[k]
+            self._retire(old)
+        for entry in [s for s in self._saved if mine.intersection(s["keys"])]:
+            self._saved.remove(entry)
+            old = self._new(int(entry.get("index", -1)),
+                            torch.zeros(sum(entry["numels"]), dtype=buffer.dtype,
+                                        device=buffer.device),
+                            tuple(entry["keys"]), tuple(entry["numels"]))
+            old.exchange.load_state_dict(entry["exchange"])
+            self._retire(old)
+        offset = 0
+        for k, n in zip(keys, numels):
+            held = self._carry.pop(k, None)
+            if held is not None:
+                buffer[offset:offset + n].add_(held.to(buffer.dtype).to(buffer.device))
+            offset += n
+        b = self._live[frozenset(keys)] = self._new(index, buffer, keys, numels)
+        return b
+
+    def _new(self, index: int, buffer: torch.Tensor, keys: Keys,
+             numels: Tuple[int, ...]) -> _Bucket:
+        # The stand-in's values are never read (magnitude_weight is refused): it shares the
+        # bucket's storage, so the exchange keeps no second copy of the gradients.
+        stand_in = torch.nn.Parameter(buffer.detach(), requires_grad=False)
+        layout = Layout([(f"bucket{index}", stand_in)], self.config, lambda dt: dt)
+        return _Bucket(build_exchange(layout, self.config, self.transport), stand_in, index,
+                       keys, numels)
+
+    def _retire(self, b: _Bucket) -> None:
+        """Split what ``b``'s exchange holds on this rank by parameter, to join their next
+        gradients (:meth:`_begin`), and keep its figures."""
+        for k, part in self._split(b).items():
+            self._carry[k] = part if k not in self._carry else self._carry[k] + part
+        stats = b.exchange.stats
+        for f in ExchangeStats.FIELDS:
+            self._retired[f] += getattr(stats, f)
+
+    @staticmethod
+    def _split(b: _Bucket) -> Dict[int, torch.Tensor]:
+        """What ``b``'s exchange holds on this rank (float64, in the units of a gradient), by
+        parameter key; nothing for a bucket sent dense."""
+        held = b.exchange.held_as_pushes()
+        if not held:
+            return {}
+        (flat,) = held.values()   # one stand-in: at most one compressed bucket
+        out, offset = {}, 0
+        for k, n in zip(b.keys, b.numels):
+            out[k] = flat[offset:offset + n]
+            offset += n
+        return out
+
+    def held_by_parameter(self) -> Dict[int, torch.Tensor]:
+        """Everything this rank holds back (float64, flat, in the units of its gradients), by
+        parameter position (the order of the first backward pass the state saw): with what
+        every rank's hook delivered, it adds up to every gradient fed in."""
+        out = {k: v.clone() for k, v in self._carry.items()}
+        for b in self._live.values():
+            for k, part in self._split(b).items():
+                out[k] = out[k] + part if k in out else part
+        return out
+
+    # --- figures ----------------------------------------------------------------------------
+    def comm_stats(self) -> Dict[str, Any]:
+        """Cumulative traffic of this rank, with the fields of
+        ``DistributedOptimizer.comm_stats()``: the buckets' exchanges (and those DDP's
+        re-bucketing retired) added up; ``steps`` counts the backward passes that reached the
+        hook, ``buckets`` the exchanges in use."""
+        stats = [b.exchange.stats for b in self._live.values()]
+        out: Dict[str, Any] = {f: self._retired[f] + sum(getattr(s, f) for s in stats)
+                               for f in ExchangeStats.FIELDS}
+        out["steps"], out["skipped_steps"] = self.iteration, self._skipped
+        out["flushes"] = max((s.flushes for s in stats), default=0)
+        last: Dict[str, int] = {}
+        for s in stats:
+            for k, v in s.last.items():
+                last[k] = last.get(k, 0) + v
+        out["last_step"] = last
+        out["last_skip_reason"] = next((s.last_skip for s in stats if s.last_skip), "")
+        layouts = [b.exchange.layout for b in self._live.values()]
+        tr = self._transport
+        out.update(transport=None if tr is None else tr.name,
+                   world_size=None if tr is None else tr.size,
+                   servers=max((b.exchange.servers for b in self._live.values()), default=0),
+                   density=self.config.density, buckets=len(self._live),
+                   compressed_numel=sum(b.numel for lo in layouts for b in lo.sparse),
+                   dense_numel=sum(b.numel for lo in layouts for b in lo.buckets
+                                   if b.kind != "sparse"))
+        return out
+
+    # --- checkpoint -------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's state: every exchange's residuals and selectors, with the positions of
+        the parameters its bucket carries (tensors and plain values only; ``torch.load(...,
+        weights_only=True)`` reads it). Save each rank's own."""
+        live = [{"index": b.index, "keys": list(b.keys), "numels": list(b.numels),
+                 "exchange": b.exchange.state_dict()} for b in self._live.values()]
+        return {"version": VERSION, "iteration": self.iteration,
+                "config": self.config.effective_dict(), "buckets": live + list(self._saved),
+                "carry": dict(self._carry), "retired": dict(self._retired),
+                "skipped": self._skipped}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (this rank's own) before the first backward pass of a
+        fresh DDP model. The settings must be the same; each saved exchange is checked
+        completely when its bucket comes. A refused state changes nothing."""
+        if not isinstance(state, dict) or state.get("version") != VERSION:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"hvd_slim.ddp: unknown SlimState format version {got!r}; expected "
+                             f"{VERSION}, a SlimState.state_dict()")
+        diff = config_difference({"in the checkpoint": state.get("config"),
+                                  "now": self.config.effective_dict()},
+                                 lambda keys: " and ".join(keys), ignore=("timeout", "nonfinite"))
+        if diff:
+            raise ConfigError(f"hvd_slim.ddp: the checkpoint was made with other Slim-DP "
+                              f"settings: {diff}. Build the SlimState with the same keywords "
+                              f"and HVD_SLIM_* variables", "state_dict")
+        buckets, it, carry = state.get("buckets"), state.get("iteration"), state.get("carry", {})
+        ok = isinstance(buckets, list) and isinstance(it, int) and not isinstance(it, bool) \
+            and it >= 0 and isinstance(carry, dict) and all(
+                isinstance(s, dict) and {"keys", "numels", "exchange"} <= set(s) and
+                len(s["keys"]) == len(s["numels"]) for s in buckets)
+        if not ok:
+            raise ValueError("hvd_slim.ddp: a SlimState checkpoint needs 'iteration' (an integer "
+                             ">= 0), 'buckets' (each with keys, numels and its exchange) and "
+                             "'carry'; load a SlimState.state_dict()")
+        retired = state.get("retired", {})
+        self._live, self._keys, self._keys_final = {}, {}, False
+        self._saved = [dict(s) for s in buckets]
+        self._carry = {int(k): v for k, v in carry.items()}
+        self._retired = {f: retired.get(f, 0) for f in ExchangeStats.FIELDS}
+        self.iteration, self._skipped = it, int(state.get("skipped", 0))

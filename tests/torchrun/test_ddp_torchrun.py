@@ -1,0 +1,179 @@
+"""The Slim-DP DDP communication hook (hvd_slim/ddp) on real ``DistributedDataParallel`` models,
+every rank one torchrun process on the default Gloo group. Checked: replicas stay bitwise
+identical; ``density=1.0`` equals DDP's own allreduce; ``no_sync`` accumulation, ``static_graph``,
+unused parameters, ``GradScaler`` and ``clip_grad_norm_`` work; a checkpoint resumes bitwise.
+Every rank runs these in the same order (tests/torchrun/conftest.py)."""
+from __future__ import annotations
+
+import hashlib
+import io
+from typing import Any, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hvd_slim.ddp import SlimState, slim_hook
+
+
+class Net(torch.nn.Module):
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)   # the same start on every rank (DDP broadcasts rank 0's anyway)
+        self.fc1, self.fc2 = torch.nn.Linear(24, 256), torch.nn.Linear(256, 4)
+        self.spare = torch.nn.Linear(24, 24) if unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def batch(step: int, rank: int) -> Any:
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    return torch.randn(16, 24, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def same_everywhere(t: torch.Tensor) -> bool:
+    """Whether every rank holds these exact bits (compared by digest on the default group)."""
+    mine = hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return len(set(every)) == 1
+
+
+def train(ddp: DDP, opt: torch.optim.Optimizer, steps: range, scaler: Any = None,
+          clip: bool = False) -> None:
+    for t in steps:
+        x, y = batch(t, dist.get_rank())
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+
+
+def model(state: Any = None, **ddp_kw: Any) -> Any:
+    net = Net(unused=ddp_kw.pop("unused", False))
+    ddp = DDP(net, **ddp_kw)
+    if state is not None:
+        ddp.register_comm_hook(state, slim_hook)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_replicas_stay_identical_and_the_bytes_shrink(hvd: Any) -> None:
+    state = SlimState(density=0.01, min_compress_numel=100)
+    ddp, opt = model(state)
+    start = flat(ddp.module)
+    train(ddp, opt, range(12))
+    assert same_everywhere(flat(ddp.module)) and not torch.equal(flat(ddp.module), start)
+    st = state.comm_stats()
+    assert st["steps"] == 12 and st["transport"] == "gloo" and st["world_size"] == hvd.size()
+    # The first iteration is dense; then the warm-up, then 1%.
+    assert st["bytes_pushed"] < st["dense_bytes"] / 3, st
+
+
+def test_density_one_is_ddps_own_allreduce(hvd: Any) -> None:
+    ours, opt = model(SlimState(density=1.0))
+    plain, plain_opt = model()
+    train(ours, opt, range(5))
+    train(plain, plain_opt, range(5))
+    assert torch.allclose(flat(ours.module), flat(plain.module), atol=1e-5)
+
+
+def test_no_sync_accumulates_before_the_exchange(hvd: Any) -> None:
+    """Two micro-batches under no_sync, then one synchronised: the hook sees their sum, and at
+    density 1.0 the result is DDP's own accumulation."""
+    def run(state: Any) -> torch.Tensor:
+        ddp, opt = model(state)
+        for t in range(3):
+            opt.zero_grad()
+            with ddp.no_sync():
+                for m in range(2):
+                    x, y = batch(10 * t + m, dist.get_rank())
+                    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            x, y = batch(10 * t + 2, dist.get_rank())
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        return flat(ddp.module)
+    sparse = run(SlimState(density=0.05, min_compress_numel=100))
+    assert same_everywhere(sparse)
+    assert torch.allclose(run(SlimState(density=1.0)), run(None), atol=1e-5)
+
+
+@pytest.mark.parametrize("ddp_kw", [{"static_graph": True},
+                                    {"find_unused_parameters": True, "unused": True}])
+def test_static_graph_and_unused_parameters(hvd: Any, ddp_kw: dict) -> None:
+    ddp, opt = model(SlimState(density=0.02, min_compress_numel=100), **ddp_kw)
+    spare = None if ddp.module.spare is None else flat(ddp.module.spare)
+    train(ddp, opt, range(6))
+    assert same_everywhere(flat(ddp.module))
+    if spare is not None:
+        assert torch.equal(flat(ddp.module.spare), spare)
+
+
+def test_grad_scaler_and_clipping(hvd: Any) -> None:
+    ddp, opt = model(SlimState(density=0.02, min_compress_numel=100))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    train(ddp, opt, range(6), scaler=scaler, clip=True)
+    assert same_everywhere(flat(ddp.module)) and scaler.get_scale() == 1024.0
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(hvd: Any) -> None:
+    """nonfinite="flag": a rank's inf makes every rank's update NaN, so GradScaler skips the step
+    and backs off alike everywhere."""
+    state = SlimState(density=0.02, min_compress_numel=100)
+    ddp, opt = model(state)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    train(ddp, opt, range(2), scaler=scaler)
+    before = flat(ddp.module)
+    x, y = batch(2, dist.get_rank())
+    if dist.get_rank() == dist.get_world_size() - 1:
+        x[0, 0] = float("inf")
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.cross_entropy(ddp(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(flat(ddp.module), before) and scaler.get_scale() == 512.0
+    assert state.comm_stats()["skipped_steps"] == 1
+
+
+def test_a_checkpoint_resumes_bitwise(hvd: Any) -> None:
+    kw = dict(density=0.02, min_compress_numel=100)
+    full, full_opt = model(SlimState(**kw))
+    train(full, full_opt, range(8))
+
+    state = SlimState(**kw)
+    ddp, opt = model(state)
+    train(ddp, opt, range(4))
+    saved = io.BytesIO()
+    torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
+                "slim": state.state_dict()}, saved)
+    saved.seek(0)
+    ckpt = torch.load(saved, weights_only=True)
+    again = SlimState(**kw)
+    again.load_state_dict(ckpt["slim"])
+    resumed, resumed_opt = model(again)
+    resumed.module.load_state_dict(ckpt["model"])
+    resumed_opt.load_state_dict(ckpt["opt"])
+    train(resumed, resumed_opt, range(4, 8))
+    assert torch.equal(flat(resumed.module), flat(full.module))
+
+
+def test_a_second_model_on_one_state_is_refused(hvd: Any) -> None:
+    state = SlimState(density=0.02, min_compress_numel=100)
+    first, opt = model(state)
+    train(first, opt, range(2))
+    second, opt2 = model(state)
+    with pytest.raises(RuntimeError, match="another DDP model"):
+        train(second, opt2, range(2))

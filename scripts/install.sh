@@ -27,6 +27,6 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     echo "[install] torch==$TORCH_VERSION (CPU)"
     $PIP install -q "torch==$TORCH_VERSION"
 fi
-echo "[install] hvd_slim (editable) with test and example extras"
-$PIP install -q -e ".[test,examples]"
+echo "[install] hvd_slim (editable) with test, example and framework extras"
+$PIP install -q -e ".[test,examples,frameworks]"
 "$VENV/bin/python" -c "import torch, mpi4py, numpy, hvd_slim; print('[install] ok: torch', torch.__version__, 'mpi4py', mpi4py.__version__)"

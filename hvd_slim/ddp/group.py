@@ -22,7 +22,12 @@ def group_transport(group: Any) -> TorchDistTransport:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"hvd_slim.ddp: the process group's backend is {backend!r}; the "
                          f"Slim-DP hook runs on 'gloo' or 'nccl'")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"hvd_slim.ddp: rank {dist.get_rank()} is not a member of the "
+                         f"SlimState's process_group; build the SlimState with the DDP model's "
+                         f"own group (DistributedDataParallel(process_group=...))")
     device = torch.device("cpu") if backend == "gloo" else \
         torch.device("cuda", torch.cuda.current_device())
-    return TorchDistTransport(group, backend, device, dist.get_rank(group),
-                              dist.get_world_size(group), torch_world.timeout())
+    return TorchDistTransport(group, backend, device, rank, dist.get_world_size(group),
+                              torch_world.timeout())

@@ -39,6 +39,7 @@ from ..exchange.stats import ExchangeStats
 from ..transport.base import Transport
 from .adam import HookAdam
 from .checks import check_keywords
+from .group import group_transport
 
 VERSION = 1
 Keys = Tuple[int, ...]
@@ -127,7 +128,6 @@ class SlimState:
     def transport(self) -> Transport:
         """The exchange's transport over ``process_group`` (made at the first bucket)."""
         if self._transport is None:
-            from .group import group_transport
             self._transport = group_transport(self.process_group)
         return self._transport
 

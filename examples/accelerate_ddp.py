@@ -58,6 +58,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(figures, f)
+    accelerator.wait_for_everyone()   # every rank leaves together
     accelerator.end_training()
 
 

@@ -1,5 +1,6 @@
 """A plain ``torchrun`` + ``DistributedDataParallel`` script with Slim-DP as its communication
-hook: one added line (``register_comm_hook``, marked below).
+hook: one added line (``register_comm_hook``, marked below; under AdamW its ``SlimState`` takes
+the optimizer, so that each rank's Adam update travels, not its gradient).
 
 It trains a small byte-level transformer (benchmarks/convergence/lm.py: the same model and the
 standard library's sources as text, so nothing is downloaded) with AdamW and a cosine schedule,
@@ -8,6 +9,7 @@ and whether every replica ended bitwise identical::
 
     torchrun --nproc-per-node 4 -m examples.ddp_train --steps 600
     torchrun --nproc-per-node 4 -m examples.ddp_train --steps 600 --hook none   # plain DDP
+    torchrun --nproc-per-node 4 -m examples.ddp_train --hook slim-gradient  # no optimizer=
     HVD_SLIM_DENSITY=0.01 torchrun --nproc-per-node 4 -m examples.ddp_train
 
 The Slim-DP settings come from ``HVD_SLIM_*`` variables or ``SlimState``'s keywords.
@@ -50,7 +52,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=8, help="windows per rank per step")
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--hook", choices=("slim", "none", "powersgd"), default="slim")
+    ap.add_argument("--hook", choices=("slim", "slim-gradient", "none", "powersgd"), default="slim")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
     args = ap.parse_args()
@@ -60,10 +62,16 @@ def main() -> None:
     corpus = load_corpus()
     model = ByteLM()
     ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.1)
     state = None
     if args.hook == "slim":
+        # The one added line (and its import). optimizer=: each rank's AdamW update travels,
+        # not its gradient, and opt.step() applies what was delivered.
+        state = SlimState(optimizer=opt)
+        ddp.register_comm_hook(state, slim_hook)
+    elif args.hook == "slim-gradient":   # the hook without the optimizer: gradients travel
         state = SlimState()
-        ddp.register_comm_hook(state, slim_hook)   # the one added line (and its import)
+        ddp.register_comm_hook(state, slim_hook)
     elif args.hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
@@ -73,7 +81,6 @@ def main() -> None:
     data = Windows(corpus.train, 128)
     sampler = DistributedSampler(data, seed=args.seed)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.1)
     warm = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min((t + 1) / warm, 0.5 * (
         1 + math.cos(math.pi * min(1.0, t / args.steps)))))
@@ -100,7 +107,7 @@ def main() -> None:
     figures = {"hook": args.hook, "ranks": dist.get_world_size(), "steps": step,
                "val_bpb": bpb, "replicas_identical": len(set(every)) == 1,
                "seconds": seconds}
-    if args.hook == "slim":
+    if args.hook.startswith("slim"):
         st = state.comm_stats()
         figures.update(bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
                        dense_bytes=st["dense_bytes"],

@@ -19,16 +19,20 @@ NEEDS_OPTIMIZER = {
     "momentum_correction": ("None or False", lambda c: c.momentum_correction is not True,
                             "the hook sees gradients, not the optimizer's momentum"),
     "adam_exchange": ("'auto' or 'gradient'", lambda c: c.adam_exchange != "update",
-                      "the hook sees gradients, not Adam's update"),
+                      "the hook sees gradients: pass optimizer= (torch's Adam or AdamW) for "
+                      "Adam's update"),
     "magnitude_weight": ("0", lambda c: c.magnitude_weight == 0,
                          "the hook sees gradients, not the parameters"),
 }
 HOOK_KEYWORDS = frozenset(ENV_KEYWORDS)
 
 
-def check_keywords(keywords: Mapping[str, Any], config: Optional[SlimConfig] = None) -> None:
+def check_keywords(keywords: Mapping[str, Any], config: Optional[SlimConfig] = None,
+                   update: bool = False) -> None:
     """Unknown keywords (TypeError), then, given the resolved ``config``, the values a DDP hook
-    cannot serve (ConfigError naming the keyword or its variable, and what to use instead)."""
+    cannot serve (ConfigError naming the keyword or its variable, and what to use instead).
+    ``update``: an optimizer was given, so Adam's update travels (not with
+    ``adam_exchange="gradient"``)."""
     unknown = sorted(set(keywords) - HOOK_KEYWORDS)
     if unknown:
         raise TypeError(f"SlimState() got unexpected keyword(s) {', '.join(unknown)}; it takes "
@@ -36,7 +40,13 @@ def check_keywords(keywords: Mapping[str, Any], config: Optional[SlimConfig] = N
                         f"hvd_slim.DistributedOptimizer (docs/keywords.md)")
     if config is None:
         return
+    if update and config.adam_exchange == "gradient":
+        raise ConfigError(f"SlimState: optimizer= exchanges Adam's update, but adam_exchange="
+                          f"'gradient'{config.env_note('adam_exchange')}; leave it 'auto', or "
+                          f"drop optimizer= to exchange gradients", "adam_exchange")
     for name, (allowed, ok, why) in NEEDS_OPTIMIZER.items():
+        if update and name == "adam_exchange":
+            continue
         if not ok(config):
             raise ConfigError(f"SlimState: {name}={getattr(config, name)!r}"
                               f"{config.env_note(name)} cannot be served by a DDP hook ({why}); "

@@ -37,7 +37,9 @@ from ..exchange.build import build_exchange
 from ..exchange.describe import config_difference
 from ..exchange.stats import ExchangeStats
 from ..transport.base import Transport
+from .adam import HookAdam
 from .checks import check_keywords
+from .group import group_transport
 
 VERSION = 1
 Keys = Tuple[int, ...]
@@ -91,14 +93,19 @@ class SlimState:
             value from the environment names its variable.
     """
 
-    def __init__(self, process_group: Any = None, **keywords: Any) -> None:
+    def __init__(self, process_group: Any = None, optimizer: Any = None,
+                 **keywords: Any) -> None:
         transport = keywords.pop("transport", None)
         check_keywords(keywords)
         config = resolve_config(keywords)
-        check_keywords(keywords, config)
-        # The hook exchanges gradients: no optimizer is there to take momentum or Adam's update.
-        self.config: SlimConfig = config.replaced(momentum_correction=False,
-                                                  adam_exchange="gradient")
+        check_keywords(keywords, config, update=optimizer is not None)
+        if optimizer is None:   # gradients travel: no optimizer takes momentum or Adam's update
+            config = config.replaced(momentum_correction=False, adam_exchange="gradient")
+        else:                   # Adam's update travels, at the update exchange's defaults
+            config = config.replaced(momentum_correction=False, adam_exchange="update")
+            config = config.replaced(**config.update_defaults())
+        self.config: SlimConfig = config
+        self._adam = None if optimizer is None else HookAdam(optimizer)
         self.process_group = process_group
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be an hvd_slim Transport (for tests), got "
@@ -113,6 +120,7 @@ class SlimState:
         self._pass: List[tuple] = []           # this pass: begun, not yet settled
         self._failed: Optional[Exception] = None           # why this pass failed, if it did
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
+        self._new_pass = True                  # the next bucket begins a backward pass
         self.iteration = 0                     # backward passes that reached the hook
 
     # --- the transport ----------------------------------------------------------------------
@@ -120,7 +128,6 @@ class SlimState:
     def transport(self) -> Transport:
         """The exchange's transport over ``process_group`` (made at the first bucket)."""
         if self._transport is None:
-            from .group import group_transport
             self._transport = group_transport(self.process_group)
         return self._transport
 
@@ -139,9 +146,14 @@ class SlimState:
         end of backward. An error ends the pass on every bucket, each keeping its gradient."""
         fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future()
         try:
+            if self._new_pass and self._adam is not None:
+                self._adam.new_pass()
+            self._new_pass = False
             if self._failed is not None:
                 raise self._failed
             keys, numels = self._keys_of(index, params), tuple(p.numel() for p in params)
+            if self._adam is not None:   # this rank's Adam update travels, not its gradient
+                self._adam.precondition(keys, params, buffer, self.transport.size)
             b = self._live.get(frozenset(keys))
             if b is None:
                 b = self._begin(index, buffer, keys, numels)
@@ -149,7 +161,7 @@ class SlimState:
             # the exchange keeps its own order, so a resumed run matches an unbroken one.
             order = None if keys == b.keys else b.order(keys, numels)
             b.stand_in.grad = buffer if order is None else buffer.index_select(0, order)
-            self._pass.append((b, b.exchange.begin(), fut, order, buffer))
+            self._pass.append((b, b.exchange.begin(), fut, order, buffer, list(params)))
         except Exception as exc:  # noqa: BLE001 - every bucket of the pass reports it
             self._fail(exc, fut)
         if last:
@@ -157,7 +169,7 @@ class SlimState:
                 if self._failed is None:
                     self._settle()
             finally:
-                self._pass, self._failed = [], None
+                self._pass, self._failed, self._new_pass = [], None, True
                 self.iteration += 1
                 self._keys_final = True
         return fut
@@ -166,15 +178,19 @@ class SlimState:
         skipped = any(entry[1].pulled is None for entry in self._pass)
         for b, pending, *_ in self._pass:
             b.exchange.settle(pending, commit=not skipped)
+        if self._adam is not None:
+            self._adam.settle(keep=not skipped)
         if skipped:
             self._skipped += 1
             if self.config.nonfinite == "flag":
                 for b, *_ in self._pass:
                     b.exchange.flag_grads()
-        for b, _, fut, order, buffer in self._pass:
+        for b, _, fut, order, buffer, params in self._pass:
             got = b.stand_in.grad
-            fut.set_result(got if order is None else
-                           torch.empty_like(buffer).index_copy_(0, order, got))
+            result = got if order is None else torch.empty_like(buffer).index_copy_(0, order, got)
+            if self._adam is not None:
+                self._adam.deliver(params, result)
+            fut.set_result(result)
 
     def _fail(self, exc: Exception, fut: "torch.futures.Future[torch.Tensor]") -> None:
         """The pass failed: what its exchanges began keeps its gradient in their residuals."""
@@ -184,6 +200,8 @@ class SlimState:
                 b.exchange.absorb(pending)
                 other.set_exception(exc)
             self._pass = []
+            if self._adam is not None:   # the updates wait in the residuals: keep the moments
+                self._adam.settle(keep=True)
         fut.set_exception(exc)
 
     def _keys_of(self, index: int, params: Sequence[torch.Tensor]) -> Keys:
@@ -315,7 +333,8 @@ class SlimState:
         return {"version": VERSION, "iteration": self.iteration,
                 "config": self.config.effective_dict(), "buckets": live + list(self._saved),
                 "carry": dict(self._carry), "retired": dict(self._retired),
-                "skipped": self._skipped}
+                "skipped": self._skipped,
+                "adam": None if self._adam is None else self._adam.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (this rank's own) before the first backward pass of a
@@ -341,6 +360,8 @@ class SlimState:
             raise ValueError("hvd_slim.ddp: a SlimState checkpoint needs 'iteration' (an integer "
                              ">= 0), 'buckets' (each with keys, numels and its exchange) and "
                              "'carry'; load a SlimState.state_dict()")
+        if self._adam is not None:
+            self._adam.load_state_dict(state.get("adam"))   # refused before anything changes
         retired = state.get("retired", {})
         self._live, self._keys, self._keys_final = {}, {}, False
         self._saved = [dict(s) for s in buckets]

@@ -177,3 +177,42 @@ def test_a_second_model_on_one_state_is_refused(hvd: Any) -> None:
     second, opt2 = model(state)
     with pytest.raises(RuntimeError, match="another DDP model"):
         train(second, opt2, range(2))
+
+
+def test_adamw_through_the_hook_keeps_replicas_identical_and_resumes(hvd: Any) -> None:
+    """SlimState(optimizer=AdamW): each rank's update travels and opt.step() applies what was
+    delivered; with an LR scheduler made afterwards, and a checkpoint mid-run."""
+    def make() -> Any:
+        ddp = DDP(Net())
+        opt = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.1)
+        state = SlimState(optimizer=opt, min_compress_numel=100)
+        ddp.register_comm_hook(state, slim_hook)
+        return ddp, opt, state, torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5)
+
+    def steps(ddp: DDP, opt: Any, sched: Any, span: range) -> None:
+        for t in span:
+            x, y = batch(t, dist.get_rank())
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            sched.step()
+
+    ddp, opt, state, sched = make()
+    start = flat(ddp.module)
+    steps(ddp, opt, sched, range(8))
+    assert same_everywhere(flat(ddp.module)) and not torch.equal(flat(ddp.module), start)
+
+    half, hopt, hstate, hsched = make()
+    steps(half, hopt, hsched, range(4))
+    saved = io.BytesIO()
+    torch.save({"model": half.module.state_dict(), "opt": hopt.state_dict(),
+                "sched": hsched.state_dict(), "slim": hstate.state_dict()}, saved)
+    saved.seek(0)
+    ckpt = torch.load(saved, weights_only=True)
+    again, aopt, astate, asched = make()
+    again.module.load_state_dict(ckpt["model"])
+    aopt.load_state_dict(ckpt["opt"])
+    asched.load_state_dict(ckpt["sched"])
+    astate.load_state_dict(ckpt["slim"])
+    steps(again, aopt, asched, range(4, 8))
+    assert torch.equal(flat(again.module), flat(ddp.module))

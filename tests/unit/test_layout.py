@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "hvd_slim"
 # Lower layers first: a module may import its own layer's and the ones before it.
 LAYERS = ["wire", "config", "selection", "memory", "transport", "runtime", "exchange", "outer",
-          "api", "optim", "elastic"]
+          "api", "optim", "ddp", "elastic"]
 # Imported inside functions on purpose: importing mpi4py initialises MPI, which
 # ``import hvd_slim`` must not do (a Gloo or NCCL job, a machine without MPI).
 LAZY = {"hvd_slim.transport.mpi", "hvd_slim.transport.mpi_api", "hvd_slim.transport.mpi_comm",

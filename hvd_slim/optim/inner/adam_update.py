@@ -126,30 +126,12 @@ class AdamUpdate:
                     raise ValueError(f"hvd_slim: parameter {s.name!r} has a sparse gradient, "
                                      "which adam_exchange='update' does not serve; pass "
                                      "adam_exchange='gradient'")
-                group = groups[gi]
-                b1, b2 = group["betas"]
-                lr, eps, wd = _scalar(group["lr"]), group["eps"], group["weight_decay"]
                 gv = g32[lo:hi].view(p.shape)
                 gv.copy_(grad)
-                if group.get("maximize", False):
-                    gv.neg_()
-                if wd and not _decoupled(self.opt, group):
-                    gv.add_(p.detach(), alpha=wd)
-                t = self.steps[bi][j] + 1
-                torch.lerp(m[lo:hi], g32[lo:hi], 1 - b1, out=mn[lo:hi])
-                torch.mul(v[lo:hi], b2, out=vn[lo:hi]).addcmul_(g32[lo:hi], g32[lo:hi],
-                                                                 value=1 - b2)
-                bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-                # w' = b2 * w + (1 - b2) * (m' / bc1)^2, then the estimated second moment of
-                # the ranks' average gradient, (v' / N + (1 - 1/N) * w') / bc2, in g32.
-                n = self.size
-                mh = torch.div(mn[lo:hi], bc1, out=g32[lo:hi])
-                torch.mul(w[lo:hi], b2, out=wn[lo:hi]).addcmul_(mh, mh, value=1 - b2)
-                est = torch.mul(wn[lo:hi], (1 - 1 / n) / bc2, out=g32[lo:hi])
-                est.add_(vn[lo:hi], alpha=1 / (n * bc2))
-                # u = lr * m_hat / (sqrt(est) + eps), written over the estimate.
-                denom = est.sqrt_().add_(eps)
-                torch.div(mn[lo:hi], denom, out=denom).mul_(lr / bc1)
+                sl = slice(lo, hi)
+                rank_update(g32[sl], p, groups[gi], _decoupled(self.opt, groups[gi]),
+                            (m[sl], v[sl], w[sl]), (mn[sl], vn[sl], wn[sl]),
+                            self.steps[bi][j] + 1, self.size)
                 grad.copy_(gv)
                 flags.append(True)
             stepped.append(flags)
@@ -201,15 +183,12 @@ class AdamUpdate:
                 if only is not None and id(p) not in only:
                     continue
                 group = groups[gi]
-                if decay and group["weight_decay"] and _decoupled(self.opt, group):
-                    p.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
+                delta = p.grad
                 if snap is not None:
                     delta = snap[bi][s.offset:s.offset + s.numel].view(p.shape)
                     if p.grad is not None and not changed:
                         changed = not torch.equal(p.grad, delta.to(p.grad.dtype))
-                    p.sub_(delta.to(p.dtype))
-                elif p.grad is not None:
-                    p.sub_(p.grad)
+                step_by(p, delta, group, _decoupled(self.opt, group), decay)
         if changed and not AdamUpdate._warned_changed:
             AdamUpdate._warned_changed = True
             log.warning("hvd_slim: p.grad changed between synchronize() and step() (a "
@@ -260,6 +239,46 @@ class AdamUpdate:
         self.steps = [[int(x) for x in s] for s in state["steps"]]
         self._stepped = None
         self._snapshot = None
+
+
+@torch.no_grad()
+def rank_update(g: torch.Tensor, p: torch.Tensor, group: Dict[str, Any], decoupled: bool,
+                moments: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor, ...], t: int,
+                n: int) -> None:
+    """This rank's Adam update of one parameter ``p``, written over ``g`` (its gradient in, flat
+    float32), and its next moments into ``out`` from ``moments``: Adam's ``m`` and ``v`` of this
+    rank's gradient and ``w``, the slow mean of ``m_hat^2`` (module docstring), at Adam step
+    ``t`` of ``n`` ranks."""
+    (m, v, w), (mn, vn, wn) = moments, out
+    b1, b2 = group["betas"]
+    lr, eps, wd = _scalar(group["lr"]), group["eps"], group["weight_decay"]
+    if group.get("maximize", False):
+        g.neg_()
+    if wd and not decoupled:
+        g.add_(p.detach().reshape(-1), alpha=wd)
+    torch.lerp(m, g, 1 - b1, out=mn)
+    torch.mul(v, b2, out=vn).addcmul_(g, g, value=1 - b2)
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    # w' = b2 * w + (1 - b2) * (m' / bc1)^2, then the estimated second moment of the ranks'
+    # average gradient, (v' / N + (1 - 1/N) * w') / bc2, in g.
+    mh = torch.div(mn, bc1, out=g)
+    torch.mul(w, b2, out=wn).addcmul_(mh, mh, value=1 - b2)
+    est = torch.mul(wn, (1 - 1 / n) / bc2, out=g)
+    est.add_(vn, alpha=1 / (n * bc2))
+    # u = lr * m_hat / (sqrt(est) + eps), written over the estimate.
+    denom = est.sqrt_().add_(eps)
+    torch.div(mn, denom, out=denom).mul_(lr / bc1)
+
+
+@torch.no_grad()
+def step_by(p: torch.Tensor, delta: Optional[torch.Tensor], group: Dict[str, Any], decoupled: bool,
+            decay: bool = True) -> None:
+    """Step ``p`` by a delivered update: AdamW's decoupled decay ``p *= 1 - lr * wd`` first
+    (``decay``), then ``p -= delta``."""
+    if decay and group["weight_decay"] and decoupled:
+        p.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
+    if delta is not None:   # None: no gradient here, the decay alone (as before this helper)
+        p.sub_(delta.to(p.dtype))
 
 
 def _decoupled(opt: torch.optim.Optimizer, group: Dict[str, Any]) -> bool:

@@ -1,0 +1,157 @@
+"""Adam's update through the DDP hook: ``SlimState(optimizer=opt)`` with torch's Adam or AdamW.
+
+A hook sees gradients, and under Adam compressed gradients fed into one Adam fall far behind
+(docs/accuracy.md; 18.8% on the 600-step transformer through the hook). As
+``DistributedOptimizer`` does (optim/inner/adam_update.py, whose arithmetic this shares), each
+rank turns each bucket's gradient into its own Adam update with its own moments before the
+exchange, and the exchange carries updates. The optimizer's ``step()`` is then taken over: it
+steps every parameter the hook delivered by the delivered update (AdamW's decoupled decay first),
+not by Adam again. Its ``param_groups`` stay the user's, so LR schedulers work as before.
+
+What ``step()`` applies is the update as the hook delivered it: a ``GradScaler``'s ``unscale_``
+or a clip of ``p.grad`` after backward does not change it (the exchange carries each rank's
+update, already normalised). The moments follow the pass: kept when it commits, dropped when
+every rank skipped it.
+"""
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from ..optim.inner.adam_update import _decoupled, rank_update, step_by
+
+log = logging.getLogger("hvd_slim")
+FORMAT = 1
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuse what the update exchange cannot serve, naming the setting."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(f"SlimState(optimizer=...) takes torch.optim.Adam or AdamW, got "
+                         f"{type(optimizer).__name__}: other optimizers step on the exchanged "
+                         f"gradients as DDP's allreduce would leave them; leave optimizer unset")
+    for g in optimizer.param_groups:
+        for flag in ("amsgrad", "differentiable", "foreach_step_is_per_param"):
+            if g.get(flag, False):
+                raise ValueError(f"SlimState(optimizer=...): {flag}=True is not served by the "
+                                 f"update exchange; leave optimizer unset")
+    if getattr(optimizer, "_hvd_slim_hook_adam", None) is not None:
+        raise ValueError("SlimState(optimizer=...): this optimizer already serves another "
+                         "SlimState; make one optimizer per state")
+
+
+class HookAdam:
+    """Each rank's Adam moments for the parameters the hook exchanges (by their key), and the
+    wrapped optimizer's ``step()`` taken over."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        check_optimizer(optimizer)
+        self.opt = optimizer
+        # By position: load_state_dict() replaces the group dicts (and a scheduler then steps
+        # the new ones' lr).
+        self._group = {id(p): i for i, g in enumerate(optimizer.param_groups)
+                       for p in g["params"]}
+        # key -> [m, v, w, steps]; next moments of the pass in flight: key -> (mn, vn, wn)
+        self.moments: Dict[int, list] = {}
+        self._next: Dict[int, tuple] = {}
+        self._delivered: Dict[int, torch.Tensor] = {}   # id(param) -> its update, this pass
+        optimizer.step = types.MethodType(_step, optimizer)  # type: ignore[method-assign]
+        optimizer._hvd_slim_hook_adam = self  # type: ignore[attr-defined]
+
+    # --- in the hook ------------------------------------------------------------------------
+    @torch.no_grad()
+    def precondition(self, keys: Sequence[int], params: Sequence[torch.Tensor],
+                     buffer: torch.Tensor, size: int) -> None:
+        """Turn the bucket's gradients (``buffer``, ``params`` in bucket order) into this
+        rank's Adam updates, in place; the next moments wait for :meth:`settle`."""
+        offset = 0
+        for k, p in zip(keys, params):
+            n = p.numel()
+            gi = self._group.get(id(p))
+            if gi is None:
+                raise ValueError(f"SlimState(optimizer=...): a parameter of shape "
+                                 f"{tuple(p.shape)} in DDP's buckets is not in the optimizer; "
+                                 f"give SlimState the optimizer of the whole DDP model")
+            group = self.opt.param_groups[gi]
+            mom = self.moments.get(k)
+            if mom is None:
+                mom = self.moments[k] = [torch.zeros(n, dtype=torch.float32, device=p.device)
+                                         for _ in range(3)] + [0]
+            nxt = tuple(torch.empty_like(mom[0]) for _ in range(3))
+            g = buffer[offset:offset + n].to(torch.float32, copy=True)
+            rank_update(g, p, group, _decoupled(self.opt, group), tuple(mom[:3]), nxt,
+                        mom[3] + 1, size)
+            buffer[offset:offset + n].copy_(g)
+            self._next[k] = nxt
+            offset += n
+
+    def settle(self, keep: bool) -> None:
+        """The pass ended: ``keep`` the new moments (committed, or failed with the updates in
+        the residuals), or drop them (every rank skipped it)."""
+        if keep:
+            for k, (mn, vn, wn) in self._next.items():
+                mom = self.moments[k]
+                mom[0], mom[1], mom[2], mom[3] = mn, vn, wn, mom[3] + 1
+        self._next = {}
+
+    def deliver(self, params: Sequence[torch.Tensor], result: torch.Tensor) -> None:
+        """What the pass delivered for ``params`` (bucket order), for :func:`_step`."""
+        offset = 0
+        for p in params:
+            n = p.numel()
+            self._delivered[id(p)] = result[offset:offset + n].detach().clone().view(p.shape)
+            offset += n
+
+    def new_pass(self) -> None:
+        """A backward pass begins: a delivery its step never took (GradScaler skipped it) is
+        dropped."""
+        self._delivered = {}
+
+    # --- the optimizer's step ---------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.opt.param_groups:
+            decoupled = _decoupled(self.opt, group)
+            for p in group["params"]:
+                delta = self._delivered.pop(id(p), None)
+                if delta is not None:
+                    step_by(p, delta, group, decoupled)
+
+    # --- checkpoint -------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"format": FORMAT, "moments": {k: {"exp_avg": m[0].clone(),
+                                                   "exp_avg_sq": m[1].clone(),
+                                                   "mean_sq": m[2].clone(), "step": m[3]}
+                                               for k, m in self.moments.items()}}
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        if not isinstance(state, dict) or state.get("format") != FORMAT or \
+                not isinstance(state.get("moments"), dict):
+            raise ValueError("hvd_slim.ddp: the checkpoint holds no Adam moments of the update "
+                             "exchange (was it saved by a SlimState without optimizer=?)")
+        moments: Dict[int, List[Any]] = {}
+        for k, m in state["moments"].items():
+            if not isinstance(m, dict) or not all(isinstance(m.get(x), torch.Tensor) for x in
+                                                  ("exp_avg", "exp_avg_sq", "mean_sq")):
+                raise ValueError(f"hvd_slim.ddp: the Adam moments of parameter {k} are "
+                                 f"malformed in the checkpoint")
+            moments[int(k)] = [m["exp_avg"].clone(), m["exp_avg_sq"].clone(),
+                               m["mean_sq"].clone(), int(m["step"])]
+        self.moments, self._next, self._delivered = moments, {}, {}
+
+
+def _step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+    """The wrapped optimizer's ``step()`` under the hook's update exchange: each parameter
+    steps by the update the hook delivered for it (see the module docstring)."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    self._hvd_slim_hook_adam.step()  # type: ignore[attr-defined]
+    # An LR scheduler made before the SlimState wrapped the step this replaces; it checks this
+    # flag to tell that the optimizer stepped.
+    self._opt_called = True  # type: ignore[attr-defined]
+    return loss

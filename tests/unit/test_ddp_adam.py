@@ -1,0 +1,146 @@
+"""``SlimState(optimizer=...)``: Adam's update through the DDP hook (hvd_slim/ddp/adam.py). Each
+rank's own Adam update travels and the optimizer's step applies what was delivered: on one rank
+with an exact exchange that is torch's AdamW itself, and on three the average of each rank's own
+Adam update, computed here in closed form. Skipped passes leave the moments alone, a checkpoint
+resumes bitwise, and what cannot be served is refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvd_slim.config import ConfigError
+from hvd_slim.ddp import SlimState
+from hvd_slim.transport import run_ranks
+
+from test_ddp_state import BUCKETS, SHAPES, grads, iterate
+
+EXACT = dict(density=1.0, value_bits=32)
+
+
+_GEN = torch.Generator().manual_seed(1)
+_INIT = [torch.randn(s, generator=_GEN) * 0.1 for _, s in SHAPES]   # made once: ranks are threads
+
+
+def make_params():
+    return [torch.nn.Parameter(x.clone()) for x in _INIT]
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def hook_run(size, steps, state_kw, skip_at=None, save=None, load=None):
+    """Each rank: the hook's passes, then the optimizer's step; returns its parameters."""
+    def body(rank, tr):
+        params = make_params()
+        opt = adamw(params)
+        state = SlimState(transport=tr, optimizer=opt, **state_kw)
+        if load is not None:
+            state.load_state_dict(load[rank][0])
+            opt.load_state_dict(load[rank][1])
+            for p, saved in zip(params, load[rank][2]):
+                p.data.copy_(saved)
+        first = 0 if load is None else load[rank][3]
+        for t in range(first, first + steps):
+            iterate(state, params, rank, t)
+            opt.step()
+        out = [p.detach().clone() for p in params]
+        if save:
+            return state.state_dict(), opt.state_dict(), out, first + steps
+        return out
+    return run_ranks(size, body, timeout=60)
+
+
+def test_one_rank_with_an_exact_exchange_is_torchs_adamw():
+    got = hook_run(1, 4, EXACT)[0]
+    ref = make_params()
+    opt = adamw(ref)
+    for t in range(4):
+        for p, g in zip(ref, grads(0, t)):
+            p.grad = g
+        opt.step()
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_three_ranks_apply_the_average_of_their_own_adam_updates():
+    """The closed form (optim/inner/adam_update.py's docstring): each rank's Adam moments of its
+    own gradient, normalised by its estimate of the average's second moment
+    ``(v / N + (1 - 1/N) * w) / bc2``; every replica steps by the average of the updates."""
+    n, steps, lr, wd, (b1, b2), eps = 3, 3, 0.01, 0.1, (0.9, 0.999), 1e-8
+    hooked = hook_run(n, steps, EXACT)
+    ref = [p.detach().clone() for p in make_params()]
+    mom = [[[torch.zeros_like(p) for _ in range(3)] for p in ref] for _ in range(n)]
+    for t in range(1, steps + 1):
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        total = [torch.zeros_like(p) for p in ref]
+        for r in range(n):
+            for j, g in enumerate(grads(r, t - 1)):
+                m, v, w = mom[r][j]
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                mh = m / bc1
+                w.mul_(b2).addcmul_(mh, mh, value=1 - b2)
+                est = (v / n + (1 - 1 / n) * w) / bc2
+                total[j] += lr * mh / (est.sqrt() + eps)
+        for p, u in zip(ref, total):
+            p.mul_(1 - lr * wd).sub_(u / n)
+    for r in range(n):
+        assert all(torch.equal(a, b) for a, b in zip(hooked[r], hooked[0]))
+        for a, b in zip(hooked[r], ref):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_replicas_stay_identical_and_resume_bitwise():
+    full = hook_run(2, 6, {"density": 0.05})
+    first = hook_run(2, 3, {"density": 0.05}, save=True)
+    resumed = hook_run(2, 3, {"density": 0.05}, load=first)
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(full[r], full[0]))
+        assert all(torch.equal(a, b) for a, b in zip(resumed[r], full[r]))
+
+
+def test_a_skipped_pass_leaves_the_moments_alone():
+    def body(rank, tr):
+        params = make_params()
+        opt = adamw(params)
+        state = SlimState(transport=tr, optimizer=opt, density=0.05)
+        iterate(state, params, rank, 0)
+        opt.step()
+        before = state.state_dict()["adam"]
+        for p, g in zip(params, grads(rank, 1)):
+            p.grad = g
+        if rank == 1:
+            params[2].grad[0, 0] = float("inf")
+        from test_ddp_state import FakeBucket
+        from hvd_slim.ddp import slim_hook
+        futs = [slim_hook(state, FakeBucket(i, [params[j] for j in m], i == 1))
+                for i, m in enumerate(BUCKETS)]
+        assert all(bool(torch.isnan(f.wait()).all()) for f in futs)
+        after = state.state_dict()["adam"]
+        return all(torch.equal(before["moments"][k][x], after["moments"][k][x])
+                   for k in before["moments"] for x in ("exp_avg", "exp_avg_sq"))
+    assert run_ranks(2, body, timeout=60) == [True, True]
+
+
+def test_what_the_update_exchange_cannot_serve_is_refused():
+    params = make_params()
+    with pytest.raises(ValueError, match="takes torch.optim.Adam or AdamW, got SGD"):
+        SlimState(optimizer=torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        SlimState(optimizer=torch.optim.Adam(params, amsgrad=True))
+    with pytest.raises(ConfigError, match="adam_exchange='gradient'"):
+        SlimState(optimizer=adamw(params), adam_exchange="gradient")
+    with pytest.raises(ConfigError, match="pass optimizer="):
+        SlimState(adam_exchange="update")
+    opt = adamw(params)
+    SlimState(optimizer=opt)
+    with pytest.raises(ValueError, match="already serves another SlimState"):
+        SlimState(optimizer=opt)
+
+
+def test_the_update_exchanges_defaults_apply_unless_given():
+    st = SlimState(optimizer=adamw(make_params()))
+    assert (st.config.density, st.config.value_bits, st.config.adam_exchange) == (0.05, 2, "update")
+    st = SlimState(optimizer=adamw(make_params()), density=0.01)
+    assert (st.config.density, st.config.value_bits) == (0.01, 2)

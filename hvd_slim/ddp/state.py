@@ -24,6 +24,7 @@ parameter when DDP lays it out otherwise.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -40,6 +41,7 @@ from ..transport.base import Transport
 from .adam import HookAdam
 from .checks import check_keywords
 from .group import group_transport
+from .passes import NOT_BEGUN, Starter
 
 VERSION = 1
 Keys = Tuple[int, ...]
@@ -121,6 +123,7 @@ class SlimState:
         self._failed: Optional[Exception] = None           # why this pass failed, if it did
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
         self._new_pass = True                  # the next bucket begins a backward pass
+        self._start: Optional[Starter] = None  # where the exchanges run (made at the first)
         self.iteration = 0                     # backward passes that reached the hook
 
     # --- the transport ----------------------------------------------------------------------
@@ -161,20 +164,41 @@ class SlimState:
             # the exchange keeps its own order, so a resumed run matches an unbroken one.
             order = None if keys == b.keys else b.order(keys, numels)
             b.stand_in.grad = buffer if order is None else buffer.index_select(0, order)
-            self._pass.append((b, b.exchange.begin(), fut, order, buffer, list(params)))
+            self._pass.append((b, self._starter().start(b.exchange), fut, order, buffer,
+                               list(params)))
         except Exception as exc:  # noqa: BLE001 - every bucket of the pass reports it
             self._fail(exc, fut)
         if last:
             try:
-                if self._failed is None:
-                    self._settle()
+                self._settle()
             finally:
                 self._pass, self._failed, self._new_pass = [], None, True
+                if self._start is not None:
+                    self._start.end_pass()
                 self.iteration += 1
                 self._keys_final = True
         return fut
 
+    def _starter(self) -> Starter:
+        if self._start is None:
+            self._start = Starter(self.transport.threads_allowed())
+        return self._start
+
     def _settle(self) -> None:
+        """The pass's end: wait for every exchange it started, then commit or drop them all
+        (or, after an error, keep each one's gradient in its residual)."""
+        begun = []
+        for entry in self._pass:
+            try:
+                begun.append(entry[1].result())
+            except Exception as exc:  # noqa: BLE001 - the pass fails with it
+                begun.append(exc)
+                self._failed = self._failed or exc
+        self._pass = [(b, pending) + tuple(rest)
+                      for (b, _, *rest), pending in zip(self._pass, begun)]
+        if self._failed is not None:
+            self._fail(self._failed, None)
+            return
         skipped = any(entry[1].pulled is None for entry in self._pass)
         for b, pending, *_ in self._pass:
             b.exchange.settle(pending, commit=not skipped)
@@ -192,17 +216,27 @@ class SlimState:
                 self._adam.deliver(params, result)
             fut.set_result(result)
 
-    def _fail(self, exc: Exception, fut: "torch.futures.Future[torch.Tensor]") -> None:
-        """The pass failed: what its exchanges began keeps its gradient in their residuals."""
-        if self._failed is None:
-            self._failed = exc
-            for b, pending, other, *_ in self._pass:
+    def _fail(self, exc: Exception, fut: "Optional[torch.futures.Future[torch.Tensor]]"
+              ) -> None:
+        """The pass failed (``fut``: a bucket's future to fail too): what its exchanges began
+        keeps its gradient in their residuals. Called in DDP's thread for an error there, and
+        at the pass's end for one an exchange raised."""
+        self._failed = exc
+        for b, pending, other, *_ in self._pass:
+            if pending is NOT_BEGUN:
+                b.exchange.absorb(None)   # its proposals made here, kept in its residual
+            elif isinstance(pending, Exception):
+                pass                      # begin() settled its own failure
+            elif isinstance(pending, concurrent.futures.Future):
+                _wait_and_absorb(b, pending)
+            else:
                 b.exchange.absorb(pending)
-                other.set_exception(exc)
-            self._pass = []
-            if self._adam is not None:   # the updates wait in the residuals: keep the moments
-                self._adam.settle(keep=True)
-        fut.set_exception(exc)
+            other.set_exception(exc)
+        self._pass = []
+        if self._adam is not None:   # the updates wait in the residuals: keep the moments
+            self._adam.settle(keep=True)
+        if fut is not None:
+            fut.set_exception(exc)
 
     def _keys_of(self, index: int, params: Sequence[torch.Tensor]) -> Keys:
         out = []
@@ -368,3 +402,16 @@ class SlimState:
         self._carry = {int(k): v for k, v in carry.items()}
         self._retired = {f: retired.get(f, 0) for f in ExchangeStats.FIELDS}
         self.iteration, self._skipped = it, int(state.get("skipped", 0))
+
+
+def _wait_and_absorb(b: _Bucket, started: "concurrent.futures.Future[Any]") -> None:
+    """A bucket started on the communication thread when DDP's thread failed: once its
+    exchange is back, keep its gradient in its residual."""
+    try:
+        pending = started.result()
+    except Exception:  # noqa: BLE001 - begin() settled its own failure
+        return
+    if pending is NOT_BEGUN:
+        b.exchange.absorb(None)
+    else:
+        b.exchange.absorb(pending)

@@ -243,3 +243,46 @@ def test_a_variable_is_named_and_an_unknown_keyword_refused(monkeypatch):
     assert SlimState().config.density == 0.03
     with pytest.raises(TypeError, match="unexpected keyword.*named_parameters"):
         SlimState(named_parameters=[])
+
+
+def test_an_exchange_failing_mid_pass_fails_every_bucket_and_loses_nothing():
+    """Bucket 1's exchange raises on every rank (on the communication thread): every bucket's
+    future carries the error, and what the pass fed in waits in the residuals."""
+    def body(rank, tr):
+        state, params = SlimState(transport=tr, density=0.05), make_params()
+        iterate(state, params, rank, 0)
+        before = state.held_by_parameter()
+        broken = next(b for b in state._live.values() if 2 in b.keys)
+
+        def boom(*args):   # inside the exchange's collective phases, which then keep the
+            raise RuntimeError("boom")   # gradient in the residual, as on a real failure
+        broken.exchange.agreement.ensure = boom
+        for p, g in zip(params, grads(rank, 1)):
+            p.grad = g
+        futures = [slim_hook(state, FakeBucket(i, [params[j] for j in m], i == 1))
+                   for i, m in enumerate(BUCKETS)]
+        errors = []
+        for f in futures:
+            with pytest.raises(RuntimeError, match="boom"):
+                f.wait()
+            errors.append(True)
+        after = state.held_by_parameter()
+        fed = grads(rank, 1)
+        kept = all(torch.allclose(after[j], before[j] + fed[j].reshape(-1).double(), atol=1e-5)
+                   for j in range(4))
+        return errors, kept
+    assert run_ranks(2, body, timeout=60) == [([True, True], True)] * 2
+
+
+def test_inline_where_the_transport_allows_no_second_thread():
+    """MPI without MPI_THREAD_MULTIPLE: each exchange runs in DDP's thread, with the same bits."""
+    def body(rank, tr):
+        tr.threads_allowed = lambda: False
+        state, params = SlimState(transport=tr, density=0.05), make_params()
+        out = [iterate(state, params, rank, t) for t in range(3)]
+        return out, state._start._pool is None
+    inline = run_ranks(2, body, timeout=60)
+    threaded = run(2, 3, density=0.05)
+    for (res, no_pool), (ref, _) in zip(inline, threaded):
+        assert no_pool
+        assert all(torch.equal(res[t][j], ref[t][j]) for t in range(3) for j in range(4))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -80,8 +81,10 @@ class SlimState:
         ddp_model.register_comm_hook(SlimState(), slim_hook)
 
     Args:
-        process_group: The process group the exchange runs on (default None: the default
-            group, as DDP's). Its backend carries the messages: Gloo (CPU gradients) or NCCL.
+        process_group: The process group the exchange runs on (default None: a private
+            group over the default group's ranks, made at the first bucket, whose exchanges
+            run on a communication thread; a group given is used as it is, in DDP's thread).
+            Gloo carries CPU gradients, NCCL CUDA ones.
         **keywords: The Slim-DP keywords of ``hvd_slim.DistributedOptimizer`` (``density``,
             ``value_bits``, ``pull_value_bits``, ``servers``, ``nonfinite``, ``timeout``, the
             warm-up's, ...), each read from ``HVD_SLIM_<NAME>`` when not passed. What needs
@@ -113,10 +116,13 @@ class SlimState:
             raise TypeError(f"transport must be an hvd_slim Transport (for tests), got "
                             f"{type(transport).__name__}")
         self._transport: Optional[Transport] = transport
+        self._private = transport is not None   # a private group (or a test's): threads allowed
         self._live: Dict[frozenset, _Bucket] = {}   # by the parameters a bucket carries
         self._saved: List[dict] = []           # loaded exchanges waiting for their bucket
         self._carry: Dict[int, torch.Tensor] = {}   # by key: held values waiting for a bucket
-        self._keys: Dict[int, int] = {}        # id(parameter) -> key
+        # id(parameter) -> (a weak reference to it, its key)
+        self._keys: Dict[int, Tuple[Any, int]] = {}
+        self._next_key = 0
         self._keys_final = False               # after the first backward pass: no new ones
         self._retired = {f: 0 for f in ExchangeStats.FIELDS}
         self._pass: List[tuple] = []           # this pass: begun, not yet settled
@@ -127,11 +133,10 @@ class SlimState:
         self.iteration = 0                     # backward passes that reached the hook
 
     # --- the transport ----------------------------------------------------------------------
-    @property
-    def transport(self) -> Transport:
-        """The exchange's transport over ``process_group`` (made at the first bucket)."""
+    def _transport_for(self, device: torch.device) -> Transport:
+        """The exchange's transport (made at the first bucket, for its gradients' device)."""
         if self._transport is None:
-            self._transport = group_transport(self.process_group)
+            self._transport, self._private = group_transport(self.process_group, device)
         return self._transport
 
     # --- one backward pass ------------------------------------------------------------------
@@ -155,8 +160,9 @@ class SlimState:
             if self._failed is not None:
                 raise self._failed
             keys, numels = self._keys_of(index, params), tuple(p.numel() for p in params)
+            transport = self._transport_for(buffer.device)
             if self._adam is not None:   # this rank's Adam update travels, not its gradient
-                self._adam.precondition(keys, params, buffer, self.transport.size)
+                self._adam.precondition(keys, params, buffer, transport.size)
             b = self._live.get(frozenset(keys))
             if b is None:
                 b = self._begin(index, buffer, keys, numels)
@@ -181,7 +187,8 @@ class SlimState:
 
     def _starter(self) -> Starter:
         if self._start is None:
-            self._start = Starter(self.transport.threads_allowed())
+            tr = self._transport
+            self._start = Starter(self._private and tr is not None and tr.threads_allowed())
         return self._start
 
     def _settle(self) -> None:
@@ -241,14 +248,17 @@ class SlimState:
     def _keys_of(self, index: int, params: Sequence[torch.Tensor]) -> Keys:
         out = []
         for p in params:
-            k = self._keys.get(id(p))
+            known = self._keys.get(id(p))
+            # The same object, not a new one that took a freed parameter's id.
+            k = known[1] if known is not None and known[0]() is p else None
             if k is None:
                 if self._keys_final:
                     raise ValueError(f"hvd_slim.ddp: DDP's bucket {index} carries a parameter "
                                      f"({tuple(p.shape)}) this SlimState has not seen: it "
                                      f"already serves another DDP model. Make one SlimState "
                                      f"per model")
-                k = self._keys[id(p)] = len(self._keys)
+                k, self._next_key = self._next_key, self._next_key + 1
+                self._keys[id(p)] = (weakref.ref(p), k)
             out.append(k)
         return tuple(out)
 
@@ -293,7 +303,8 @@ class SlimState:
         # bucket's storage, so the exchange keeps no second copy of the gradients.
         stand_in = torch.nn.Parameter(buffer.detach(), requires_grad=False)
         layout = Layout([(f"bucket{index}", stand_in)], self.config, lambda dt: dt)
-        return _Bucket(build_exchange(layout, self.config, self.transport), stand_in, index,
+        return _Bucket(build_exchange(layout, self.config, self._transport_for(buffer.device)),
+                       stand_in, index,
                        keys, numels)
 
     def _retire(self, b: _Bucket) -> None:
@@ -397,7 +408,7 @@ class SlimState:
         if self._adam is not None:
             self._adam.load_state_dict(state.get("adam"))   # refused before anything changes
         retired = state.get("retired", {})
-        self._live, self._keys, self._keys_final = {}, {}, False
+        self._live, self._keys, self._keys_final, self._next_key = {}, {}, False, 0
         self._saved = [dict(s) for s in buckets]
         self._carry = {int(k): v for k, v in carry.items()}
         self._retired = {f: retired.get(f, 0) for f in ExchangeStats.FIELDS}

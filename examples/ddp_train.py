@@ -10,6 +10,7 @@ and whether every replica ended bitwise identical::
     torchrun --nproc-per-node 4 -m examples.ddp_train --steps 600
     torchrun --nproc-per-node 4 -m examples.ddp_train --steps 600 --hook none   # plain DDP
     torchrun --nproc-per-node 4 -m examples.ddp_train --hook slim-gradient  # no optimizer=
+    torchrun --nproc-per-node 4 -m examples.ddp_train --small --steps 2500   # 20 bytes/param
     HVD_SLIM_DENSITY=0.01 torchrun --nproc-per-node 4 -m examples.ddp_train
 
 The Slim-DP settings come from ``HVD_SLIM_*`` variables or ``SlimState``'s keywords.
@@ -54,13 +55,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--hook", choices=("slim", "slim-gradient", "none", "powersgd"), default="slim")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--small", action="store_true",
+                    help="the fair-horizon model: width 96, 4 blocks (0.5M parameters)")
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")   # torchrun's environment: RANK, WORLD_SIZE, MASTER_*
     torch.manual_seed(args.seed)
     corpus = load_corpus()
-    model = ByteLM()
+    model = ByteLM(width=96, layers=4) if args.small else ByteLM()
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.1)
     state = None

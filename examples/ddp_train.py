@@ -120,6 +120,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(figures, f, indent=1)
+    dist.barrier()   # every rank leaves together: a rank still writing must not be left alone
     dist.destroy_process_group()
 
 

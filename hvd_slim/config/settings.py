@@ -258,8 +258,9 @@ class SlimConfig:
         for name, value in norm.items():
             object.__setattr__(self, name, value)
         if self.warmup_settle is not None and self.effective_warmup_decay_steps == 0:
-            raise ConfigError(f"warmup_settle={self.warmup_settle!r} ends a warm-up, but there is none: warmup_decay_steps is 0 (or "
-                              f"the warm-up starts at density; with local_steps > 1 over a "
+            raise ConfigError(f"warmup_settle={self.warmup_settle!r} ends a warm-up, but there is "
+                              f"none: warmup_decay_steps is 0 (or the warm-up starts at "
+                              f"density; with local_steps > 1 over a "
                               f"sparse exchange it is off by default). Pass warmup_decay_steps="
                               f"None (automatic) or a count > 0, or leave warmup_settle unset",
                               "warmup_settle")

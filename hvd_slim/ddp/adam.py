@@ -15,7 +15,6 @@ every rank skipped it.
 """
 from __future__ import annotations
 
-import logging
 import types
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -23,7 +22,6 @@ import torch
 
 from ..optim.inner.adam_update import _decoupled, rank_update, step_by
 
-log = logging.getLogger("hvd_slim")
 FORMAT = 1
 
 
@@ -57,6 +55,9 @@ class HookAdam:
         # key -> [m, v, w, steps]; next moments of the pass in flight: key -> (mn, vn, wn)
         self.moments: Dict[int, list] = {}
         self._next: Dict[int, tuple] = {}
+        # key -> three buffers the next pass writes its moments into: the moments a settled
+        # pass replaced (or the ones it dropped), so no pass allocates model-sized tensors.
+        self._spare: Dict[int, tuple] = {}
         self._delivered: Dict[int, torch.Tensor] = {}   # id(param) -> its update, this pass
         optimizer.step = types.MethodType(_step, optimizer)  # type: ignore[method-assign]
         optimizer._hvd_slim_hook_adam = self  # type: ignore[attr-defined]
@@ -80,7 +81,7 @@ class HookAdam:
             if mom is None:
                 mom = self.moments[k] = [torch.zeros(n, dtype=torch.float32, device=p.device)
                                          for _ in range(3)] + [0]
-            nxt = tuple(torch.empty_like(mom[0]) for _ in range(3))
+            nxt = self._spare.pop(k, None) or tuple(torch.empty_like(mom[0]) for _ in range(3))
             g = buffer[offset:offset + n].to(torch.float32, copy=True)
             rank_update(g, p, group, _decoupled(self.opt, group), tuple(mom[:3]), nxt,
                         mom[3] + 1, size)
@@ -91,10 +92,13 @@ class HookAdam:
     def settle(self, keep: bool) -> None:
         """The pass ended: ``keep`` the new moments (committed, or failed with the updates in
         the residuals), or drop them (every rank skipped it)."""
-        if keep:
-            for k, (mn, vn, wn) in self._next.items():
-                mom = self.moments[k]
-                mom[0], mom[1], mom[2], mom[3] = mn, vn, wn, mom[3] + 1
+        for k, nxt in self._next.items():
+            mom = self.moments[k]
+            if keep:
+                self._spare[k] = tuple(mom[:3])
+                mom[0], mom[1], mom[2], mom[3] = nxt[0], nxt[1], nxt[2], mom[3] + 1
+            else:
+                self._spare[k] = nxt
         self._next = {}
 
     def deliver(self, params: Sequence[torch.Tensor], result: torch.Tensor) -> None:
@@ -140,7 +144,7 @@ class HookAdam:
                                  f"malformed in the checkpoint")
             moments[int(k)] = [m["exp_avg"].clone(), m["exp_avg_sq"].clone(),
                                m["mean_sq"].clone(), int(m["step"])]
-        self.moments, self._next, self._delivered = moments, {}, {}
+        self.moments, self._next, self._delivered, self._spare = moments, {}, {}, {}
 
 
 def _step(self: torch.optim.Optimizer, closure: Any = None) -> Any:

@@ -48,8 +48,3 @@ class Starter:
     def end_pass(self) -> None:
         """Every started exchange has been waited for: the next pass starts afresh."""
         self._failed = False
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None

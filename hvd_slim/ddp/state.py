@@ -230,14 +230,7 @@ class SlimState:
         at the pass's end for one an exchange raised."""
         self._failed = exc
         for b, pending, other, *_ in self._pass:
-            if pending is NOT_BEGUN:
-                b.exchange.absorb(None)   # its proposals made here, kept in its residual
-            elif isinstance(pending, Exception):
-                pass                      # begin() settled its own failure
-            elif isinstance(pending, concurrent.futures.Future):
-                _wait_and_absorb(b, pending)
-            else:
-                b.exchange.absorb(pending)
+            _absorb(b, pending)
             other.set_exception(exc)
         self._pass = []
         if self._adam is not None:   # the updates wait in the residuals: keep the moments
@@ -415,14 +408,15 @@ class SlimState:
         self.iteration, self._skipped = it, int(state.get("skipped", 0))
 
 
-def _wait_and_absorb(b: _Bucket, started: "concurrent.futures.Future[Any]") -> None:
-    """A bucket started on the communication thread when DDP's thread failed: once its
-    exchange is back, keep its gradient in its residual."""
-    try:
-        pending = started.result()
-    except Exception:  # noqa: BLE001 - begin() settled its own failure
+def _absorb(b: _Bucket, pending: Any) -> None:
+    """Keep a failed pass's gradient for ``b`` in its residual. ``pending``: what its start
+    gave (still a future when DDP's thread failed: waited for here), :data:`NOT_BEGUN` (its
+    proposals are made here), or the exception its ``begin()`` raised (which settled itself)."""
+    if isinstance(pending, concurrent.futures.Future):
+        try:
+            pending = pending.result()
+        except Exception:  # noqa: BLE001 - begin() settled its own failure
+            return
+    if isinstance(pending, Exception):
         return
-    if pending is NOT_BEGUN:
-        b.exchange.absorb(None)
-    else:
-        b.exchange.absorb(pending)
+    b.exchange.absorb(None if pending is NOT_BEGUN else pending)

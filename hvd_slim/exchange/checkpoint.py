@@ -66,6 +66,19 @@ def residual_norm(ex: SlimExchange) -> float:
 
 def held_residuals(ex: SlimExchange) -> Dict[int, torch.Tensor]:
     """:meth:`SlimExchange.held_residuals`."""
+    return _held(ex, 1.0)
+
+
+def held_as_pushes(ex: SlimExchange) -> Dict[int, torch.Tensor]:
+    """:meth:`SlimExchange.held_as_pushes`."""
+    cfg = ex.cfg
+    # The server's residual sums pushes times its scale (op average: predivide / N).
+    return _held(ex, 1.0 if cfg.op == "sum" else ex.size / cfg.gradient_predivide_factor)
+
+
+def _held(ex: SlimExchange, server_factor: float) -> Dict[int, torch.Tensor]:
+    """Per compressed bucket, this rank's worker residual plus, on a server, its shard's pieces
+    of the server residual times ``server_factor``, as float64 vectors."""
     # A copy: .double() of a float64 residual is the residual itself, which the server's
     # pieces would then be added into.
     out = {i: m.residual.to(torch.float64, copy=True) for i, m in ex.worker.memory.items()}
@@ -74,22 +87,7 @@ def held_residuals(ex: SlimExchange) -> Dict[int, torch.Tensor]:
             mem = ex.server.memory.get(piece.b.index)
             if mem is not None:
                 i = ex.layout.buckets[piece.bucket].index
-                out[i][piece.lo:piece.hi] += mem.residual.double()
-    return out
-
-
-def held_as_pushes(ex: SlimExchange) -> Dict[int, torch.Tensor]:
-    """:meth:`SlimExchange.held_as_pushes`."""
-    out = {i: m.residual.to(torch.float64, copy=True) for i, m in ex.worker.memory.items()}
-    if ex.server is not None:
-        cfg = ex.cfg
-        # The server's residual sums pushes times its scale (op average: predivide / N).
-        unscale = 1.0 if cfg.op == "sum" else ex.size / cfg.gradient_predivide_factor
-        for piece in ex.shards.by_shard(None)[ex.shard]:
-            mem = ex.server.memory.get(piece.b.index)
-            if mem is not None:
-                i = ex.layout.buckets[piece.bucket].index
-                out[i][piece.lo:piece.hi] += mem.residual.double() * unscale
+                out[i][piece.lo:piece.hi] += mem.residual.double() * server_factor
     return out
 
 

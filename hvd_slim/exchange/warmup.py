@@ -42,6 +42,9 @@ class Schedule:
         self.cfg = config
         self.eta = config.warmup_settle
         self.window = max(WINDOW_MIN, math.ceil(config.effective_warmup_decay_steps / 10))
+        # Fixed by the (frozen) config; the hold's limit sums the count's S densities, so it is
+        # worked out once, not at every query of every step.
+        self.hold_limit, self.decay = config.warmup_hold_limit, config.warmup_settle_decay
         self.settled_at: Optional[int] = None   # the first step of the decay (after the dense)
         self._sum, self._count, self._last = 0.0, 0, None   # type: float, int, Optional[float]
 
@@ -57,16 +60,16 @@ class Schedule:
             return 1.0, 1.0
         start = self.decay_start
         if s < start:
-            return cfg.decay_densities(-1, cfg.warmup_settle_decay)
-        if s - start >= cfg.warmup_settle_decay:
+            return cfg.decay_densities(-1, self.decay)
+        if s - start >= self.decay:
             return None
-        return cfg.decay_densities(s - start, cfg.warmup_settle_decay)
+        return cfg.decay_densities(s - start, self.decay)
 
     @property
     def decay_start(self) -> int:
         """The step (counted after the dense steps) the decay starts at: where the hold ended,
         or the hold's limit while it has not."""
-        return self.cfg.warmup_hold_limit if self.settled_at is None else self.settled_at
+        return self.hold_limit if self.settled_at is None else self.settled_at
 
     # --- the signal -------------------------------------------------------------------------
     def observing(self, step: int) -> bool:
@@ -75,7 +78,7 @@ class Schedule:
         if self.eta is None or self.settled_at is not None:
             return False
         s = step - self.cfg.warmup_dense_steps
-        return 0 <= s < self.cfg.warmup_hold_limit
+        return 0 <= s < self.hold_limit
 
     def observe(self, step: int, norm: float) -> None:
         """Committed step ``step`` delivered an update of norm ``norm`` (the same on every

@@ -1,9 +1,11 @@
 """``SlimState``: what the Slim-DP DDP communication hook keeps between calls (one per DDP model).
 
 DDP hands its communication hook one flat gradient bucket at a time during backward. Each
-bucket gets an exchange of its own (exchange/step.py) over one stand-in parameter the size of the
-bucket, sharing its storage: the bucket is the flat buffer the exchange selects on, keeps a
-residual for, and writes the pulled update into. The exchanges run on the process group's
+bucket gets an exchange of its own (exchange/step.py) over stand-in parameters that share the
+bucket's storage, one per parameter the bucket carries: the exchange sees the model's own tensors,
+so it treats them as ``DistributedOptimizer`` does (tensors under ``min_compress_numel`` sent
+dense, norms and biases among them, and the rest sliced), and writes the pulled update back into
+the bucket. The exchanges run on the process group's
 torch.distributed backend (Gloo for CPU tensors, NCCL for CUDA), with the guarantees of
 ``DistributedOptimizer``'s: validated settings, the handshake at each exchange's first step (a rank
 with another bucket or other settings is named), bitwise identical replicas, NaN/Inf verdicts
@@ -44,16 +46,18 @@ from .checks import check_keywords
 from .group import group_transport
 from .passes import NOT_BEGUN, Starter
 
-VERSION = 1
+# 2: one stand-in per parameter (1: one per bucket, whose exchanges' state does not fit).
+VERSION = 2
 Keys = Tuple[int, ...]
 
 
 @dataclass
 class _Bucket:
-    """One bucket's exchange, over a stand-in parameter that shares the bucket's storage."""
+    """One bucket's exchange, over stand-ins that share the bucket's storage, one per parameter
+    (in ``keys``' order)."""
 
     exchange: Any
-    stand_in: torch.nn.Parameter
+    stand_ins: List[torch.nn.Parameter]
     index: int
     keys: Keys                     # its parameters, by position (see the module docstring)
     numels: Tuple[int, ...]        # theirs, in the exchange's order
@@ -70,8 +74,21 @@ class _Bucket:
                 start[k], offset = offset, offset + n
             found = self.orders[keys] = torch.cat([
                 torch.arange(start[k], start[k] + n) for k, n in zip(self.keys, self.numels)]
-            ).to(self.stand_in.device)
+            ).to(self.stand_ins[0].device)
         return found
+
+    def feed(self, flat: torch.Tensor) -> None:
+        """Point each stand-in's gradient at its parameter's part of ``flat`` (this exchange's
+        order)."""
+        offset = 0
+        for s, n in zip(self.stand_ins, self.numels):
+            s.grad = flat[offset:offset + n]
+            offset += n
+
+    def update(self) -> torch.Tensor:
+        """The settled update, flat in this exchange's order."""
+        grads = [s.grad.reshape(-1) for s in self.stand_ins]
+        return grads[0] if len(grads) == 1 else torch.cat(grads)
 
 
 class SlimState:
@@ -169,7 +186,7 @@ class SlimState:
             # The same parameters in another order (DDP's first layout and its rebuilt one):
             # the exchange keeps its own order, so a resumed run matches an unbroken one.
             order = None if keys == b.keys else b.order(keys, numels)
-            b.stand_in.grad = buffer if order is None else buffer.index_select(0, order)
+            b.feed(buffer if order is None else buffer.index_select(0, order))
             self._pass.append((b, self._starter().start(b.exchange), fut, order, buffer,
                                list(params)))
         except Exception as exc:  # noqa: BLE001 - every bucket of the pass reports it
@@ -217,7 +234,7 @@ class SlimState:
                 for b, *_ in self._pass:
                     b.exchange.flag_grads()
         for b, _, fut, order, buffer, params in self._pass:
-            got = b.stand_in.grad
+            got = b.update()
             result = got if order is None else torch.empty_like(buffer).index_copy_(0, order, got)
             if self._adam is not None:
                 self._adam.deliver(params, result)
@@ -292,13 +309,17 @@ class SlimState:
 
     def _new(self, index: int, buffer: torch.Tensor, keys: Keys,
              numels: Tuple[int, ...]) -> _Bucket:
-        # The stand-in's values are never read (magnitude_weight is refused): it shares the
-        # bucket's storage, so the exchange keeps no second copy of the gradients.
-        stand_in = torch.nn.Parameter(buffer.detach(), requires_grad=False)
-        layout = Layout([(f"bucket{index}", stand_in)], self.config, lambda dt: dt)
+        # The stand-ins' values are never read (magnitude_weight is refused): they share the
+        # bucket's storage, so the exchange keeps no second copy of the gradients. Their names
+        # sort in the bucket's order (the layout orders by name).
+        flat, stand_ins, offset = buffer.detach(), [], 0
+        for n in numels:
+            stand_ins.append(torch.nn.Parameter(flat[offset:offset + n], requires_grad=False))
+            offset += n
+        layout = Layout([(_name(index, i), s) for i, s in enumerate(stand_ins)], self.config,
+                        lambda dt: dt)
         return _Bucket(build_exchange(layout, self.config, self._transport_for(buffer.device)),
-                       stand_in, index,
-                       keys, numels)
+                       stand_ins, index, keys, numels)
 
     def _retire(self, b: _Bucket) -> None:
         """Split what ``b``'s exchange holds on this rank by parameter, to join their next
@@ -312,15 +333,16 @@ class SlimState:
     @staticmethod
     def _split(b: _Bucket) -> Dict[int, torch.Tensor]:
         """What ``b``'s exchange holds on this rank (float64, in the units of a gradient), by
-        parameter key; nothing for a bucket sent dense."""
+        parameter key; zeros for a parameter sent dense."""
         held = b.exchange.held_as_pushes()
-        if not held:
-            return {}
-        (flat,) = held.values()   # one stand-in: at most one compressed bucket
-        out, offset = {}, 0
-        for k, n in zip(b.keys, b.numels):
-            out[k] = flat[offset:offset + n]
-            offset += n
+        key_of = {_name(b.index, i): k for i, k in enumerate(b.keys)}
+        out = {}
+        for lb in b.exchange.layout.buckets:
+            flat = held.get(lb.index)
+            for s in lb.segments:
+                out[key_of[s.name]] = torch.zeros(s.numel, dtype=torch.float64,
+                                                  device=b.stand_ins[0].device) \
+                    if flat is None else flat[s.offset:s.offset + s.numel]
         return out
 
     def held_by_parameter(self) -> Dict[int, torch.Tensor]:
@@ -378,6 +400,12 @@ class SlimState:
         """Resume from :meth:`state_dict` (this rank's own) before the first backward pass of a
         fresh DDP model. The settings must be the same; each saved exchange is checked
         completely when its bucket comes. A refused state changes nothing."""
+        if isinstance(state, dict) and state.get("version") == 1:
+            raise ValueError("hvd_slim.ddp: this SlimState checkpoint is format version 1, "
+                             "from an hvd_slim whose exchanges covered a whole bucket as one "
+                             "tensor; this one exchanges each parameter apart (version 2) and "
+                             "cannot resume it. Start the hook from a fresh SlimState (the "
+                             "model and optimizer checkpoints still load)")
         if not isinstance(state, dict) or state.get("version") != VERSION:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"hvd_slim.ddp: unknown SlimState format version {got!r}; expected "
@@ -406,6 +434,11 @@ class SlimState:
         self._carry = {int(k): v for k, v in carry.items()}
         self._retired = {f: retired.get(f, 0) for f in ExchangeStats.FIELDS}
         self.iteration, self._skipped = it, int(state.get("skipped", 0))
+
+
+def _name(index: int, position: int) -> str:
+    """A stand-in's name: bucket ``index``'s parameter at ``position``, sorting in order."""
+    return f"bucket{index}.{position:06d}"
 
 
 def _absorb(b: _Bucket, pending: Any) -> None:

@@ -223,7 +223,7 @@ def report(runs: List[Dict[str, Any]], out: str) -> str:
                   "\nTime to dense's and to the defaults' final metric (modelled):\n\n",
                   time_to_dense(rows)]
         loads = [r["load"] for r in rows.values() if r["load"] == r["load"]]
-        if loads:
+        if loads and "dense" in rows:   # a screen's output may hold no dense run
             parts.append(f"\nModelled compute: {rows['dense']['compute']:.3f} s a step "
                          f"(dense's measured). Machine load (1-minute average at the runs' "
                          f"start): {min(loads):.1f} to {max(loads):.1f}.\n\n")

@@ -55,25 +55,31 @@ def message_bound(expect: List[wm.Expect]) -> int:
             if want is None:
                 continue
             count, n_idx = want
-            idx = index_bytes_bound(ex.d, n_idx) if mode in (wm.M_SLICE, wm.M_EXPLICIT) else 0
+            idx = index_bytes_bound(ex.d, n_idx) if mode in wm.INDEXED else 0
             worst = max(worst, count * ex.itemsize + idx)
         if None in ex.modes.values():
-            # Explicit indices (the union pull) are sent only when smaller than dense, and dense
-            # is the only other choice: so the worst case is the smaller of the two, for the
-            # most coordinates the section can hold (d when ``most_explicit`` is unknown).
             most = getattr(ex, "most_explicit", None)
-            dense = ex.d * ex.itemsize
-            worst = min(dense, explicit_section_bound(ex.d, ex.d if most is None else most,
-                                                      ex.itemsize))
+            explicit = explicit_section_bound(ex.d, ex.d if most is None else most, ex.itemsize)
+            if wm.M_DENSE in ex.modes:
+                # Explicit indices (the union pull) are sent only when smaller than dense, the
+                # only other choice: the worst case is the smaller of the two, for the most
+                # coordinates the section can hold (d when ``most_explicit`` is unknown).
+                worst = min(ex.d * ex.itemsize, explicit)
+            else:   # a short slice beside the full one (never larger: fewer than its core)
+                worst = max(worst, explicit)
         total += worst
     return total
 
 
-def _slice_modes(k: int, k_core: int, bits: int = 0) -> Modes:
+def _slice_modes(k: int, k_core: int, bits: int = 0, short: bool = False) -> Modes:
     """A slice of ``k`` values (packed at ``bits``: its bytes) and its ``k_core`` core
-    indices (the explored ones are derived on both sides, never sent)."""
-    n = packed_nbytes(k, bits) if bits else k
-    return {wm.M_SLICE: (n, k_core)}
+    indices (the explored ones are derived on both sides, never sent); with ``short``, also a
+    short slice (wm.M_SHORT) of fewer values than the core, at explicit indices, where the
+    values are not packed (a packed code has no zero, so zeros filling a slice are not
+    nothing there)."""
+    if bits:
+        return {wm.M_SLICE: (packed_nbytes(k, bits), k_core)}
+    return {wm.M_SLICE: (k, k_core), wm.M_SHORT: None} if short else {wm.M_SLICE: (k, k_core)}
 
 
 def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes],
@@ -113,9 +119,11 @@ def pull_expect(buckets: List[Bucket], pull: str, flush: bool = False,
             return {wm.M_EXPLICIT: None, wm.M_DENSE: (b.numel, 0)}
         if pull_is_dense(b):
             return {wm.M_DENSE: (b.numel, 0)}
-        return _slice_modes(b.k_pull, b.k_pull_core, b.slice_bits)
+        return _slice_modes(b.k_pull, b.k_pull_core, b.slice_bits, short=True)
 
     def most(b: Bucket) -> Optional[int]:
+        if pull != "union":   # a short slice holds fewer values than the full one's core
+            return max(0, b.k_pull_core - 1)
         return None if size is None else min(b.numel, size * b.k)
 
     # A pull's slices are coded at pull_value_bits (Bucket.as_pulled).

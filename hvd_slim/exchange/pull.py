@@ -136,7 +136,7 @@ class Puller:
         """The coordinates of a pulled slice in its piece: explicit, or the server's core plus
         exploration."""
         pb = p.b
-        if sec.mode == wm.M_EXPLICIT:
+        if sec.mode in (wm.M_EXPLICIT, wm.M_SHORT):
             return indices_on(sec.indices, pb)
         return slice_indices(pb.numel, indices_on(sec.indices, pb), pb.k_pull_explore,
                              seed=self.cfg.seed, role=ROLE_PULL,

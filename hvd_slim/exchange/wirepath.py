@@ -36,8 +36,8 @@ class WirePath(Protocol):
 
     def section(self, mode: int, values: torch.Tensor, d: int,
                 indices: Optional[torch.Tensor] = None, exp: int = 0) -> wm.Section:
-        """The section carrying ``values`` (standing for ``values * 2**exp``) and, for M_SLICE /
-        M_EXPLICIT, ``indices``."""
+        """The section carrying ``values`` (standing for ``values * 2**exp``) and, for the
+        indexed modes (``wm.INDEXED``), ``indices``."""
 
     def empty(self, mode: int = wm.M_EMPTY) -> wm.Section:
         """A section with no values and no indices."""

@@ -90,6 +90,9 @@ class CoreSelector:
         # Diagnostics of the last call (not state): candidate passes made and candidates kept.
         self.last_passes = 0
         self.last_candidates = 0
+        # Zeros the last call filled in, having found fewer than k positive scores (0: it
+        # did not): then every positive score is among its indices.
+        self.last_filled = 0
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -127,6 +130,7 @@ class CoreSelector:
         k = int(k)
         if k < 0:
             raise ValueError(f"select: k must be >= 0, got {k}")
+        self.last_filled = 0
         torch_path = self.backend == "torch" or (self.backend is None and use_torch(score))
         s: Scores[Any] = TorchScores(_as_float(score), magnitude) if torch_path \
             else NumpyScores(_as_numpy(score), magnitude)
@@ -232,4 +236,5 @@ class CoreSelector:
             raise ValueError("select: score must be non-negative")
         self._thr = 0.0
         self.last_candidates = s.n
+        self.last_filled = k - len(cand)
         return s.with_lowest_zeros(cand, k - len(cand))

@@ -29,7 +29,8 @@ from .errors import WireError
 from .indices import decode_indices, encode_indices, encoded_size
 
 MAGIC = b"HVSL"
-VERSION = 2   # 2: the table's third field is a scale exponent (was reserved, always 0)
+# 2: the table's third field is a scale exponent (was reserved, always 0); 3: mode M_SHORT
+VERSION = 3
 HEADER = struct.Struct("<4sBBHIQQI")
 ENTRY = struct.Struct("<BBhIII")
 MAX_EXP = 1100  # |scale exponent|: beyond what any finite float64 value can need
@@ -57,8 +58,14 @@ M_SLICE = 1         # k values: core (indices sent) then explored (regenerated)
 # decoders refuse it as an unknown mode.
 M_EXPLICIT = 3      # n values at n explicitly sent indices (the union pull), no exploration
 M_EMPTY = 4         # nothing for this bucket (dense buckets during flush)
-SLICED = (M_SLICE,)  # the modes whose values follow value_bits
-MODE_NAMES = {M_DENSE: "dense", M_SLICE: "slice", M_EXPLICIT: "explicit", M_EMPTY: "empty"}
+# A slice cut short: the n < k_core non-zero values a server's residual holds, at n explicit
+# indices and coded as a slice (value_bits), no exploration: what a slice whose core had to be
+# filled up with zeros would deliver, without the zeros.
+M_SHORT = 5
+SLICED = (M_SLICE, M_SHORT)   # the modes whose values follow value_bits
+INDEXED = (M_SLICE, M_EXPLICIT, M_SHORT)   # the modes that carry indices
+MODE_NAMES = {M_DENSE: "dense", M_SLICE: "slice", M_EXPLICIT: "explicit", M_EMPTY: "empty",
+              M_SHORT: "short slice"}
 
 
 class RemoteError(RuntimeError):
@@ -100,7 +107,7 @@ class Expect:
 def make_section(mode: int, values: np.ndarray, d: int,
                  indices: Optional[np.ndarray] = None, exp: int = 0) -> Section:
     """Build a section from raw value bytes (standing for ``values * 2**exp``) and (for
-    M_SLICE / M_EXPLICIT) sorted indices."""
+    the indexed modes, ``INDEXED``) sorted indices."""
     vals = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
     if indices is None:
         return Section(mode, vals, count=-1, exp=exp)
@@ -253,7 +260,7 @@ def read_table(meta: np.ndarray, length: int, *, kind: int, sender: int, step: i
         if abs(exp) > MAX_EXP:
             raise WireError(f"{who}: bucket {i}: scale exponent {exp} is out of range "
                             f"(at most {MAX_EXP} in magnitude)")
-        if mode in (M_SLICE, M_EXPLICIT):
+        if mode in INDEXED:
             try:
                 need = encoded_size(ikind, ex.d, n_idx)
             except (ValueError, KeyError) as exc:
@@ -296,7 +303,7 @@ def split_sections(buf: Any, entries: List[tuple], expect: Sequence[Expect], who
                                                                                out)):
         s.idx_bytes = buf[pos:pos + nbytes]
         pos += nbytes
-        if mode in (M_SLICE, M_EXPLICIT):
+        if mode in INDEXED:
             try:
                 s.indices = decode_idx(ikind, s.idx_bytes, ex.d, n_idx)
             except WireError as exc:

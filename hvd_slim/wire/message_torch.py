@@ -26,7 +26,7 @@ __all__ = ["make_section", "empty_section", "encode", "decode", "peek", "host_te
 def make_section(mode: int, values: torch.Tensor, d: int,
                  indices: Optional[torch.Tensor] = None, exp: int = 0) -> Section:
     """A section over ``values`` (any dtype: its raw bytes, no copy when contiguous; they
-    stand for ``values * 2**exp``) and, for M_SLICE / M_EXPLICIT, the sorted ``indices``,
+    stand for ``values * 2**exp``) and, for the indexed modes, the sorted ``indices``,
     encoded on their device."""
     vals = values.detach().contiguous().view(-1).view(torch.uint8)
     if indices is None:

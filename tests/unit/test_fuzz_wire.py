@@ -106,7 +106,7 @@ def message(seed):
         isz, d = int(rng.choice([1, 2, 4, 8])), int(rng.integers(1, 2001))
         mode = int(rng.choice(list(wm.MODE_NAMES)))
         # Slices of one-byte values may be scaled (value_bits=8): a power-of-two exponent.
-        scaled = isz == 1 and mode == wm.M_SLICE and bool(rng.integers(2))
+        scaled = isz == 1 and mode in wm.SLICED and bool(rng.integers(2))
         exp = int(rng.integers(-40, 41)) if scaled else 0
         k = int(rng.integers(1, min(d, 150) + 1))
         kc = int(rng.integers(0, k + 1))
@@ -116,6 +116,9 @@ def message(seed):
             wm.M_EXPLICIT: (kc, _sorted_sample(rng, d, kc), {wm.M_EXPLICIT: None,
                                                              wm.M_DENSE: (d, 0)}),
             wm.M_EMPTY: (0, None, {wm.M_EMPTY: (0, 0)}),
+            # a short slice, beside the full slice it stands in for
+            wm.M_SHORT: (kc, _sorted_sample(rng, d, kc), {wm.M_SLICE: (k, kc),
+                                                         wm.M_SHORT: None}),
         }[mode]
         values = rng.integers(0, 256, count * isz, dtype=np.uint8)
         sections.append(wm.make_section(mode, values, d, indices=idx, exp=exp))
@@ -134,7 +137,7 @@ def _reencode(out, expect, sizes, sender=2, step=17, digest=0xC0FFEE):
     """The decoded sections, encoded again; also checks every section is self-consistent."""
     for sec, ex in zip(out, expect):
         assert len(sec.values) == sec.count * ex.itemsize
-        if sec.mode in (wm.M_SLICE, wm.M_EXPLICIT):
+        if sec.mode in wm.INDEXED:
             _check_indices(sec.indices, ex.d, len(sec.indices))
             assert np.array_equal(encode_as(sec.idx_kind, sec.indices, ex.d), sec.idx_bytes)
         else:

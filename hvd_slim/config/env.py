@@ -19,7 +19,7 @@ def _parse_env(name: str, text: str) -> Any:
     var = ENV_PREFIX + name.upper()
     t = text.strip()
     try:
-        if name in ("pull", "nonfinite", "adam_variance", "adam_exchange"):
+        if name in ("pull", "nonfinite", "adam_variance", "adam_exchange", "sparse_average"):
             return t.lower()
         if name == "timeout" and t.lower() in ("none", "off", "never", ""):
             return None
@@ -71,6 +71,7 @@ _ENV_FORMS = {"momentum_correction": "true, false or auto", "pull_density": "a n
               "value_bits": "one of 2, 4, 8, 16 or 32",
               "pull_value_bits": "one of 2, 4, 8, 16 or 32, or auto", "adam_variance": "auto, rescaled or live",
               "adam_exchange": "auto, update or gradient",
+              "sparse_average": "ranks or senders",
               "momentum_masking": "true, false or a number in [0, 1]",
               "servers": "an integer >= 1 or auto", "hierarchical": "true or false",
               "overlap_forward": "true or false",

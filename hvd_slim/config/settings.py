@@ -30,6 +30,11 @@ ADAM_VARIANCE_MODES = ("auto", "rescaled", "live")
 # moments, its Adam update through the exchange), "gradient" (the gradients, one shared Adam);
 # "auto" resolves to "update" for torch's Adam and AdamW when the optimizer is built.
 ADAM_EXCHANGE_MODES = ("auto", "update", "gradient")
+# How the server averages a sliced bucket's pushes (exchange/server.py): "ranks" divides each
+# coordinate's sum by the N ranks (the exact mean once every rank has sent it); "senders" by the
+# ranks whose slice held it this step, so a coordinate one rank sends moves by that rank's value
+# now instead of 1/N of it, the others' shares following when they are sent.
+SPARSE_AVERAGE_MODES = ("ranks", "senders")
 # The update exchange's own defaults, for the keywords a user leaves unset: Adam's updates move
 # every coordinate about lr a step, so staleness, not precision, is what costs accuracy there:
 # more coordinates at fewer bits (docs/accuracy.md, "Transformers").
@@ -73,7 +78,7 @@ ENV_KEYWORDS = ("density", "exploration", "magnitude_weight",
                 "warmup_decay_steps", "adam_variance", "momentum_masking", "value_bits",
                 "warmup_start_density", "servers", "hierarchical", "overlap", "overlap_forward",
                 "local_steps", "outer_delay", "residual_decay", "adam_exchange",
-                "pull_value_bits", "warmup_settle")
+                "pull_value_bits", "warmup_settle", "sparse_average")
 # Settings each rank may choose for itself: left out of the digest the ranks compare.
 LOCAL_FIELDS = ("timeout",)
 # Settings a resumed run may change: left out of the checkpoint compatibility check.
@@ -145,6 +150,9 @@ class SlimConfig:
     adam_exchange: str = "auto"
     # --- server and reduction ----------------------------------------------------------------
     pull: str = "slim"                 # "slim": server keeps a residual; "union": exact union
+    # A sliced bucket's coordinate averaged over all ranks ("ranks") or over those that sent it
+    # this step ("senders"; op average and pull "slim" only): see SPARSE_AVERAGE_MODES.
+    sparse_average: str = "ranks"
     server_rank: int = 0               # rank that aggregates pushes (it is also a worker)
     # Server shards: each aggregates 1/S of every bucket (exchange/shards.py); "auto": see
     # servers_for. Shard 0 is server_rank's, the others evenly spaced after it.
@@ -226,7 +234,8 @@ class SlimConfig:
                               f"got {self.momentum_correction!r}", "momentum_correction")
         for name, allowed in (("pull", PULL_MODES), ("op", OPS), ("nonfinite", NONFINITE_MODES),
                               ("adam_variance", ADAM_VARIANCE_MODES),
-                              ("adam_exchange", ADAM_EXCHANGE_MODES)):
+                              ("adam_exchange", ADAM_EXCHANGE_MODES),
+                              ("sparse_average", SPARSE_AVERAGE_MODES)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}",
                                   name)
@@ -239,6 +248,15 @@ class SlimConfig:
             raise ConfigError("gradient_predivide_factor not supported with op != Average: "
                               "use op=hvd.Average or leave the factor at 1.0",
                               "gradient_predivide_factor")
+        if self.sparse_average == "senders" and (self.op != "average" or self.pull != "slim"
+                                                 or self.hierarchical):
+            why = "op is not Average" if self.op != "average" else \
+                f"pull={self.pull!r} (the exact union)" if self.pull != "slim" else \
+                "hierarchical=True (a host's aggregate hides which ranks sent)"
+            raise ConfigError(f"sparse_average='senders' averages a coordinate over the ranks "
+                              f"that sent it, which needs op=Average, pull='slim' and "
+                              f"hierarchical=False; here {why}. Leave sparse_average 'ranks'",
+                              "sparse_average")
         norm["timeout"] = _check_timeout(self.timeout)
         if self.servers != "auto":
             if isinstance(self.servers, str):

@@ -23,6 +23,9 @@ NEEDS_OPTIMIZER = {
                       "Adam's update"),
     "magnitude_weight": ("0", lambda c: c.magnitude_weight == 0,
                          "the hook sees gradients, not the parameters"),
+    "sparse_average": ("'ranks'", lambda c: c.sparse_average == "ranks",
+                       "DDP's re-bucketing hands what the server holds back to the ranks, "
+                       "which only an average over every rank conserves"),
 }
 HOOK_KEYWORDS = frozenset(ENV_KEYWORDS)
 

@@ -46,6 +46,9 @@ class Server:
         # Kept per-bucket scratch: fresh multi-MB buffers are page-faulted in again every step
         # (profiled: ~23% of the server's exchange time on ResNet-18 shapes).
         self._total: Dict[int, torch.Tensor] = {}
+        # sparse_average="senders": per compressed bucket, how many ranks sent each coordinate
+        # this step (zero between steps: cleared where it was touched).
+        self._senders: Dict[int, torch.Tensor] = {}
         self._touched: Dict[int, torch.Tensor] = {}
         # What serve() planned, applied by settle() once every shard's reply is known.
         self._pending: Optional[Tuple["_Plan", Dict[int, torch.Tensor], Dict[int, dict]]] = None
@@ -100,9 +103,16 @@ class Server:
                 touched = None
                 if cfg.pull == "union":
                     touched = self._touched[b.index] = self._zeroed(self._touched, b, torch.bool)
+                senders = None
+                if cfg.sparse_average == "senders" and b.kind != DENSE and not flush:
+                    senders = self._zeroed(self._senders, b, total.dtype)
                 for j in range(self.size):
-                    self._accumulate(b, j, secs[j], step, total, touched, plan)
-                if scale != 1.0:
+                    self._accumulate(b, j, secs[j], step, total, touched, plan, senders)
+                if senders is not None:   # a pull as dense as the push: every coordinate's
+                    total.div_(senders.clamp_(min=1.0))   # senders (0 where none sent)
+                    total.mul_(scale * self.size)
+                    self._senders[b.index] = senders.zero_()   # as _add_over_senders expects
+                elif scale != 1.0:
                     total.mul_(scale)
                 sections.append(self._pull_section(b, total, touched, step, flush, plan))
         except BaseException:
@@ -172,9 +182,28 @@ class Server:
                   for j in range(self.size)]
         touched = torch.cat([idx for idx, _ in pushes])
         plan.saved.append((e, touched, e.index_select(0, touched)))
-        for idx, vals in pushes:
-            e.index_add_(0, idx, vals.to(e.dtype), alpha=scale)
+        if self.cfg.sparse_average == "senders":
+            self._add_over_senders(b, e, pushes, touched, scale * self.size)
+        else:
+            for idx, vals in pushes:
+                e.index_add_(0, idx, vals.to(e.dtype), alpha=scale)
         return self._slice_pull(b, e, step, plan)
+
+    def _add_over_senders(self, b: Bucket, e: torch.Tensor,
+                          pushes: List[Tuple[torch.Tensor, torch.Tensor]],
+                          touched: torch.Tensor, scale: float) -> None:
+        """``e += scale * push_j / senders`` at each push's coordinates, ``senders`` counting
+        the ranks whose slice held each coordinate (sparse_average="senders"): O(k N), the
+        count kept zero between steps by clearing only what was touched."""
+        count = self._senders.get(b.index)
+        if count is None:
+            count = self._senders[b.index] = torch.zeros(b.numel, dtype=e.dtype,
+                                                         device=e.device)
+        count.index_add_(0, touched, torch.ones(touched.numel(), dtype=e.dtype,
+                                                device=e.device))
+        for idx, vals in pushes:
+            e.index_add_(0, idx, vals.to(e.dtype) / count.index_select(0, idx), alpha=scale)
+        count.index_fill_(0, touched, 0.0)
 
     def _push_slice(self, b: Bucket, j: int, sec: wm.Section, step: int, plan: "_Plan"
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -184,18 +213,24 @@ class Server:
         return idx, section_values(sec, b, idx.numel())
 
     def _accumulate(self, b: Bucket, j: int, sec: wm.Section, step: int, total: torch.Tensor,
-                    touched: Optional[torch.Tensor], plan: "_Plan") -> None:
+                    touched: Optional[torch.Tensor], plan: "_Plan",
+                    senders: Optional[torch.Tensor] = None) -> None:
         if sec.mode == wm.M_EMPTY:
             return
         if sec.mode == wm.M_DENSE:
             total.add_(section_values(sec, b))
             if touched is not None:
                 touched.fill_(True)
+            if senders is not None:
+                senders.add_(1.0)
             return
         idx, vals = self._push_slice(b, j, sec, step, plan)
         total.index_add_(0, idx, vals.to(total.dtype))
         if touched is not None:
             touched[idx] = True
+        if senders is not None:
+            senders.index_add_(0, idx, torch.ones(idx.numel(), dtype=senders.dtype,
+                                                  device=senders.device))
 
     # --- pull ------------------------------------------------------------------------------
     def _pull_section(self, b: Bucket, total: torch.Tensor, touched: Optional[torch.Tensor],

@@ -42,7 +42,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          warmup_settle: Optional[float] = UNSET,
                          overlap_forward: bool = UNSET, outer_optimizer: Any = UNSET,
                          outer_delay: int = UNSET, residual_decay: float = UNSET,
-                         adam_variance: str = UNSET) -> torch.optim.Optimizer:
+                         adam_variance: str = UNSET,
+                         sparse_average: str = UNSET) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that each ``step()`` exchanges gradients with Slim-DP.
 
     Build it on every rank alike: starting the transport (and, inside Horovod, hvd_slim itself)
@@ -146,6 +147,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         adam_variance: ``"auto"`` (default) | ``"rescaled"`` | ``"live"``; with
             ``adam_exchange="gradient"``, how the second moment sees sparse deliveries
             (optim/inner/adam.py).
+        sparse_average: ``"ranks"`` (default) divides each sliced coordinate's sum by the
+            number of ranks; ``"senders"`` by the ranks whose slices held it that step, so a
+            coordinate one rank sends moves by that rank's value at once (biased: the other
+            ranks' shares follow when they send them). Needs ``op=Average``,
+            ``pull="slim"`` and ``hierarchical=False``.
 
     Returns:
         An instance of a class created on the fly that subclasses ``optimizer``'s class (same

@@ -95,6 +95,11 @@ def test_fractions_out_of_range_nan_or_not_numbers(name, low_open, value):
     (dict(timeout=-1), r"^timeout must be a number of seconds > 0, or 0/None"),
     (dict(timeout=float("nan")), r"^timeout must be a number of seconds"),
     (dict(timeout="soon"), r"^timeout must be a number of seconds"),
+    (dict(sparse_average="mean"), r"^sparse_average must be one of \('ranks', 'senders'\)"),
+    (dict(sparse_average="senders", pull="union"),
+     r"^sparse_average='senders' .*needs op=Average, pull='slim'.*pull='union'"),
+    (dict(sparse_average="senders", op=hvd_slim.api.collectives.Sum),
+     r"^sparse_average='senders' .*op is not Average"),
 ])
 def test_out_of_range_keywords(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -174,6 +179,7 @@ BAD_ENV = [
     ("outer_delay", "2"), ("outer_delay", "soon"),
     ("residual_decay", "0"), ("residual_decay", "1.5"), ("residual_decay", "fast"),
     ("warmup_settle", "0"), ("warmup_settle", "soon"),
+    ("sparse_average", "some"),
 ]
 
 
@@ -204,7 +210,8 @@ def test_an_explicit_keyword_beats_a_bad_variable(monkeypatch, name, text):
             "adam_variance": "live", "momentum_masking": False, "value_bits": 16,
             "warmup_start_density": 0.5, "servers": 2, "hierarchical": False,
             "overlap": 2, "overlap_forward": False, "local_steps": 8, "outer_delay": 0, "residual_decay": 0.9,
-            "adam_exchange": "gradient", "pull_value_bits": 4, "warmup_settle": 0.5}[name]
+            "adam_exchange": "gradient", "pull_value_bits": 4, "warmup_settle": 0.5,
+            "sparse_average": "senders"}[name]
     assert getattr(build(size=2, **{name: good}).slim_config, name) == good
 
 

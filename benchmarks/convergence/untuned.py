@@ -125,7 +125,17 @@ SETTLE_SCREEN = (("lm", "default warmup_settle=0.5", None, {"warmup_settle": SET
                  ("lm", "local_steps=8 warm-up settle=0.5", None,
                   {"local_steps": 8, "warmup_decay_steps": None, "warmup_settle": SETTLE}))
 
-ABLATED = {label for _, label, _, _ in SETTLE_SCREEN} | {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
+# Averaging a sliced coordinate over the ranks that sent it (``--groups sparse-average``;
+# exchange/server.py, sparse_average="senders") against the mean over every rank: local steps
+# at their defaults, where a coordinate is sent about once every 100 rounds, and the per-step
+# defaults on the language model and the battery's plotted case.
+SENDERS_SCREEN = (("lm", "local_steps=8 sparse_average=senders", None,
+                   {"local_steps": 8, "sparse_average": "senders"}),
+                  ("lm", "default sparse_average=senders", None, {"sparse_average": "senders"}),
+                  ("sgd-m0.5", "default sparse_average=senders", None,
+                   {"sparse_average": "senders"}))
+
+ABLATED = {label for _, label, _, _ in SETTLE_SCREEN + SENDERS_SCREEN} | {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
     {label for label, slim in OVERLAP_ABLATION if slim} | \
     {label for label, _, slim in LOCAL_ABLATION + LOCAL_GRID + LOCAL_SCREEN if slim}
 
@@ -170,11 +180,12 @@ def configs(group: str) -> List[Config]:
     if group == "local-defaults":
         return [(f"lm {label}", "slim", density, slim, dict(LM, case="lm", variant=label))
                 for label, density, slim in LOCAL_SCREEN]
-    if group == "warmup-settle":
+    if group in ("warmup-settle", "sparse-average"):
         return [(f"{case} {label}", "slim", density, slim,
                  dict(LM if case == "lm" else dict(CNN, **CASES[case]), case=case,
                       variant=label))
-                for case, label, density, slim in SETTLE_SCREEN]
+                for case, label, density, slim in
+                (SETTLE_SCREEN if group == "warmup-settle" else SENDERS_SCREEN)]
     if group == "untuned-ablation":
         case = "adamw-warmup"
         return [(f"{case} {label}", "slim", density, slim,
@@ -186,7 +197,7 @@ def configs(group: str) -> List[Config]:
 GROUPS = ("untuned", "untuned-peers", "lm", "lm-peers")
 # on request (--groups ...), not by default
 EXTRA_GROUPS = ("lm-ablation", "untuned-ablation", "overlap-ablation", "local-steps",
-                "local-grid", "local-defaults", "warmup-settle")
+                "local-grid", "local-defaults", "warmup-settle", "sparse-average")
 
 
 # --- the report ------------------------------------------------------------------------------

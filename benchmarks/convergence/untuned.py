@@ -133,7 +133,14 @@ SENDERS_SCREEN = (("lm", "local_steps=8 sparse_average=senders", None,
                    {"local_steps": 8, "sparse_average": "senders"}),
                   ("lm", "default sparse_average=senders", None, {"sparse_average": "senders"}),
                   ("sgd-m0.5", "default sparse_average=senders", None,
-                   {"sparse_average": "senders"}))
+                   {"sparse_average": "senders"}),
+                  # and, with local steps, what else might close their last points: an outer
+                  # step past lr 1, the warm-up ending on a signal
+                  ("lm", "local_steps=8 sparse_average=senders outer lr 1.5", None,
+                   {"local_steps": 8, "sparse_average": "senders", "outer_sgd": {"lr": 1.5}}),
+                  ("lm", "local_steps=8 sparse_average=senders warm-up settle=0.5", None,
+                   {"local_steps": 8, "sparse_average": "senders", "warmup_decay_steps": None,
+                    "warmup_settle": SETTLE}))
 
 ABLATED = {label for _, label, _, _ in SETTLE_SCREEN + SENDERS_SCREEN} | {label for label, _ in LM_ABLATION} | {label for label, _, _ in ADAMW_ABLATION} | \
     {label for label, slim in OVERLAP_ABLATION if slim} | \

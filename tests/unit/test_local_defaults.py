@@ -60,6 +60,16 @@ def test_what_the_user_sets_wins_over_the_local_defaults(monkeypatch):
     assert opt._outer.outer is outer
 
 
+def test_the_average_over_senders_gives_way_where_it_cannot_apply():
+    """Local steps average a coordinate over the ranks that sent it, but not with the exact
+    union pull or a Sum, which rule it out: those keep the mean over every rank."""
+    for kw in ({"pull": "union"}, {"op": hvd_slim.Sum}):
+        cfg = bare(model(), FakeCluster(1).transport(0), local_steps=8, **kw)._exchange.cfg
+        assert cfg.sparse_average == "ranks", kw
+    cfg = bare(model(), FakeCluster(1).transport(0), local_steps=8)._exchange.cfg
+    assert cfg.sparse_average == "senders"
+
+
 def test_ranks_with_other_local_steps_are_told_which_setting_differs():
     def body(rank, tr):
         m = model()

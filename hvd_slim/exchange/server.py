@@ -262,17 +262,17 @@ class Server:
         mem, selector = self.memory[b.index], self.selector[b.index]
         # Ties at the threshold (the sum of a few float8 or 2-bit pushes sits on a coarse grid)
         # are taken from a start that changes every step, not by lowest index every time.
-        core = selector.select_magnitude(
-            v, b.k_pull_core, ties=tie_start((self.cfg.seed, step, b.index)))
         pb = b.as_pulled()
-        if selector.last_filled and not pb.slice_bits:
-            # v holds fewer non-zeros than the core (a warm-up's pull twice a lone push, say):
-            # the core has them all, padded with zeros, and exploration would add only zeros.
-            # Those zeros deliver nothing at an unpacked value_bits: send the non-zeros alone.
-            nz = core[v.index_select(0, core) != 0]
-            coded, exp, delivered = quantize(v.index_select(0, nz), pb.slice_dtype, 0)
-            plan.forget.append((mem, nz, delivered))
-            return self._checked(b, coded, delivered, nz, plan, wm.M_SHORT, nz, exp)
+        # When v holds fewer non-zeros than the core (a warm-up's pull twice a lone push, say),
+        # the core would be them all filled up with zeros, and exploration would add only
+        # zeros: at an unpacked value_bits those deliver nothing, so the non-zeros go alone.
+        core = selector.select_magnitude(
+            v, b.k_pull_core, ties=tie_start((self.cfg.seed, step, b.index)),
+            short=not pb.slice_bits)
+        if core.numel() < min(b.k_pull_core, b.numel):
+            coded, exp, delivered = quantize(v.index_select(0, core), pb.slice_dtype, 0)
+            plan.forget.append((mem, core, delivered))
+            return self._checked(b, coded, delivered, core, plan, wm.M_SHORT, core, exp)
         sel = slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
                             role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
                             device=b.device)

@@ -87,12 +87,10 @@ class CoreSelector:
         self.margin = float(margin)
         self.sample_size = int(sample_size)
         self._thr: Optional[float] = None
+        self._short = False   # this call's ``short``
         # Diagnostics of the last call (not state): candidate passes made and candidates kept.
         self.last_passes = 0
         self.last_candidates = 0
-        # Zeros the last call filled in, having found fewer than k positive scores (0: it
-        # did not): then every positive score is among its indices.
-        self.last_filled = 0
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -109,28 +107,32 @@ class CoreSelector:
         self._thr = thr
 
     # ----------------------------------------------------------------------------- select
-    def select(self, score: torch.Tensor, k: int, ties: int = 0) -> torch.Tensor:
+    def select(self, score: torch.Tensor, k: int, ties: int = 0,
+               short: bool = False) -> torch.Tensor:
         """Indices (int64, ascending, unique) of exactly ``min(k, numel)`` top entries of ``score``.
 
         ``score`` is 1-D, non-negative and NaN-free. Of the entries tied at the k-th value, as
         many as fit are taken in index order, starting with the ``ties mod count``-th and
         wrapping around (0: the lowest indices); zeros filling up a short set always go by
-        lowest index.
+        lowest index. With ``short``, a set short of positive entries is returned as it is,
+        fewer than k (every positive entry), instead of filled up with zeros.
         """
-        return self._run(score, k, magnitude=False, ties=ties)
+        return self._run(score, k, magnitude=False, ties=ties, short=short)
 
-    def select_magnitude(self, a: torch.Tensor, k: int, ties: int = 0) -> torch.Tensor:
+    def select_magnitude(self, a: torch.Tensor, k: int, ties: int = 0,
+                         short: bool = False) -> torch.Tensor:
         """As :meth:`select` on ``|a|``, without materialising ``|a|``: the candidate pass takes
         absolute values block by block in cache (one read of ``a`` instead of a full-size
         write and re-read). ``a`` is 1-D and NaN-free; the result is bitwise that of
-        ``select(a.abs(), k, ties)``."""
-        return self._run(a, k, magnitude=True, ties=ties)
+        ``select(a.abs(), k, ties, short)``."""
+        return self._run(a, k, magnitude=True, ties=ties, short=short)
 
-    def _run(self, score: torch.Tensor, k: int, magnitude: bool, ties: int = 0) -> torch.Tensor:
+    def _run(self, score: torch.Tensor, k: int, magnitude: bool, ties: int = 0,
+             short: bool = False) -> torch.Tensor:
         k = int(k)
         if k < 0:
             raise ValueError(f"select: k must be >= 0, got {k}")
-        self.last_filled = 0
+        self._short = short
         torch_path = self.backend == "torch" or (self.backend is None and use_torch(score))
         s: Scores[Any] = TorchScores(_as_float(score), magnitude) if torch_path \
             else NumpyScores(_as_numpy(score), magnitude)
@@ -236,5 +238,6 @@ class CoreSelector:
             raise ValueError("select: score must be non-negative")
         self._thr = 0.0
         self.last_candidates = s.n
-        self.last_filled = k - len(cand)
+        if self._short:
+            return cand
         return s.with_lowest_zeros(cand, k - len(cand))

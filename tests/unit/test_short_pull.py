@@ -58,16 +58,29 @@ def pull_modes(monkeypatch):
 
 @pytest.fixture
 def full_slices(monkeypatch):
-    """Switch the short path off: the selector never reports the zeros it filled in."""
+    """Switch the short path off: the selector always fills a short set up with zeros."""
     def switch_off():
-        original = CoreSelector._select_from_zero
+        original = CoreSelector.select_magnitude
 
-        def filled_unreported(self, *args, **kwargs):
-            out = original(self, *args, **kwargs)
-            self.last_filled = 0
-            return out
-        monkeypatch.setattr(CoreSelector, "_select_from_zero", filled_unreported)
+        def never_short(self, a, k, ties=0, short=False):
+            return original(self, a, k, ties)
+        monkeypatch.setattr(CoreSelector, "select_magnitude", never_short)
     return switch_off
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_short_selection_is_every_positive_entry(backend):
+    a = torch.zeros(1000)
+    a[[5, 17, 400, 999]] = torch.tensor([1.0, -2.0, 0.5, -0.1])
+    assert CoreSelector(backend=backend).select_magnitude(a, 10, short=True).tolist() == \
+        [5, 17, 400, 999]
+    # Without short the zeros fill it up, by lowest index.
+    assert CoreSelector(backend=backend).select_magnitude(a, 10).tolist() == \
+        [0, 1, 2, 3, 4, 5, 6, 17, 400, 999]
+    # With enough positive entries, short changes nothing.
+    b = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(CoreSelector(backend=backend).select_magnitude(b, 10, short=True),
+                       CoreSelector(backend=backend).select_magnitude(b, 10))
 
 
 # A pull 4x the push, from a warm-up starting 8x denser: a lone rank's pull asks for twice what

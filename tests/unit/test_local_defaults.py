@@ -31,10 +31,12 @@ def test_local_steps_alone_takes_sparselocos_recipe_and_says_so(caplog):
     cfg = opt._exchange.cfg
     for name, value in LOCAL_DEFAULTS.items():
         assert getattr(cfg, name) == value, name
-        assert f"{name}={value!r} (local-steps default)" in caplog.text, name
+        shown = cfg.effective_dict()[name]   # the automatic warm-up: its count of rounds
+        assert f"{name}={shown!r} (local-steps default)" in caplog.text, name
     assert cfg.pull_density == LOCAL_DEFAULTS["density"] * LOCAL_PULL_RATIO
     assert cfg.adam_exchange == "gradient"   # a round's pseudo-gradient is the update already
-    assert cfg.effective_warmup_decay_steps == 0
+    # A warm-up ending on a signal, never longer than the count's 1/(0.01 * 8) = 13 rounds.
+    assert (cfg.effective_warmup_decay_steps, cfg.warmup_settle) == (13, 0.5)
     assert outer_settings(opt) == (1.0, 0.0, False)
     assert "SGD(lr=1.0, momentum=0.0) (default)" in cfg.shared_dict()["outer_optimizer"]
 
@@ -58,6 +60,12 @@ def test_what_the_user_sets_wins_over_the_local_defaults(monkeypatch):
     assert cfg.pull_density == 0.03 * LOCAL_PULL_RATIO   # the pull follows the user's density
     assert cfg.min_compress_numel == 0 and cfg.pull_value_bits == 8
     assert opt._outer.outer is outer
+
+
+def test_a_warm_up_the_user_turned_off_takes_no_signal_to_end_it():
+    cfg = bare(model(), FakeCluster(1).transport(0), local_steps=8,
+               warmup_decay_steps=0)._exchange.cfg
+    assert (cfg.effective_warmup_decay_steps, cfg.warmup_settle) == (0, None)
 
 
 def test_the_average_over_senders_gives_way_where_it_cannot_apply():
@@ -91,7 +99,8 @@ def test_the_global_step_is_the_pulled_slice_itself():
     rank holds the same global parameters."""
     def body(rank, tr, **kw):
         m = model()
-        opt = bare(m, tr, local_steps=3, seed=2, **kw)
+        # (no warm-up, so the pull has its steady size from the first round)
+        opt = bare(m, tr, local_steps=3, seed=2, warmup_decay_steps=0, **kw)
         for t in range(6):
             if t == 3:   # the second round: an outer momentum would move the first's too
                 before = flat(m).clone()

@@ -98,10 +98,12 @@ def test_bad_values_are_refused_naming_the_keyword_or_variable():
 def test_local_steps_without_a_warm_up_refuse_it_and_say_how():
     def body(rank, tr):
         m = model()
-        with pytest.raises(ConfigError, match="off by default.*warmup_decay_steps=None") as e:
+        with pytest.raises(ConfigError, match="warmup_decay_steps is 0.*warmup_decay_steps="
+                                              "None") as e:
             hvd_slim.DistributedOptimizer(
                 torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
-                transport=tr, local_steps=4, density=0.01, warmup_settle=0.5)
+                transport=tr, local_steps=4, density=0.01, warmup_decay_steps=0,
+                warmup_settle=0.5)
         return e.value.field
     assert run_ranks(2, body, timeout=60) == ["warmup_settle"] * 2
 
@@ -132,7 +134,7 @@ def test_every_rank_ends_the_hold_at_the_same_step_and_sends_less(size, kw):
     """(Under local_steps the exchange steps are rounds: 24 local steps are 12 of them.)"""
     steps = 24 * kw.get("local_steps", 1)   # past the count's warm-up of 20 exchange steps
     got = _run(size, steps, warmup_settle=1.0, **kw)
-    counted = _run(size, steps, **kw)
+    counted = _run(size, steps, warmup_settle=None, **kw)   # (local steps default to 0.5)
     params0, settled0, _ = got[0]
     for p, settled, _ in got[1:]:
         assert torch.equal(p, params0) and settled == settled0

@@ -73,7 +73,10 @@ LOCAL = (("local_steps=8", "slim", None, {"slim": {"local_steps": 8}}),
                                                           "residual_decay": 1.0}}),
          ("local_steps=8 0.05", "slim", None, {"slim": {"local_steps": 8, "density": 0.05}}),
          ("local_steps=8 0.05 no decay", "slim", None,
-          {"slim": {"local_steps": 8, "density": 0.05, "residual_decay": 1.0}}))
+          {"slim": {"local_steps": 8, "density": 0.05, "residual_decay": 1.0}}),
+         # the defaults since 6 December 11:30: the mean over the senders, the warm-up ending on
+         # a signal (the row "local_steps=8" ran at the defaults before)
+         ("local_steps=8, senders and settle", "slim", None, {"slim": {"local_steps": 8}}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that

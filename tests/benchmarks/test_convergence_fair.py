@@ -32,7 +32,8 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "gradient exchange": [0], "top-k 0.02": [0], "PowerSGD r4": [0],
                   "DiLoCo H=32": [0], fair.LONGER: [0, 1, 2], "local_steps=8": [0],
                   "local_steps=8 dense": [0], "local_steps=8 no decay": [0],
-                  "local_steps=8 0.05": [0], "local_steps=8 0.05 no decay": [0]}
+                  "local_steps=8 0.05": [0], "local_steps=8 0.05 no decay": [0],
+                  "local_steps=8, senders and settle": [0]}
     assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
                    "bf16 default": [0]}
     # the defaults pass no Slim-DP keyword at all

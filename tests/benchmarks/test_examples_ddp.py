@@ -38,6 +38,8 @@ def test_the_framework_examples(module):
     pytest.importorskip("lightning" if module == "lightning_ddp" else "accelerate")
     got = run_example(module, "--steps", "40", np_=3)
     assert got["replicas_identical"] and got["steps"] == 40 and got["ranks"] == 3
-    # Density 0.01 after the automatic warm-up: the hook really ran (Lightning drops a
-    # DDPStrategy hook off CUDA unless the example registers it).
-    assert got["fewer_pushed"] > 20, got
+    # The hook really ran (Lightning drops a DDPStrategy hook off CUDA unless the example
+    # registers it): plain DDP would be 1x. The first layer's weight is sliced at 0.01 after
+    # the automatic warm-up; the rest, 2,312 of 10,760 coordinates under min_compress_numel,
+    # travels dense at 32 bits, as DistributedOptimizer sends it, so about 4.5x in all.
+    assert got["fewer_pushed"] > 3, got

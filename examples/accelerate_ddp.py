@@ -10,8 +10,8 @@ bytes pushed against a dense allreduce, and whether the replicas ended identical
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
+from typing import List, Tuple
 
 import torch
 from accelerate import Accelerator
@@ -21,7 +21,7 @@ from examples.lightning_ddp import teacher_data
 from hvd_slim.ddp import SlimState, slim_hook
 
 
-def main() -> None:
+def main() -> Tuple[List[torch.Tensor], torch.Tensor]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
@@ -47,11 +47,12 @@ def main() -> None:
                 break
 
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    digests = accelerator.gather_for_metrics(
-        [hashlib.sha256(flat.numpy().tobytes()).hexdigest()])
+    every = [torch.empty_like(flat) for _ in range(accelerator.num_processes)]
+    torch.distributed.all_gather(every, flat)
     st = state.comm_stats()
     figures = {"ranks": accelerator.num_processes, "steps": st["steps"],
-               "loss": float(loss.detach()), "replicas_identical": len(set(digests)) == 1,
+               "loss": float(loss.detach()),
+               "replicas_identical": all(torch.equal(every[0], t) for t in every[1:]),
                "fewer_pushed": st["dense_bytes"] / max(1, st["bytes_pushed"])}
     if accelerator.is_main_process:
         print(json.dumps(figures))
@@ -60,6 +61,12 @@ def main() -> None:
                 json.dump(figures, f)
     accelerator.wait_for_everyone()   # every rank leaves together
     accelerator.end_training()
+    # The gathered tensors are returned, so they outlive this frame and, with it, DDP and its
+    # Gloo group. A Gloo worker thread that releases a finished collective's tensors after Python
+    # dropped them needs the GIL, and this thread, freeing the group when the frame goes, holds
+    # the GIL while it joins that thread: torch's teardown deadlock (docs/ddp.md, "Teardown").
+    # All_gather_object's tensors are its own temporaries, so the check gathers tensors instead.
+    return every, flat
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ The Slim-DP settings come from ``HVD_SLIM_*`` variables or ``SlimState``'s keywo
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import time
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float(total[0] / total[1]) / math.log(2)
 
 
-def main() -> None:
+def main() -> Tuple[List[torch.Tensor], torch.Tensor]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=8, help="windows per rank per step")
@@ -103,12 +103,12 @@ def main() -> None:
     seconds = time.perf_counter() - start
     bpb = evaluate(ddp.module, vx, vy)
 
-    mine = hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-                          .numpy().tobytes()).hexdigest()
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
     figures = {"hook": args.hook, "ranks": dist.get_world_size(), "steps": step,
-               "val_bpb": bpb, "replicas_identical": len(set(every)) == 1,
+               "val_bpb": bpb, "replicas_identical": all(torch.equal(every[0], t)
+                                                         for t in every[1:]),
                "seconds": seconds}
     if args.hook.startswith("slim"):
         st = state.comm_stats()
@@ -122,6 +122,12 @@ def main() -> None:
                 json.dump(figures, f, indent=1)
     dist.barrier()   # every rank leaves together: a rank still writing must not be left alone
     dist.destroy_process_group()
+    # The gathered tensors are returned, so they outlive this frame and, with it, DDP and its
+    # Gloo group. A Gloo worker thread that releases a finished collective's tensors after Python
+    # dropped them needs the GIL, and this thread, freeing the group when the frame goes, holds
+    # the GIL while it joins that thread: torch's teardown deadlock (docs/ddp.md, "Teardown").
+    # All_gather_object's tensors are its own temporaries, so the check gathers tensors instead.
+    return every, flat
 
 
 if __name__ == "__main__":

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import List, Tuple
+from typing import List
 
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from examples.ddp_train import gathered_replicas
 from examples.lightning_ddp import teacher_data
 from hvd_slim.ddp import SlimState, slim_hook
 
 
-def main() -> Tuple[List[torch.Tensor], torch.Tensor]:
+def main() -> List[torch.Tensor]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
@@ -46,13 +47,11 @@ def main() -> Tuple[List[torch.Tensor], torch.Tensor]:
             if step == args.steps:
                 break
 
-    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    every = [torch.empty_like(flat) for _ in range(accelerator.num_processes)]
-    torch.distributed.all_gather(every, flat)
+    identical, gathered = gathered_replicas(net)
     st = state.comm_stats()
     figures = {"ranks": accelerator.num_processes, "steps": st["steps"],
                "loss": float(loss.detach()),
-               "replicas_identical": all(torch.equal(every[0], t) for t in every[1:]),
+               "replicas_identical": identical,
                "fewer_pushed": st["dense_bytes"] / max(1, st["bytes_pushed"])}
     if accelerator.is_main_process:
         print(json.dumps(figures))
@@ -61,12 +60,7 @@ def main() -> Tuple[List[torch.Tensor], torch.Tensor]:
                 json.dump(figures, f)
     accelerator.wait_for_everyone()   # every rank leaves together
     accelerator.end_training()
-    # The gathered tensors are returned, so they outlive this frame and, with it, DDP and its
-    # Gloo group. A Gloo worker thread that releases a finished collective's tensors after Python
-    # dropped them needs the GIL, and this thread, freeing the group when the frame goes, holds
-    # the GIL while it joins that thread: torch's teardown deadlock (docs/ddp.md, "Teardown").
-    # All_gather_object's tensors are its own temporaries, so the check gathers tensors instead.
-    return every, flat
+    return gathered   # outlives DDP and its group (gathered_replicas)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,21 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float(total[0] / total[1]) / math.log(2)
 
 
-def main() -> Tuple[List[torch.Tensor], torch.Tensor]:
+def gathered_replicas(model: torch.nn.Module) -> Tuple[bool, List[torch.Tensor]]:
+    """Whether every rank holds bitwise the same parameters, and the tensors gathered to tell.
+
+    Keep those tensors referenced until DDP and its process group are gone (return them from
+    ``main()``). Freeing the group joins Gloo's worker threads while holding the GIL, and a
+    worker that releases a finished collective's tensors after Python dropped them needs the
+    GIL: torch's teardown deadlock (docs/ddp.md, "Teardown"). ``all_gather_object``'s tensors
+    are its own temporaries, so this gathers tensors instead."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    return all(torch.equal(every[0], t) for t in every[1:]), every + [flat]
+
+
+def main() -> List[torch.Tensor]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=8, help="windows per rank per step")
@@ -103,13 +117,9 @@ def main() -> Tuple[List[torch.Tensor], torch.Tensor]:
     seconds = time.perf_counter() - start
     bpb = evaluate(ddp.module, vx, vy)
 
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, flat)
+    identical, gathered = gathered_replicas(model)
     figures = {"hook": args.hook, "ranks": dist.get_world_size(), "steps": step,
-               "val_bpb": bpb, "replicas_identical": all(torch.equal(every[0], t)
-                                                         for t in every[1:]),
-               "seconds": seconds}
+               "val_bpb": bpb, "replicas_identical": identical, "seconds": seconds}
     if args.hook.startswith("slim"):
         st = state.comm_stats()
         figures.update(bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
@@ -122,12 +132,7 @@ def main() -> Tuple[List[torch.Tensor], torch.Tensor]:
                 json.dump(figures, f, indent=1)
     dist.barrier()   # every rank leaves together: a rank still writing must not be left alone
     dist.destroy_process_group()
-    # The gathered tensors are returned, so they outlive this frame and, with it, DDP and its
-    # Gloo group. A Gloo worker thread that releases a finished collective's tensors after Python
-    # dropped them needs the GIL, and this thread, freeing the group when the frame goes, holds
-    # the GIL while it joins that thread: torch's teardown deadlock (docs/ddp.md, "Teardown").
-    # All_gather_object's tensors are its own temporaries, so the check gathers tensors instead.
-    return every, flat
+    return gathered   # outlives DDP and its group (gathered_replicas)
 
 
 if __name__ == "__main__":

@@ -105,13 +105,14 @@ class Server:
                     touched = self._touched[b.index] = self._zeroed(self._touched, b, torch.bool)
                 senders = None
                 if cfg.sparse_average == "senders" and b.kind != DENSE and not flush:
-                    senders = self._zeroed(self._senders, b, total.dtype)
+                    # zeroed first as well: a step that failed half-way may have left counts
+                    senders = self._sender_count(b, total).zero_()
                 for j in range(self.size):
                     self._accumulate(b, j, secs[j], step, total, touched, plan, senders)
                 if senders is not None:   # a pull as dense as the push: every coordinate's
                     total.div_(senders.clamp_(min=1.0))   # senders (0 where none sent)
                     total.mul_(scale * self.size)
-                    self._senders[b.index] = senders.zero_()   # as _add_over_senders expects
+                    senders.zero_()
                 elif scale != 1.0:
                     total.mul_(scale)
                 sections.append(self._pull_section(b, total, touched, step, flush, plan))
@@ -195,15 +196,24 @@ class Server:
         """``e += scale * push_j / senders`` at each push's coordinates, ``senders`` counting
         the ranks whose slice held each coordinate (sparse_average="senders"): O(k N), the
         count kept zero between steps by clearing only what was touched."""
-        count = self._senders.get(b.index)
-        if count is None:
-            count = self._senders[b.index] = torch.zeros(b.numel, dtype=e.dtype,
-                                                         device=e.device)
+        count = self._sender_count(b, e)
         count.index_add_(0, touched, torch.ones(touched.numel(), dtype=e.dtype,
                                                 device=e.device))
-        for idx, vals in pushes:
-            e.index_add_(0, idx, vals.to(e.dtype) / count.index_select(0, idx), alpha=scale)
-        count.index_fill_(0, touched, 0.0)
+        try:
+            for idx, vals in pushes:
+                e.index_add_(0, idx, vals.to(e.dtype) / count.index_select(0, idx),
+                             alpha=scale)
+        finally:
+            count.index_fill_(0, touched, 0.0)
+
+    def _sender_count(self, b: Bucket, like: torch.Tensor) -> torch.Tensor:
+        """``b``'s count of senders per coordinate (sparse_average="senders"), in ``like``'s
+        dtype and device: all zeros between steps, which each user restores."""
+        count = self._senders.get(b.index)
+        if count is None:
+            count = self._senders[b.index] = torch.zeros(b.numel, dtype=like.dtype,
+                                                         device=like.device)
+        return count
 
     def _push_slice(self, b: Bucket, j: int, sec: wm.Section, step: int, plan: "_Plan"
                     ) -> Tuple[torch.Tensor, torch.Tensor]:

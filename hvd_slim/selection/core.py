@@ -87,7 +87,6 @@ class CoreSelector:
         self.margin = float(margin)
         self.sample_size = int(sample_size)
         self._thr: Optional[float] = None
-        self._short = False   # this call's ``short``
         # Diagnostics of the last call (not state): candidate passes made and candidates kept.
         self.last_passes = 0
         self.last_candidates = 0
@@ -132,15 +131,14 @@ class CoreSelector:
         k = int(k)
         if k < 0:
             raise ValueError(f"select: k must be >= 0, got {k}")
-        self._short = short
         torch_path = self.backend == "torch" or (self.backend is None and use_torch(score))
         s: Scores[Any] = TorchScores(_as_float(score), magnitude) if torch_path \
             else NumpyScores(_as_numpy(score), magnitude)
         if k == 0 or k >= s.n:
             return torch.arange(min(k, s.n), dtype=torch.int64, device=score.device)
-        return s.result(self._select(s, k, int(ties)), score.device)
+        return s.result(self._select(s, k, int(ties), short), score.device)
 
-    def _select(self, s: Scores[A], k: int, ties: int = 0) -> A:
+    def _select(self, s: Scores[A], k: int, ties: int = 0, short: bool = False) -> A:
         n = s.n
         want = k + max(16, math.ceil(self.margin * k))   # aimed-for candidate count
         s.take_sample(max(1, n // self.sample_size))     # strided, deterministic
@@ -177,7 +175,7 @@ class CoreSelector:
         if cand is None:
             # Still too few after three passes (or a zero threshold): zero always suffices.
             self.last_passes += 1
-            return self._select_from_zero(s, k, want)
+            return self._select_from_zero(s, k, want, short)
         self.last_candidates = len(cand)
         return self._exact(s, cand, k, want, floor=thr, ties=ties)
 
@@ -228,8 +226,9 @@ class CoreSelector:
         self._thr = nxt
         return s.keep_top(cand, vals, kth, k, ties)   # ties at kth: a run from ``ties``
 
-    def _select_from_zero(self, s: Scores[A], k: int, want: int) -> A:
-        """Threshold zero: every positive entry is a candidate; zeros fill up by lowest index."""
+    def _select_from_zero(self, s: Scores[A], k: int, want: int, short: bool = False) -> A:
+        """Threshold zero: every positive entry is a candidate; zeros fill up by lowest index
+        (with ``short``, the positive entries alone)."""
         cand = s.positives()
         if len(cand) >= k:
             self.last_candidates = len(cand)
@@ -238,6 +237,6 @@ class CoreSelector:
             raise ValueError("select: score must be non-negative")
         self._thr = 0.0
         self.last_candidates = s.n
-        if self._short:
+        if short:
             return cand
         return s.with_lowest_zeros(cand, k - len(cand))

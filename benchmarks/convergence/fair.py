@@ -16,7 +16,8 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   decay, the same schedule; at lr 0.5 dense diverged), dense against hvd_slim with no keyword,
   at every seed, and with a pull 4x the push (0.08) at the first seed;
 - ``lm-fair-longer``: the defaults trained on every window of the corpus (89,491: 2,797 steps,
-  1.12x, the schedule over the whole run), at every seed: the steps target's measurement;
+  1.12x), and on 100,000 (1.25x: 10,509 windows twice), each with its schedule over the whole
+  run, at every seed: the steps target's measurement;
 - ``lm-fair-local``: ``local_steps=8`` at its defaults, and DiLoCo's dense rounds at H = 8, the
   first seed only;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
@@ -81,11 +82,16 @@ LOCAL = (("local_steps=8", "slim", None, {"slim": {"local_steps": 8}}),
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that
 # curve reaches dense's final loss, against the step dense reached it, is the target's ratio.
-# It asks for 100,000 windows (1.25x), and the corpus holds 89,491: the 80,000 and all the rest
-# (the same draw, extended), 2,797 steps, 1.12x; its LR warm-up is the 156 steps asked for (5.6%).
+# The corpus holds 89,491 windows: the first run took every one (the 80,000 and all the rest, the
+# same draw extended), 2,797 steps, 1.12x, with the LR warm-up of the 1.25x run (156 steps, 5.6%).
+# The 1.25x run takes 100,000: every window, and 10,509 of them a second time (tasks.py's draw);
+# a repeated window teaches less than a fresh one, so this errs against the compressed run.
 LONGER = "default, every window (1.12x the steps)"
-LONGER_ROWS = ((LONGER, "slim", None, {"train_subset": 100000,
-                                       "lr_warmup_steps": STEPS * 5 // 4 // 20}),)
+LONGEST = "default, 1.25x the steps (10,509 windows twice)"
+LONGER_ROWS = ((LONGER, "slim", None, {"train_subset": 89491,
+                                       "lr_warmup_steps": STEPS * 5 // 4 // 20}),
+               (LONGEST, "slim", None, {"train_subset": STEPS * 5 // 4 * 32,
+                                        "lr_warmup_steps": STEPS * 5 // 4 // 20}))
 # SGD's gradient exchange with the update exchange's lever: a pull 4x the push (0.08)
 SGD_PEERS = (("pull 4x", "slim", None, {"slim": {"pull_density": 0.08}}),)
 # (the default with the server's ties taken from a per-step start, selection/explore.py's
@@ -191,8 +197,9 @@ def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
                    "never)")) if variant != "dense" else "1.00x"
         verdict = ""
         if variant == "default":
-            if LONGER in rows:   # the steps target is measured there
-                steps = rows[LONGER]["steps_ratio"]
+            longer = next((v for v in (LONGEST, LONGER) if v in rows), None)
+            if longer:   # the steps target is measured on the longest run there is
+                steps = rows[longer]["steps_ratio"]
                 reached = [s for s in steps if s is not None]
             checks = [("gap", 100 * gap <= 100 * TARGETS["gap"] + 1e-9, f"{100 * gap:+.1f}% "
                        f"(≤ {100 * TARGETS['gap']:.0f}%)"),
@@ -200,9 +207,9 @@ def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
                        f"{r['push_ratio']:.0f}x (≥ {TARGETS['bytes']:.0f}x)"),
                       ("steps", bool(reached) and len(reached) == len(steps)
                        and statistics.fmean(reached) <= TARGETS["steps"],
-                       f"steps ≤ {TARGETS['steps']}x" + (f" ({LONGER}: {len(reached)} of "
+                       f"steps ≤ {TARGETS['steps']}x" + (f" ({longer}: {len(reached)} of "
                                                          f"{len(steps)} seeds reach it)"
-                                                         if LONGER in rows else ""))]
+                                                         if longer else ""))]
             verdict = "; ".join(f"{name} {'met' if ok else 'missed'}: {what}"
                                 for name, ok, what in checks)
         at = [a for a in r["dense_at"] if a is not None]

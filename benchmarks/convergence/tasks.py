@@ -82,7 +82,8 @@ def load_dataset(dataset: str, train_subset: int | None = None,
     "pystdlib" (byte windows of the standard library's sources, lm.py).
 
     ``train_subset`` keeps the first N training examples (for "pystdlib": N windows drawn from
-    the whole training corpus by ``data_seed``, so a short run still sees every file). MNIST-1D
+    the whole training corpus by ``data_seed``, so a short run still sees every file; beyond the
+    corpus, every window once and a second draw of the excess, each seen twice). MNIST-1D
     is generated from ``data_seed`` (the same data for every training seed, so seeds vary only
     the training). MNIST-1D uses 12000 samples (9600 train / 2400 test) rather than the
     published 5000: a 2400-image test set halves the sampling noise of a 1000-image one.
@@ -99,7 +100,11 @@ def load_dataset(dataset: str, train_subset: int | None = None,
         test = lm.validation_windows(corpus.val, LM_CONTEXT, LM_VAL_WINDOWS)
         if train_subset is not None:
             g = torch.Generator().manual_seed(data_seed)
-            pick = torch.randperm(len(train), generator=g)[:train_subset].sort().values
+            n = len(train)
+            pick = torch.randperm(n, generator=g)[:train_subset].sort().values
+            if train_subset > n:   # a second pass over a seeded draw of the excess
+                again = torch.randperm(n, generator=g)[:train_subset - n].sort().values
+                pick = torch.cat([pick, again])
             return Subset(train, pick.tolist()), test
     else:
         raise ValueError(f"dataset must be 'mnist', 'mnist1d' or 'pystdlib', got {dataset!r}")

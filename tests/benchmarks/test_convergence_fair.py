@@ -21,6 +21,9 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
             continue
         by.setdefault(spec["variant"], []).append(spec["seed"])
         if spec["variant"] == fair.LONGER:   # every window, its LR warm-up as asked for 1.25x
+            assert spec["train_subset"] == 89491 and spec["lr_warmup_steps"] == 156
+            continue
+        if spec["variant"] == fair.LONGEST:  # 1.25x the windows: 3,125 steps at 4 ranks of 8
             assert spec["train_subset"] == 100000 and spec["lr_warmup_steps"] == 156
             continue
         assert spec["model"] == "byte-lm-small" and spec["train_subset"] == 80000
@@ -30,7 +33,8 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "pull union": [0], "pull 0.4": [0], "pull 0.2 at 16 bits": [0],
                   "residual decay 0.95": [0], "push 4 bits": [0],
                   "gradient exchange": [0], "top-k 0.02": [0], "PowerSGD r4": [0],
-                  "DiLoCo H=32": [0], fair.LONGER: [0, 1, 2], "local_steps=8": [0],
+                  "DiLoCo H=32": [0], fair.LONGER: [0, 1, 2], fair.LONGEST: [0, 1, 2],
+                  "local_steps=8": [0],
                   "local_steps=8 dense": [0], "local_steps=8 no decay": [0],
                   "local_steps=8 0.05": [0], "local_steps=8 0.05 no decay": [0],
                   "local_steps=8, senders and settle": [0]}
@@ -94,3 +98,28 @@ def test_the_steps_verdict_comes_from_the_longer_run_when_there_is_one():
     assert "steps met: steps ≤ 1.25x (" + fair.LONGER + ": 1 of 1 seeds reach it)" in text
     runs[-1] = _run(fair.LONGER, 0, [(100, 3.0), (200, 2.04), (240, 2.01)], 24.0)
     assert "steps missed" in fair.table(fair.summarise(runs))
+
+
+def test_the_longest_run_decides_the_steps_verdict_over_the_longer_one():
+    runs = [_run("dense", 0, [(100, 3.0), (200, 2.0)], 1000.0),
+            _run("default", 0, [(100, 3.0), (200, 2.02)], 20.0),
+            _run(fair.LONGER, 0, [(100, 3.0), (200, 2.04), (224, 2.01)], 24.0),
+            _run(fair.LONGEST, 0, [(100, 3.0), (200, 2.04), (250, 1.99)], 24.0)]
+    text = fair.table(fair.summarise(runs))
+    assert "steps met: steps ≤ 1.25x (" + fair.LONGEST + ": 1 of 1 seeds reach it)" in text
+    runs[-1] = _run(fair.LONGEST, 0, [(100, 3.0), (200, 2.04), (250, 2.005)], 24.0)
+    assert "steps missed: steps ≤ 1.25x (" + fair.LONGEST + ": 0 of 1" in fair.table(
+        fair.summarise(runs))
+
+
+def test_a_subset_beyond_the_corpus_sees_every_window_then_a_seeded_draw_again():
+    from benchmarks.convergence import tasks
+    n = len(tasks.load_dataset("pystdlib")[0])
+    once, _ = tasks.load_dataset("pystdlib", n)
+    assert once.indices == list(range(n))
+    more, _ = tasks.load_dataset("pystdlib", n + 500, data_seed=3)
+    assert more.indices[:n] == list(range(n))
+    again = more.indices[n:]
+    assert len(again) == len(set(again)) == 500 and all(0 <= i < n for i in again)
+    assert tasks.load_dataset("pystdlib", n + 500, data_seed=3)[0].indices == more.indices
+    assert tasks.load_dataset("pystdlib", n + 500, data_seed=4)[0].indices[n:] != again

@@ -112,6 +112,16 @@ class Cluster:
         """What goes before each rank's command: the wrapper that enters its host."""
         return [self.wrapper]
 
+    def mpirun_argv(self, np_: int, command: Sequence[str], export: Sequence[str] = ()
+                    ) -> List[str]:
+        """``mpirun`` in the launcher's namespace over the hosts' eth0, each rank entering its
+        host, for ``command`` (PYTHONPATH, this cluster's :meth:`env` and ``export`` exported)."""
+        return [*self.mpirun_prefix(), "mpirun", "-np", str(np_), "--oversubscribe",
+                "--bind-to", "none", *MPI_ARGS, "--mca", "mpi_yield_when_idle", "1",
+                "-x", "PYTHONPATH", "-x", "PYTHONDONTWRITEBYTECODE",
+                *[a for k in (*export, *self.env()) for a in ("-x", k)], *self.rank_prefix(),
+                *command]
+
     def env(self) -> Dict[str, str]:
         """mpirun's environment additions; Gloo's store lives at host 0's address."""
         return {**MPIRUN_ENV, "GLOO_SOCKET_IFNAME": "eth0", "MASTER_ADDR": self.addr(0),

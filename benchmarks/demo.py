@@ -24,17 +24,6 @@ def _demo(flags: Sequence[str], network: str) -> List[str]:
     return [sys.executable, "-m", "examples.demo", "--network", network, *flags]
 
 
-def switched_argv(c: cluster.Cluster, np_: int, flags: Sequence[str]) -> List[str]:
-    """mpirun in the launcher's namespace, over the hosts' eth0, each rank entering its host
-    (the MPI options benchmarks/run.py uses there)."""
-    rate = c.spec.rates()[0]
-    return [*c.mpirun_prefix(), "mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
-            *cluster.MPI_ARGS, "--mca", "mpi_yield_when_idle", "1",
-            "-x", "PYTHONPATH", "-x", "PYTHONDONTWRITEBYTECODE", "-x", "OMP_NUM_THREADS",
-            *[a for k in c.env() for a in ("-x", k)], *c.rank_prefix(),
-            *_demo(flags, f"switched cluster, {np_} hosts with one {rate} NIC each")]
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", type=int, default=4, help="ranks (one host each on the cluster)")
@@ -59,7 +48,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             argv_ = mpirun_argv(args.np, _demo(args.flags, "loopback (one machine, no NIC)"),
                                 export=("OMP_NUM_THREADS",))
             return run_session(argv_, args.timeout, env, capture=False)[0]
-        return run_session(switched_argv(c, args.np, args.flags), args.timeout,
+        rate = c.spec.rates()[0]
+        argv_ = c.mpirun_argv(args.np, _demo(args.flags, f"switched cluster, {args.np} hosts "
+                                             f"with one {rate} NIC each"), ("OMP_NUM_THREADS",))
+        return run_session(argv_, args.timeout,
                            dict(env, **c.env()), capture=False)[0]
 
 

@@ -38,8 +38,9 @@ def ensure_gloo(rank: int, size: int) -> None:
 
 
 class Ddp(Peer):
-    """``DistributedDataParallel`` with ``allreduce_hook``, ``fp16_compress_hook`` or
-    ``powerSGD_hook`` (rank r)."""
+    """``DistributedDataParallel`` with ``allreduce_hook``, ``fp16_compress_hook``,
+    ``powerSGD_hook`` (rank r) or hvd_slim's ``slim_hook`` ("slim": its defaults, the automatic
+    warm-up off so every measured step is a steady one, as the hvd_slim peers)."""
 
     family = "ddp"
 
@@ -61,6 +62,10 @@ class Ddp(Peer):
             self.module.register_comm_hook(None, default_hooks.allreduce_hook)
         elif hook == "fp16":
             self.module.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif hook == "slim":
+            from hvd_slim.ddp import SlimState, slim_hook
+            self.state = SlimState(warmup_decay_steps=0)
+            self.module.register_comm_hook(self.state, slim_hook)
         elif hook.startswith("powersgd-r"):
             # Vanilla allreduce runs until start_powerSGD_iter, which must cover DDP's bucket
             # rebuild at iteration 1; the worker adds extra warm-up steps after it (see
@@ -80,7 +85,18 @@ class Ddp(Peer):
                               "torch.distributed.all_reduce (Gloo); wire: ring allreduce "
                               "2(N-1)/N x handed"}
 
+        if hook == "slim":
+            self.basis = {"handed": "counted", "wire": "counted",
+                          "note": "SlimState.comm_stats(): bytes pushed and pulled, counted by "
+                                  "hvd_slim's transport"}
+
     def counters(self) -> Dict[str, float]:
+        if self.name == "ddp-slim":
+            st = self.state.comm_stats()
+            return {"handed_sent": st["bytes_pushed"], "handed_recv": st["bytes_pulled"],
+                    "wire_sent": st["bytes_pushed"], "wire_recv": st["bytes_pulled"],
+                    "select_s": st["select_seconds"], "dense_bytes": st["dense_bytes"],
+                    "steps": st["steps"]}
         handed = _counted["bytes"] - self._base["bytes"]
         wire = ring_allreduce_bytes(handed, self.size)
         return {"handed_sent": handed, "handed_recv": handed, "wire_sent": wire,

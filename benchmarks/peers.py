@@ -175,7 +175,10 @@ class Slim(Peer):
     with ``hierarchical=True``, "overlap" is ``pull="slim"`` with ``overlap=True`` (its stages
     start in backward, so it differs only where the workload runs a real backward), "forward"
     that with ``overlap_forward=True`` too (the stages land as the next forward reaches them:
-    a step's time then includes the next forward's waits, not the end of its own exchange)."""
+    a step's time then includes the next forward's waits, not the end of its own exchange),
+    "warm" is ``pull="slim"`` with the automatic warm-up on, as a user's run starts (every other
+    mode switches it off, so its steps are steady ones; run "warm" with ``--warmup 0`` and at
+    most 1/density steps to time the warm-up alone)."""
 
     name = "hvd_slim"
     family = "hvd_slim"
@@ -189,14 +192,16 @@ class Slim(Peer):
         hierarchical = pull == "hier"   # the hosts' ranks combine first (local_size() > 1)
         overlap = pull in ("overlap", "forward")
         forward = pull == "forward"
-        pull = "slim" if pull in ("sharded", "hier", "overlap", "forward") else pull
+        warm = pull == "warm"
+        pull = "slim" if pull in ("sharded", "hier", "overlap", "forward", "warm") else pull
         self.density, self.pull = density, pull
         # The steady state is what a step costs: the automatic warm-up (denser slices for the
-        # first 1/density steps of training) is switched off here.
+        # first 1/density steps of training) is switched off here, but for "warm".
         self.opt = hvd_slim.DistributedOptimizer(self.opt, named_parameters=work.named,
                                                  density=density, pull=pull, servers=servers,
                                                  hierarchical=hierarchical, overlap=overlap,
-                                                 overlap_forward=forward, warmup_decay_steps=0)
+                                                 overlap_forward=forward,
+                                                 **({} if warm else {"warmup_decay_steps": 0}))
         self.basis = {"handed": "counted", "wire": "counted",
                       "note": "opt.comm_stats(): bytes_pushed (payload + 8-byte length word "
                               "handed to Gatherv) and bytes_pulled (received from Bcast), counted "

@@ -60,7 +60,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--pulls", default="slim,union", help="hvd_slim pull modes: slim, union, "
                     "sharded (slim with a server shard per rank), hier (slim with "
                     "hierarchical=True), overlap (slim with overlap=True), forward (overlap with "
-                    "overlap_forward=True)")
+                    "overlap_forward=True), warm (slim with the automatic warm-up on)")
     ap.add_argument("--net", choices=NETS, default="switched",
                     help="switched: one NIC per host into a switch; shared: one link for all "
                          "ranks (tbf1g/tbf10g at 1/10 Gbit/s); loopback: unshaped, no root")

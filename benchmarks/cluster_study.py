@@ -38,8 +38,10 @@ SERIES = ("peers", "compute", "overlap", "scaling", "hosts", "hetero", "shared",
 # hvd_slim at its default density (0.02, pull "slim") and at the 0.01 the peers are compared at
 SUBSET = "floor,mpi-allreduce,horovod,ddp-powersgd-r1,topk-ef@0.01,hvd_slim-slim@0.02," \
          "hvd_slim-slim@0.01,hvd_slim-union@0.01,hvd_slim-sharded@0.01"
-# A real backward: Horovod's allreduce starts inside it, in fp32 and fp16 (the model's overlap)
-COMPUTE = SUBSET.replace("horovod,", "horovod,horovod-fp16,")
+# A real backward: Horovod's allreduce starts inside it, in fp32 and fp16 (the model's overlap),
+# and so do DDP's hooks, PowerSGD's and hvd_slim's
+COMPUTE = SUBSET.replace("horovod,", "horovod,horovod-fp16,").replace(
+    "ddp-powersgd-r1,", "ddp-powersgd-r1,ddp-slim,")
 DENSITIES = "0.1,0.02,0.01,0.001"
 PULLS = "slim,union,sharded"   # sharded: pull "slim" with a server shard per rank
 

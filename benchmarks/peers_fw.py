@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .models import Workload
-from .peers import Peer, ring_allreduce_bytes
+from .peers import PHASES, Peer, ring_allreduce_bytes
 
 _counted = {"bytes": 0, "calls": 0}
 _original_all_reduce = dist.all_reduce
@@ -40,7 +40,8 @@ def ensure_gloo(rank: int, size: int) -> None:
 class Ddp(Peer):
     """``DistributedDataParallel`` with ``allreduce_hook``, ``fp16_compress_hook``,
     ``powerSGD_hook`` (rank r) or hvd_slim's ``slim_hook`` ("slim": its defaults, the automatic
-    warm-up off so every measured step is a steady one, as the hvd_slim peers)."""
+    warm-up off so every measured step is a steady one, as the hvd_slim peers; "slim-1b": the
+    same with every parameter in one bucket, as PowerSGD's runs here)."""
 
     family = "ddp"
 
@@ -53,16 +54,17 @@ class Ddp(Peer):
         self.name = f"ddp-{hook}"
         nbytes = sum(p.numel() * p.element_size() for _, p in work.named)
         kwargs: Dict[str, Any] = {}
-        if hook.startswith("powersgd"):
+        if hook.startswith("powersgd") or hook == "slim-1b":
             # Measured: PowerSGD over Gloo at 4 ranks fails with "Received data size doesn't match
-            # expected size" unless every parameter sits in one bucket.
+            # expected size" unless every parameter sits in one bucket; "slim-1b" is slim_hook
+            # in the same single bucket, to compare like with like.
             kwargs["bucket_cap_mb"] = nbytes / 2 ** 20 + 1
         self.module = DDP(work.model, **kwargs)
         if hook == "allreduce":
             self.module.register_comm_hook(None, default_hooks.allreduce_hook)
         elif hook == "fp16":
             self.module.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif hook == "slim":
+        elif hook in ("slim", "slim-1b"):
             from hvd_slim.ddp import SlimState, slim_hook
             self.state = SlimState(warmup_decay_steps=0)
             self.module.register_comm_hook(self.state, slim_hook)
@@ -85,13 +87,13 @@ class Ddp(Peer):
                               "torch.distributed.all_reduce (Gloo); wire: ring allreduce "
                               "2(N-1)/N x handed"}
 
-        if hook == "slim":
+        if hook.startswith("slim"):
             self.basis = {"handed": "counted", "wire": "counted",
                           "note": "SlimState.comm_stats(): bytes pushed and pulled, counted by "
                                   "hvd_slim's transport"}
 
     def counters(self) -> Dict[str, float]:
-        if self.name == "ddp-slim":
+        if self.name.startswith("ddp-slim"):
             st = self.state.comm_stats()
             return {"handed_sent": st["bytes_pushed"], "handed_recv": st["bytes_pulled"],
                     "wire_sent": st["bytes_pushed"], "wire_recv": st["bytes_pulled"],
@@ -102,6 +104,12 @@ class Ddp(Peer):
         return {"handed_sent": handed, "handed_recv": handed, "wire_sent": wire,
                 "wire_recv": wire, "select_s": 0.0,
                 "allreduce_calls": _counted["calls"] - self._base["calls"]}
+
+    def phases(self) -> Dict[str, float]:
+        if not self.name.startswith("ddp-slim"):
+            return {}
+        st = self.state.comm_stats()
+        return {ph: st[f"{ph}_seconds"] for ph in PHASES}
 
     def close(self) -> None:
         dist.all_reduce = _original_all_reduce

@@ -61,34 +61,35 @@ class _Bucket:
     index: int
     keys: Keys                     # its parameters, by position (see the module docstring)
     numels: Tuple[int, ...]        # theirs, in the exchange's order
-    # For a bucket holding the same parameters in another order: where, in its flat buffer,
-    # each of the exchange's coordinates lies.
-    orders: Dict[Keys, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # For each layout DDP has given these parameters (its first, and its rebuilt one): where
+    # each stand-in's part begins in that layout's flat buffer, in the exchange's order.
+    layouts: Dict[Keys, Tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
-    def order(self, keys: Keys, numels: Tuple[int, ...]) -> torch.Tensor:
-        """The positions in a bucket laid out as ``keys`` of this exchange's coordinates."""
-        found = self.orders.get(keys)
+    def starts(self, keys: Keys, numels: Tuple[int, ...]) -> Tuple[int, ...]:
+        """Where, in a bucket laid out as ``keys`` (with ``numels``), each stand-in's part
+        begins."""
+        found = self.layouts.get(keys)
         if found is None:
             start, offset = {}, 0
             for k, n in zip(keys, numels):
                 start[k], offset = offset, offset + n
-            found = self.orders[keys] = torch.cat([
-                torch.arange(start[k], start[k] + n) for k, n in zip(self.keys, self.numels)]
-            ).to(self.stand_ins[0].device)
+            found = self.layouts[keys] = tuple(start[k] for k in self.keys)
         return found
 
-    def feed(self, flat: torch.Tensor) -> None:
-        """Point each stand-in's gradient at its parameter's part of ``flat`` (this exchange's
-        order)."""
-        offset = 0
-        for s, n in zip(self.stand_ins, self.numels):
-            s.grad = flat[offset:offset + n]
-            offset += n
+    def feed(self, flat: torch.Tensor, starts: Tuple[int, ...]) -> None:
+        """Point each stand-in's gradient at its parameter's part of ``flat``: views, so a
+        bucket in any layout is read where it lies, with no copy."""
+        for s, n, at in zip(self.stand_ins, self.numels, starts):
+            s.grad = flat[at:at + n]
 
-    def update(self) -> torch.Tensor:
-        """The settled update, flat in this exchange's order."""
-        grads = [s.grad.reshape(-1) for s in self.stand_ins]
-        return grads[0] if len(grads) == 1 else torch.cat(grads)
+    def deliver(self, flat: torch.Tensor, starts: Tuple[int, ...]) -> torch.Tensor:
+        """Write the settled update into ``flat``, each parameter's part where the bucket's
+        layout has it (a part the exchange updated in place is not copied), and return it."""
+        for s, n, at in zip(self.stand_ins, self.numels, starts):
+            dst, src = flat[at:at + n], s.grad.reshape(-1)
+            if src.data_ptr() != dst.data_ptr():
+                dst.copy_(src)
+        return flat
 
 
 class SlimState:
@@ -185,9 +186,9 @@ class SlimState:
                 b = self._begin(index, buffer, keys, numels)
             # The same parameters in another order (DDP's first layout and its rebuilt one):
             # the exchange keeps its own order, so a resumed run matches an unbroken one.
-            order = None if keys == b.keys else b.order(keys, numels)
-            b.feed(buffer if order is None else buffer.index_select(0, order))
-            self._pass.append((b, self._starter().start(b.exchange), fut, order, buffer,
+            starts = b.starts(keys, numels)
+            b.feed(buffer, starts)
+            self._pass.append((b, self._starter().start(b.exchange), fut, starts, buffer,
                                list(params)))
         except Exception as exc:  # noqa: BLE001 - every bucket of the pass reports it
             self._fail(exc, fut)
@@ -233,9 +234,8 @@ class SlimState:
             if self.config.nonfinite == "flag":
                 for b, *_ in self._pass:
                     b.exchange.flag_grads()
-        for b, _, fut, order, buffer, params in self._pass:
-            got = b.update()
-            result = got if order is None else torch.empty_like(buffer).index_copy_(0, order, got)
+        for b, _, fut, starts, buffer, params in self._pass:
+            result = b.deliver(buffer, starts)   # DDP's own buffer, as its allreduce hook
             if self._adam is not None:
                 self._adam.deliver(params, result)
             fut.set_result(result)

@@ -27,6 +27,22 @@ SMALL_NUMEL = 4096   # below this a tensor is averaged dense (as hvd_slim's min_
 LR, MOMENTUM = 0.01, 0.9
 
 
+def stats_counters(st: Dict[str, Any]) -> Dict[str, float]:
+    """A peer's cumulative counters from hvd_slim's ``comm_stats()`` (``DistributedOptimizer``'s
+    or ``SlimState``'s: the same fields), counted by hvd_slim's transport."""
+    return {"handed_sent": st["bytes_pushed"], "handed_recv": st["bytes_pulled"],
+            "wire_sent": st["bytes_pushed"], "wire_recv": st["bytes_pulled"],
+            "select_s": st["select_seconds"], "exchange_s": st["exchange_seconds"],
+            **{f"{ph}_s": st[f"{ph}_seconds"] for ph in PHASES},
+            "ring_allreduce_bytes": st["ring_allreduce_bytes"],
+            "dense_bytes": st["dense_bytes"], "steps": st["steps"]}
+
+
+def stats_phases(st: Dict[str, Any]) -> Dict[str, float]:
+    """Cumulative seconds per exchange phase from hvd_slim's ``comm_stats()``."""
+    return {ph: st[f"{ph}_seconds"] for ph in PHASES}
+
+
 def ring_allreduce_bytes(nbytes: float, n: int) -> float:
     """What each rank sends (and receives) in a bandwidth-optimal ring allreduce."""
     return 2.0 * (n - 1) / n * nbytes
@@ -208,17 +224,10 @@ class Slim(Peer):
                               "by hvd_slim's transport; select_s is the worker's push selection"}
 
     def counters(self) -> Dict[str, float]:
-        st = self.opt.comm_stats()
-        return {"handed_sent": st["bytes_pushed"], "handed_recv": st["bytes_pulled"],
-                "wire_sent": st["bytes_pushed"], "wire_recv": st["bytes_pulled"],
-                "select_s": st["select_seconds"], "exchange_s": st["exchange_seconds"],
-                **{f"{ph}_s": st[f"{ph}_seconds"] for ph in PHASES},
-                "ring_allreduce_bytes": st["ring_allreduce_bytes"],
-                "dense_bytes": st["dense_bytes"], "steps": st["steps"]}
+        return stats_counters(self.opt.comm_stats())
 
     def phases(self) -> Dict[str, float]:
-        st = self.opt.comm_stats()
-        return {ph: st[f"{ph}_seconds"] for ph in PHASES}
+        return stats_phases(self.opt.comm_stats())
 
     def extra(self) -> Dict[str, Any]:
         """The closed-form inputs and the last step's byte breakdown, for checking."""

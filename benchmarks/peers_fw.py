@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .models import Workload
-from .peers import PHASES, Peer, ring_allreduce_bytes
+from .peers import Peer, ring_allreduce_bytes, stats_counters, stats_phases
 
 _counted = {"bytes": 0, "calls": 0}
 _original_all_reduce = dist.all_reduce
@@ -52,6 +52,7 @@ class Ddp(Peer):
         from torch.nn.parallel import DistributedDataParallel as DDP
         ensure_gloo(comm.Get_rank(), self.size)
         self.name = f"ddp-{hook}"
+        self.slim = hook in ("slim", "slim-1b")   # hvd_slim's hook: its own counters
         nbytes = sum(p.numel() * p.element_size() for _, p in work.named)
         kwargs: Dict[str, Any] = {}
         if hook.startswith("powersgd") or hook == "slim-1b":
@@ -64,7 +65,7 @@ class Ddp(Peer):
             self.module.register_comm_hook(None, default_hooks.allreduce_hook)
         elif hook == "fp16":
             self.module.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif hook in ("slim", "slim-1b"):
+        elif self.slim:
             from hvd_slim.ddp import SlimState, slim_hook
             self.state = SlimState(warmup_decay_steps=0)
             self.module.register_comm_hook(self.state, slim_hook)
@@ -82,23 +83,16 @@ class Ddp(Peer):
         self.extra_warmup = 2 if hook.startswith("powersgd") else 0
         dist.all_reduce = _counting_all_reduce
         self._base = dict(_counted)
-        self.basis = {"handed": "counted", "wire": "derived",
-                      "note": "handed: bytes of every tensor the hook passed to "
-                              "torch.distributed.all_reduce (Gloo); wire: ring allreduce "
-                              "2(N-1)/N x handed"}
-
-        if hook.startswith("slim"):
-            self.basis = {"handed": "counted", "wire": "counted",
-                          "note": "SlimState.comm_stats(): bytes pushed and pulled, counted by "
-                                  "hvd_slim's transport"}
+        self.basis = {"handed": "counted", "wire": "counted",
+                      "note": "SlimState.comm_stats(): bytes pushed and pulled, counted by "
+                              "hvd_slim's transport"} if self.slim else \
+            {"handed": "counted", "wire": "derived",
+             "note": "handed: bytes of every tensor the hook passed to "
+                     "torch.distributed.all_reduce (Gloo); wire: ring allreduce 2(N-1)/N x handed"}
 
     def counters(self) -> Dict[str, float]:
-        if self.name.startswith("ddp-slim"):
-            st = self.state.comm_stats()
-            return {"handed_sent": st["bytes_pushed"], "handed_recv": st["bytes_pulled"],
-                    "wire_sent": st["bytes_pushed"], "wire_recv": st["bytes_pulled"],
-                    "select_s": st["select_seconds"], "dense_bytes": st["dense_bytes"],
-                    "steps": st["steps"]}
+        if self.slim:
+            return stats_counters(self.state.comm_stats())
         handed = _counted["bytes"] - self._base["bytes"]
         wire = ring_allreduce_bytes(handed, self.size)
         return {"handed_sent": handed, "handed_recv": handed, "wire_sent": wire,
@@ -106,10 +100,7 @@ class Ddp(Peer):
                 "allreduce_calls": _counted["calls"] - self._base["calls"]}
 
     def phases(self) -> Dict[str, float]:
-        if not self.name.startswith("ddp-slim"):
-            return {}
-        st = self.state.comm_stats()
-        return {ph: st[f"{ph}_seconds"] for ph in PHASES}
+        return stats_phases(self.state.comm_stats()) if self.slim else {}
 
     def close(self) -> None:
         dist.all_reduce = _original_all_reduce

@@ -106,8 +106,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs: Dict[str, List[Dict[str, Any]]] = {}
     loads = [os.getloadavg()]
     with tempfile.TemporaryDirectory() as folder, cluster.switched(spec) as c:
+        ways = runtimes(folder, horovod)   # the Horovod copy is written once
         for repeat in range(args.repeats):
-            for name, command in runtimes(folder, horovod):
+            for name, command in ways:
                 out = os.path.join(folder, f"{name}_{repeat}.json")
                 argv_ = c.mpirun_argv(args.np, [*command, *flags, "--json", out],
                                       ("OMP_NUM_THREADS",))

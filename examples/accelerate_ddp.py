@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from examples.ddp_train import gathered_replicas
 from examples.lightning_ddp import teacher_data
-from hvd_slim.ddp import SlimState, slim_hook
+from hvd_slim.ddp import SlimState
 
 
 def main() -> List[torch.Tensor]:
@@ -33,8 +33,7 @@ def main() -> List[torch.Tensor]:
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     loader = DataLoader(teacher_data(), batch_size=32, shuffle=True)
     model, opt, loader = accelerator.prepare(net, opt, loader)
-    state = SlimState(density=0.01)
-    model.register_comm_hook(state, slim_hook)   # the added line (and its import)
+    state = SlimState(density=0.01).register(model)   # the added line (and its import)
 
     step, loss = 0, torch.tensor(float("nan"))
     while step < args.steps:

@@ -1,5 +1,6 @@
 """A plain ``torchrun`` + ``DistributedDataParallel`` script with Slim-DP as its communication
-hook: one added line (``register_comm_hook``, marked below; under AdamW its ``SlimState`` takes
+hook: one added line (``SlimState(...).register(ddp)``, which is ``register_comm_hook``
+with the DDP model's group checked, marked below; under AdamW its ``SlimState`` takes
 the optimizer, so that each rank's Adam update travels, not its gradient).
 
 It trains a small byte-level transformer (benchmarks/convergence/lm.py: the same model and the
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from benchmarks.convergence.lm import ByteLM, Windows, load_corpus, lm_loss, validation_windows
-from hvd_slim.ddp import SlimState, slim_hook
+from hvd_slim.ddp import SlimState
 
 
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -84,11 +85,9 @@ def main() -> List[torch.Tensor]:
     if args.hook == "slim":
         # The one added line (and its import). optimizer=: each rank's AdamW update travels,
         # not its gradient, and opt.step() applies what was delivered.
-        state = SlimState(optimizer=opt)
-        ddp.register_comm_hook(state, slim_hook)
+        state = SlimState(optimizer=opt).register(ddp)
     elif args.hook == "slim-gradient":   # the hook without the optimizer: gradients travel
-        state = SlimState()
-        ddp.register_comm_hook(state, slim_hook)
+        state = SlimState().register(ddp)
     elif args.hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,

@@ -149,6 +149,55 @@ class SlimState:
         self._new_pass = True                  # the next bucket begins a backward pass
         self._start: Optional[Starter] = None  # where the exchanges run (made at the first)
         self.iteration = 0                     # backward passes that reached the hook
+        self._model: Optional[Any] = None      # a weak reference to the model register() saw
+
+    # --- registration -----------------------------------------------------------------------
+    def register(self, ddp_model: Any) -> "SlimState":
+        """Register :func:`hvd_slim.ddp.slim_hook` with this state on ``ddp_model``, as
+        ``ddp_model.register_comm_hook(state, slim_hook)`` does, after checking what the hook
+        alone cannot see: that the model is DDP's, that this state serves no other model, and
+        that its process group has the DDP model's ranks.
+
+        Args:
+            ddp_model: A ``torch.nn.parallel.DistributedDataParallel`` model.
+
+        Returns:
+            This state, so ``state = SlimState(...).register(ddp_model)`` is one line.
+
+        Raises:
+            TypeError: ``ddp_model`` is not a DistributedDataParallel model.
+            RuntimeError: this state was registered on another DDP model.
+            ValueError: this rank is outside the state's process group, or the group has
+                other ranks than the DDP model's (its size differs, or its members).
+        """
+        from torch.nn.parallel import DistributedDataParallel
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError(f"SlimState.register: ddp_model must be a torch.nn.parallel."
+                            f"DistributedDataParallel model, got {type(ddp_model).__name__}; "
+                            f"wrap the module in DistributedDataParallel first")
+        held = self._model() if self._model is not None else None
+        if held is not None and held is not ddp_model:
+            raise RuntimeError("SlimState.register: this SlimState already serves another DDP "
+                               "model (its residuals belong to that model's parameters). Make "
+                               "one SlimState per model")
+        mine, theirs = _group_ranks(self.process_group), _group_ranks(ddp_model.process_group)
+        if mine is None:
+            import torch.distributed as dist
+            raise ValueError(f"SlimState.register: rank {dist.get_rank()} is not a member of "
+                             f"the SlimState's process_group; build it with the DDP model's "
+                             f"group: SlimState(process_group=ddp_model.process_group)")
+        if mine != theirs:
+            what = (f"{len(mine)} ranks and the DDP model's {len(theirs or [])}"
+                    if len(mine) != len(theirs or []) else
+                    f"ranks {mine} and the DDP model's {theirs}")
+            raise ValueError(f"SlimState.register: the SlimState's process_group has {what}: "
+                             f"replicas outside the state's group would drift apart. Build it "
+                             f"with SlimState(process_group=ddp_model.process_group), or leave "
+                             f"process_group None for DDP's default group")
+        from .hook import slim_hook   # hook.py imports this module
+        ddp_model.register_comm_hook(self, slim_hook)
+        self._model = weakref.ref(ddp_model)
+        return self
 
     # --- the transport ----------------------------------------------------------------------
     def _transport_for(self, device: torch.device) -> Transport:
@@ -434,6 +483,21 @@ class SlimState:
         self._carry = {int(k): v for k, v in carry.items()}
         self._retired = {f: retired.get(f, 0) for f in ExchangeStats.FIELDS}
         self.iteration, self._skipped = it, int(state.get("skipped", 0))
+
+
+def _group_ranks(group: Any) -> Optional[List[int]]:
+    """The global ranks of ``group`` (None: the default group), or None where this rank is
+    not a member."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("hvd_slim.ddp: torch.distributed is not initialised; call "
+                           "torch.distributed.init_process_group() (torchrun sets up its "
+                           "environment) before registering the hook")
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    if dist.get_rank(group) < 0:
+        return None
+    return list(dist.get_process_group_ranks(group))
 
 
 def _name(index: int, position: int) -> str:

@@ -179,6 +179,37 @@ def test_a_second_model_on_one_state_is_refused(hvd: Any) -> None:
         train(second, opt2, range(2))
 
 
+def test_register_checks_the_model_and_the_state(hvd: Any) -> None:
+    """SlimState.register refuses what the hook cannot see at its buckets: something other than
+    a DDP model, and a state already serving another model; what it registers trains as
+    register_comm_hook's does, bit for bit."""
+    state = SlimState(density=0.02, min_compress_numel=100)
+    with pytest.raises(TypeError, match="must be a torch.nn.parallel.DistributedDataParallel"):
+        state.register(Net())
+    first, opt = model()
+    assert state.register(first) is state
+    train(first, opt, range(3))
+    direct, opt2 = model(SlimState(density=0.02, min_compress_numel=100))
+    train(direct, opt2, range(3))
+    assert torch.equal(flat(first.module), flat(direct.module))
+    assert same_everywhere(flat(first.module))
+    second, _ = model()
+    with pytest.raises(RuntimeError, match="already serves another DDP model"):
+        state.register(second)
+
+
+def test_a_process_group_of_another_size_is_refused(hvd: Any) -> None:
+    """A state on a group of other ranks than DDP's would let replicas drift apart: register
+    refuses it on every rank, before any collective (no rank waits on another)."""
+    small = dist.new_group(ranks=list(range(dist.get_world_size() - 1)))
+    ddp, _ = model()
+    state = SlimState(process_group=small, density=0.02)
+    expected = "is not a member" if dist.get_rank() == dist.get_world_size() - 1 else \
+        f"has {dist.get_world_size() - 1} ranks and the DDP model's {dist.get_world_size()}"
+    with pytest.raises(ValueError, match=expected):
+        state.register(ddp)
+
+
 def test_adamw_through_the_hook_keeps_replicas_identical_and_resumes(hvd: Any) -> None:
     """SlimState(optimizer=AdamW): each rank's update travels and opt.step() applies what was
     delivered; with an LR scheduler made afterwards, and a checkpoint mid-run."""

@@ -276,11 +276,12 @@ class Server:
         # When v holds fewer non-zeros than the core (a warm-up's pull twice a lone push, say),
         # the core would be them all filled up with zeros, and exploration would add only
         # zeros: at an unpacked value_bits those deliver nothing, so the non-zeros go alone.
-        # Not under nonfinite="propagate": a NaN is no positive score, so a short set would
-        # leave it in e where the full slice's zero-fill can still carry it out.
+        # Under nonfinite="propagate" a NaN/Inf in e goes out first (as a dense allreduce
+        # would carry it), and the set is never short.
+        propagate = self.cfg.nonfinite == "propagate"
         core = selector.select_magnitude(
             v, b.k_pull_core, ties=tie_start((self.cfg.seed, step, b.index)),
-            short=not pb.slice_bits and self.cfg.nonfinite != "propagate")
+            short=not pb.slice_bits and not propagate, nonfinite_first=propagate)
         if core.numel() < min(b.k_pull_core, b.numel):
             coded, exp, delivered = quantize(v.index_select(0, core), pb.slice_dtype, 0)
             plan.forget.append((mem, core, delivered))

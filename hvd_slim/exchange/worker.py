@@ -205,12 +205,15 @@ class Worker:
         """The ``k_core`` most significant coordinates of a piece's ``a`` (docs/design.md §2);
         ``w``: its parameters, when ``magnitude_weight`` weighs them in."""
         lam, selector = self.cfg.magnitude_weight, self.selector[pb.index]
+        # Under "propagate" a NaN/Inf goes out first, as a dense allreduce would carry it.
+        first = self.cfg.nonfinite == "propagate"
         if lam == 0:   # |a| alone: selected without writing a score buffer
-            return selector.select_magnitude(a, pb.k_core)
+            return selector.select_magnitude(a, pb.k_core, nonfinite_first=first)
         score = self._score.get(pb.index)
         if score is None:
             score = self._score[pb.index] = torch.empty_like(a)
-        return selector.select(significance(a, w, lam, out=score), pb.k_core)
+        return selector.select(significance(a, w, lam, out=score), pb.k_core,
+                               nonfinite_first=first)
 
     # --- pull and apply (pull.py) -----------------------------------------------------------
     def read_pulls(self, bufs: List[Any], t: int, flush: bool

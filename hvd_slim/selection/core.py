@@ -106,31 +106,45 @@ class CoreSelector:
         self._thr = thr
 
     # ----------------------------------------------------------------------------- select
-    def select(self, score: torch.Tensor, k: int, ties: int = 0,
-               short: bool = False) -> torch.Tensor:
+    def select(self, score: torch.Tensor, k: int, ties: int = 0, short: bool = False,
+               nonfinite_first: bool = False) -> torch.Tensor:
         """Indices (int64, ascending, unique) of exactly ``min(k, numel)`` top entries of ``score``.
 
         ``score`` is 1-D, non-negative and NaN-free. Of the entries tied at the k-th value, as
         many as fit are taken in index order, starting with the ``ties mod count``-th and
         wrapping around (0: the lowest indices); zeros filling up a short set always go by
         lowest index. With ``short``, a set short of positive entries is returned as it is,
-        fewer than k (every positive entry), instead of filled up with zeros.
+        fewer than k (every positive entry), instead of filled up with zeros. With
+        ``nonfinite_first``, NaN and +/-Inf entries are allowed and rank above every finite
+        one (``nonfinite="propagate"``: they travel at once, as in a dense allreduce, instead
+        of a NaN, which no comparison chooses, waiting in a residual for a flush); it costs
+        one more pass over ``score``.
         """
-        return self._run(score, k, magnitude=False, ties=ties, short=short)
+        return self._run(score, k, magnitude=False, ties=ties, short=short,
+                         nonfinite_first=nonfinite_first)
 
-    def select_magnitude(self, a: torch.Tensor, k: int, ties: int = 0,
-                         short: bool = False) -> torch.Tensor:
+    def select_magnitude(self, a: torch.Tensor, k: int, ties: int = 0, short: bool = False,
+                         nonfinite_first: bool = False) -> torch.Tensor:
         """As :meth:`select` on ``|a|``, without materialising ``|a|``: the candidate pass takes
         absolute values block by block in cache (one read of ``a`` instead of a full-size
-        write and re-read). ``a`` is 1-D and NaN-free; the result is bitwise that of
-        ``select(a.abs(), k, ties, short)``."""
-        return self._run(a, k, magnitude=True, ties=ties, short=short)
+        write and re-read). ``a`` is 1-D and NaN-free (unless ``nonfinite_first``); the result
+        is bitwise that of ``select(a.abs(), k, ties, short, nonfinite_first)``."""
+        return self._run(a, k, magnitude=True, ties=ties, short=short,
+                         nonfinite_first=nonfinite_first)
 
     def _run(self, score: torch.Tensor, k: int, magnitude: bool, ties: int = 0,
-             short: bool = False) -> torch.Tensor:
+             short: bool = False, nonfinite_first: bool = False) -> torch.Tensor:
         k = int(k)
         if k < 0:
             raise ValueError(f"select: k must be >= 0, got {k}")
+        if nonfinite_first:
+            bad = ~torch.isfinite(score)
+            if bool(bad.any()):
+                # Scored as the dtype's largest finite value: chosen first, and the carried
+                # threshold stays finite (a checkpoint refuses an infinite one).
+                score = (score.abs() if magnitude else score.clone()).masked_fill_(
+                    bad, torch.finfo(score.dtype).max)
+                magnitude = False
         torch_path = self.backend == "torch" or (self.backend is None and use_torch(score))
         s: Scores[Any] = TorchScores(_as_float(score), magnitude) if torch_path \
             else NumpyScores(_as_numpy(score), magnitude)

@@ -200,6 +200,30 @@ def test_propagate_with_slices_keeps_replicas_identical():
     assert torch.equal(res[0].view(torch.int32), res[1].view(torch.int32))
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_propagate_carries_a_nan_out_of_the_slices_at_once(ranks):
+    """A NaN in a sliced tensor's gradient reaches every replica's parameter in the step it
+    came, as a dense allreduce would carry it; no comparison ranks a NaN, so without a rule
+    for it it waited in the residuals until a flush (found by reading, 6 December)."""
+    def body(rank, tr):
+        m = model()
+        opt = wrap(m, tr, nonfinite="propagate", density=0.02)
+        w = dict(m.named_parameters())["0.weight"]
+        seen = []
+        for t in range(3):
+            opt.zero_grad()
+            backward(m, rank, t, ("0.weight", float("nan")) if (rank, t) == (ranks - 1, 1)
+                     else None)
+            opt.step()
+            seen.append(bool(torch.isnan(w.view(-1)[1])))
+        return seen, flat(m)
+
+    res = run_ranks(ranks, body, timeout=60)
+    for seen, params in res:
+        assert seen == [False, True, True]
+        assert torch.equal(params.view(torch.int32), res[0][1].view(torch.int32))
+
+
 @pytest.mark.parametrize("mode", ["raise", "skip"])
 def test_fp16_overflow_on_the_wire_is_caught(mode):
     """Finite in float32 but beyond float16's range: sending it would put Inf into every

@@ -8,21 +8,27 @@ exchange, and the exchange carries updates. The optimizer's ``step()`` is then t
 steps every parameter the hook delivered by the delivered update (AdamW's decoupled decay first),
 not by Adam again. Its ``param_groups`` stay the user's, so LR schedulers work as before.
 
-What ``step()`` applies is the update as the hook delivered it: a ``GradScaler``'s ``unscale_``
-or a clip of ``p.grad`` after backward does not change it (the exchange carries each rank's
-update, already normalised). The moments follow the pass: kept when it commits, dropped when
+The small tensors the exchange sends dense (under ``min_compress_numel``: norms, biases) travel
+as gradients, and the wrapped optimizer's own step takes their exact average from ``p.grad``,
+as ``DistributedOptimizer``'s update exchange does.
+
+What ``step()`` applies to the others is the update as the hook delivered it: a
+``GradScaler``'s ``unscale_`` or a clip of ``p.grad`` after backward does not change it (the
+exchange carries each rank's update, already normalised). The moments follow the pass: kept when it commits, dropped when
 every rank skipped it.
 """
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List, Optional, Sequence
+from typing import AbstractSet, Any, Dict, List, Optional, Sequence
 
 import torch
 
 from ..optim.inner.adam_update import _decoupled, rank_update, step_by
 
-FORMAT = 1
+# 2: the small tensors sent dense take the wrapped optimizer's own step (1: each rank's update,
+# for every tensor).
+FORMAT = 2
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -65,12 +71,18 @@ class HookAdam:
     # --- in the hook ------------------------------------------------------------------------
     @torch.no_grad()
     def precondition(self, keys: Sequence[int], params: Sequence[torch.Tensor],
-                     buffer: torch.Tensor, size: int) -> None:
+                     buffer: torch.Tensor, size: int, dense: AbstractSet[int] = frozenset()
+                     ) -> None:
         """Turn the bucket's gradients (``buffer``, ``params`` in bucket order) into this
-        rank's Adam updates, in place; the next moments wait for :meth:`settle`."""
+        rank's Adam updates, in place; the next moments wait for :meth:`settle`. The
+        parameters in ``dense`` (keys the exchange sends dense) keep their gradient: its exact
+        average comes back, and the optimizer's own step takes it."""
         offset = 0
         for k, p in zip(keys, params):
             n = p.numel()
+            if k in dense:
+                offset += n
+                continue
             gi = self._group.get(id(p))
             if gi is None:
                 raise ValueError(f"SlimState(optimizer=...): a parameter of shape "
@@ -101,12 +113,17 @@ class HookAdam:
                 self._spare[k] = nxt
         self._next = {}
 
-    def deliver(self, params: Sequence[torch.Tensor], result: torch.Tensor) -> None:
-        """What the pass delivered for ``params`` (bucket order), for :func:`_step`."""
+    def deliver(self, params: Sequence[torch.Tensor], result: torch.Tensor, keys: Sequence[int],
+                dense: AbstractSet[int]) -> None:
+        """What the pass delivered for ``params`` (bucket order, with their ``keys``), for
+        :func:`_step`: the updates; the average gradient of a parameter in ``dense`` reaches
+        it as DDP's own, in ``p.grad``."""
         offset = 0
-        for p in params:
+        for p, k in zip(params, keys):
             n = p.numel()
-            self._delivered[id(p)] = result[offset:offset + n].detach().clone().view(p.shape)
+            if k not in dense:
+                self._delivered[id(p)] = result[offset:offset + n].detach().clone().view(
+                    p.shape)
             offset += n
 
     def new_pass(self) -> None:
@@ -117,12 +134,23 @@ class HookAdam:
     # --- the optimizer's step ---------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        """Step each parameter whose update was delivered by it; then the wrapped optimizer's
+        own step takes the rest (the small tensors sent dense: DDP left their exact average
+        gradient in ``p.grad``), as ``DistributedOptimizer``'s update exchange does."""
+        stepped = []
         for group in self.opt.param_groups:
             decoupled = _decoupled(self.opt, group)
             for p in group["params"]:
                 delta = self._delivered.pop(id(p), None)
                 if delta is not None:
                     step_by(p, delta, group, decoupled)
+                    stepped.append((p, p.grad))
+                    p.grad = None   # stepped already: the wrapped step must pass it by
+        try:
+            type(self.opt).step(self.opt)
+        finally:
+            for p, g in stepped:
+                p.grad = g
 
     # --- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -132,6 +160,12 @@ class HookAdam:
                                                for k, m in self.moments.items()}}
 
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        if isinstance(state, dict) and state.get("format") == 1:
+            raise ValueError("hvd_slim.ddp: this checkpoint's Adam moments are format 1, from "
+                             "an hvd_slim whose hook stepped every tensor by each rank's update; "
+                             "this one steps the small tensors sent dense with the optimizer's "
+                             "own Adam (format 2) and cannot resume it. Start the hook from a "
+                             "fresh SlimState (the model and optimizer checkpoints still load)")
         if not isinstance(state, dict) or state.get("format") != FORMAT or \
                 not isinstance(state.get("moments"), dict):
             raise ValueError("hvd_slim.ddp: the checkpoint holds no Adam moments of the update "

@@ -36,7 +36,7 @@ import torch
 
 from ..config import ConfigError, SlimConfig
 from ..config.env import resolve_config
-from ..exchange import Layout
+from ..exchange import SPARSE, Layout
 from ..exchange.build import build_exchange
 from ..exchange.describe import config_difference
 from ..exchange.stats import ExchangeStats
@@ -61,6 +61,7 @@ class _Bucket:
     index: int
     keys: Keys                     # its parameters, by position (see the module docstring)
     numels: Tuple[int, ...]        # theirs, in the exchange's order
+    dense: frozenset               # the keys the exchange sends dense (an exact average)
     # For each layout DDP has given these parameters (its first, and its rebuilt one): where
     # each stand-in's part begins in that layout's flat buffer, in the exchange's order.
     layouts: Dict[Keys, Tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -228,17 +229,19 @@ class SlimState:
                 raise self._failed
             keys, numels = self._keys_of(index, params), tuple(p.numel() for p in params)
             transport = self._transport_for(buffer.device)
-            if self._adam is not None:   # this rank's Adam update travels, not its gradient
-                self._adam.precondition(keys, params, buffer, transport.size)
             b = self._live.get(frozenset(keys))
             if b is None:
                 b = self._begin(index, buffer, keys, numels)
+            if self._adam is not None:   # this rank's Adam update travels, not its gradient
+                self._adam.precondition(keys, params, buffer, transport.size, b.dense)
+            if self._carry:   # what retired exchanges held, in the units that travel
+                self._take_carry(keys, numels, buffer)
             # The same parameters in another order (DDP's first layout and its rebuilt one):
             # the exchange keeps its own order, so a resumed run matches an unbroken one.
             starts = b.starts(keys, numels)
             b.feed(buffer, starts)
             self._pass.append((b, self._starter().start(b.exchange), fut, starts, buffer,
-                               list(params)))
+                               list(params), keys))
         except Exception as exc:  # noqa: BLE001 - every bucket of the pass reports it
             self._fail(exc, fut)
         if last:
@@ -283,10 +286,10 @@ class SlimState:
             if self.config.nonfinite == "flag":
                 for b, *_ in self._pass:
                     b.exchange.flag_grads()
-        for b, _, fut, starts, buffer, params in self._pass:
+        for b, _, fut, starts, buffer, params, keys in self._pass:
             result = b.deliver(buffer, starts)   # DDP's own buffer, as its allreduce hook
             if self._adam is not None:
-                self._adam.deliver(params, result)
+                self._adam.deliver(params, result, keys, b.dense)
             fut.set_result(result)
 
     def _fail(self, exc: Exception, fut: "Optional[torch.futures.Future[torch.Tensor]]"
@@ -347,14 +350,18 @@ class SlimState:
                             tuple(entry["keys"]), tuple(entry["numels"]))
             old.exchange.load_state_dict(entry["exchange"])
             self._retire(old)
+        b = self._live[frozenset(keys)] = self._new(index, buffer, keys, numels)
+        return b
+
+    def _take_carry(self, keys: Keys, numels: Tuple[int, ...], buffer: torch.Tensor) -> None:
+        """Add what retired exchanges held for these parameters to their part of ``buffer``
+        (after Adam's preconditioning: it is an update, not a gradient, when updates travel)."""
         offset = 0
         for k, n in zip(keys, numels):
             held = self._carry.pop(k, None)
             if held is not None:
                 buffer[offset:offset + n].add_(held.to(buffer.dtype).to(buffer.device))
             offset += n
-        b = self._live[frozenset(keys)] = self._new(index, buffer, keys, numels)
-        return b
 
     def _new(self, index: int, buffer: torch.Tensor, keys: Keys,
              numels: Tuple[int, ...]) -> _Bucket:
@@ -367,8 +374,11 @@ class SlimState:
             offset += n
         layout = Layout([(_name(index, i), s) for i, s in enumerate(stand_ins)], self.config,
                         lambda dt: dt)
+        key_of = {_name(index, i): k for i, k in enumerate(keys)}
+        dense = frozenset(key_of[sg.name] for lb in layout.buckets if lb.kind != SPARSE
+                          for sg in lb.segments)
         return _Bucket(build_exchange(layout, self.config, self._transport_for(buffer.device)),
-                       stand_ins, index, keys, numels)
+                       stand_ins, index, keys, numels, dense)
 
     def _retire(self, b: _Bucket) -> None:
         """Split what ``b``'s exchange holds on this rank by parameter, to join their next

@@ -14,7 +14,8 @@ from hvd_slim.transport import run_ranks
 
 from test_ddp_state import BUCKETS, SHAPES, grads, iterate
 
-EXACT = dict(density=1.0, value_bits=32)
+# Sparse buckets whose first steps are exact dense averages (of the ranks' updates).
+EXACT = dict(density=0.05, warmup_dense_steps=8)
 
 
 _GEN = torch.Generator().manual_seed(1)
@@ -63,13 +64,33 @@ def test_one_rank_with_an_exact_exchange_is_torchs_adamw():
         assert torch.allclose(a, b.detach(), rtol=1e-5, atol=1e-7)
 
 
+def test_density_one_is_adamw_on_the_average_gradient():
+    """density=1.0 sends every bucket dense: nothing travels as an update, and the optimizer's
+    own AdamW steps everything on the exact average gradient, as plain DDP's does."""
+    got = hook_run(2, 3, {"density": 1.0})
+    ref = make_params()
+    opt = adamw(ref)
+    for t in range(3):
+        for j, p in enumerate(ref):
+            p.grad = (grads(0, t)[j] + grads(1, t)[j]) / 2
+        opt.step()
+    for r in range(2):
+        for a, b in zip(got[r], ref):
+            assert torch.allclose(a, b.detach(), rtol=1e-5, atol=1e-7)
+
+
 def test_three_ranks_apply_the_average_of_their_own_adam_updates():
     """The closed form (optim/inner/adam_update.py's docstring): each rank's Adam moments of its
     own gradient, normalised by its estimate of the average's second moment
-    ``(v / N + (1 - 1/N) * w) / bc2``; every replica steps by the average of the updates."""
+    ``(v / N + (1 - 1/N) * w) / bc2``; every replica steps by the average of the updates. The
+    biases (under min_compress_numel, sent dense) take torch's AdamW on the average gradient."""
     n, steps, lr, wd, (b1, b2), eps = 3, 3, 0.01, 0.1, (0.9, 0.999), 1e-8
     hooked = hook_run(n, steps, EXACT)
     ref = [p.detach().clone() for p in make_params()]
+    dense = [j for j, p in enumerate(ref) if p.numel() < 4096]
+    assert dense == [1, 3]   # the two biases; the weights' updates travel
+    bias = [torch.nn.Parameter(ref[j].clone()) for j in dense]
+    bias_opt = adamw(bias)
     mom = [[[torch.zeros_like(p) for _ in range(3)] for p in ref] for _ in range(n)]
     for t in range(1, steps + 1):
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
@@ -85,6 +106,11 @@ def test_three_ranks_apply_the_average_of_their_own_adam_updates():
                 total[j] += lr * mh / (est.sqrt() + eps)
         for p, u in zip(ref, total):
             p.mul_(1 - lr * wd).sub_(u / n)
+        for p, j in zip(bias, dense):
+            p.grad = sum(grads(r, t - 1)[j] for r in range(n)) / n
+        bias_opt.step()
+        for p, j in zip(bias, dense):
+            ref[j] = p.detach().clone()
     for r in range(n):
         assert all(torch.equal(a, b) for a, b in zip(hooked[r], hooked[0]))
         for a, b in zip(hooked[r], ref):
@@ -98,6 +124,15 @@ def test_sparse_replicas_stay_identical_and_resume_bitwise():
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(full[r], full[0]))
         assert all(torch.equal(a, b) for a, b in zip(resumed[r], full[r]))
+
+
+def test_a_checkpoint_of_the_format_before_is_refused_naming_it():
+    """Format 1 stepped the small tensors by each rank's update; its moments do not fit."""
+    saved = hook_run(1, 2, {"density": 0.05}, save=True)[0][0]
+    saved["adam"]["format"] = 1
+    state = SlimState(optimizer=adamw(make_params()), density=0.05)
+    with pytest.raises(ValueError, match="Adam moments are format 1"):
+        state.load_state_dict(saved)
 
 
 def test_a_skipped_pass_leaves_the_moments_alone():

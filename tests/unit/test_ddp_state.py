@@ -66,6 +66,7 @@ def iterate(state, params, rank, t, buckets=BUCKETS):
         for j in members:
             n = params[j].numel()
             out[j] = got[offset:offset + n].clone()
+            params[j].grad = out[j].view(params[j].shape).clone()   # as DDP copies it back
             offset += n
     return out
 

@@ -3,13 +3,17 @@
 No ``from __future__ import annotations`` here: DDP's ``register_comm_hook`` checks the hook's
 annotations as objects (``dist.GradBucket``, ``torch.futures.Future[torch.Tensor]``).
 """
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
-from .state import SlimState
+if TYPE_CHECKING:   # state.py registers this hook (SlimState.register): no import back
+    from .state import SlimState
 
 
-def slim_hook(state: SlimState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def slim_hook(state: "SlimState", bucket: dist.GradBucket
+              ) -> torch.futures.Future[torch.Tensor]:
     """Exchange one DDP gradient bucket with Slim-DP; register it with
     ``ddp_model.register_comm_hook(SlimState(), slim_hook)``.
 

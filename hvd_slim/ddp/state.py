@@ -5,92 +5,37 @@ bucket gets an exchange of its own (exchange/step.py) over stand-in parameters t
 bucket's storage, one per parameter the bucket carries: the exchange sees the model's own tensors,
 so it treats them as ``DistributedOptimizer`` does (tensors under ``min_compress_numel`` sent
 dense, norms and biases among them, and the rest sliced), and writes the pulled update back into
-the bucket. The exchanges run on the process group's
-torch.distributed backend (Gloo for CPU tensors, NCCL for CUDA), with the guarantees of
-``DistributedOptimizer``'s: validated settings, the handshake at each exchange's first step (a rank
-with another bucket or other settings is named), bitwise identical replicas, NaN/Inf verdicts
-every rank shares, and a checkpoint that resumes bitwise.
-
-**Buckets change once.** DDP lays its buckets out again after its first iteration or two, in the
-order gradients became ready. Exchanges are therefore keyed by what a bucket carries (its
-parameters), not by its index. When a bucket with new contents arrives, the exchanges holding any
-of its parameters retire: what this rank holds of theirs (its residual, and on a server its
-shard's residual) is split by parameter and joins those parameters' gradients in the new
-buckets, so no value is lost or sent twice.
-
-**Parameters are named by position.** DDP shows the hook tensors, not names. A parameter's key is
-its position in the first backward pass the state sees (bucket by bucket, in DDP's first
-layout, which a fresh DDP model of the same module always repeats). Checkpoints store these keys,
-so a resumed state finds each saved exchange's bucket in the fresh model, or splits it by
-parameter when DDP lays it out otherwise.
+the bucket (ddp/buckets.py keeps them, by the parameters a bucket carries, through DDP's
+re-bucketing). The exchanges run on the process group's torch.distributed backend (Gloo for CPU
+tensors, NCCL for CUDA), with the guarantees of ``DistributedOptimizer``'s: validated settings,
+the handshake at each exchange's first step (a rank with another bucket or other settings is
+named), bitwise identical replicas, NaN/Inf verdicts every rank shares, and a checkpoint that
+resumes bitwise.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import weakref
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ..config import ConfigError, SlimConfig
 from ..config.env import resolve_config
-from ..exchange import SPARSE, Layout
-from ..exchange.build import build_exchange
 from ..exchange.describe import config_difference
 from ..exchange.stats import ExchangeStats
 from ..transport.base import Transport
 from .adam import HookAdam
+from .buckets import Bucket, BucketExchanges
 from .checks import check_keywords
 from .group import group_transport
+from .hook import slim_hook
 from .passes import NOT_BEGUN, Starter
 
 # 2: one stand-in per parameter (1: one per bucket, whose exchanges' state does not fit).
 VERSION = 2
-Keys = Tuple[int, ...]
-
-
-@dataclass
-class _Bucket:
-    """One bucket's exchange, over stand-ins that share the bucket's storage, one per parameter
-    (in ``keys``' order)."""
-
-    exchange: Any
-    stand_ins: List[torch.nn.Parameter]
-    index: int
-    keys: Keys                     # its parameters, by position (see the module docstring)
-    numels: Tuple[int, ...]        # theirs, in the exchange's order
-    dense: frozenset               # the keys the exchange sends dense (an exact average)
-    # For each layout DDP has given these parameters (its first, and its rebuilt one): where
-    # each stand-in's part begins in that layout's flat buffer, in the exchange's order.
-    layouts: Dict[Keys, Tuple[int, ...]] = dataclasses.field(default_factory=dict)
-
-    def starts(self, keys: Keys, numels: Tuple[int, ...]) -> Tuple[int, ...]:
-        """Where, in a bucket laid out as ``keys`` (with ``numels``), each stand-in's part
-        begins."""
-        found = self.layouts.get(keys)
-        if found is None:
-            start, offset = {}, 0
-            for k, n in zip(keys, numels):
-                start[k], offset = offset, offset + n
-            found = self.layouts[keys] = tuple(start[k] for k in self.keys)
-        return found
-
-    def feed(self, flat: torch.Tensor, starts: Tuple[int, ...]) -> None:
-        """Point each stand-in's gradient at its parameter's part of ``flat``: views, so a
-        bucket in any layout is read where it lies, with no copy."""
-        for s, n, at in zip(self.stand_ins, self.numels, starts):
-            s.grad = flat[at:at + n]
-
-    def deliver(self, flat: torch.Tensor, starts: Tuple[int, ...]) -> torch.Tensor:
-        """Write the settled update into ``flat``, each parameter's part where the bucket's
-        layout has it (a part the exchange updated in place is not copied), and return it."""
-        for s, n, at in zip(self.stand_ins, self.numels, starts):
-            dst, src = flat[at:at + n], s.grad.reshape(-1)
-            if src.data_ptr() != dst.data_ptr():
-                dst.copy_(src)
-        return flat
 
 
 class SlimState:
@@ -136,14 +81,7 @@ class SlimState:
                             f"{type(transport).__name__}")
         self._transport: Optional[Transport] = transport
         self._private = transport is not None   # a private group (or a test's): threads allowed
-        self._live: Dict[frozenset, _Bucket] = {}   # by the parameters a bucket carries
-        self._saved: List[dict] = []           # loaded exchanges waiting for their bucket
-        self._carry: Dict[int, torch.Tensor] = {}   # by key: held values waiting for a bucket
-        # id(parameter) -> (a weak reference to it, its key)
-        self._keys: Dict[int, Tuple[Any, int]] = {}
-        self._next_key = 0
-        self._keys_final = False               # after the first backward pass: no new ones
-        self._retired = {f: 0 for f in ExchangeStats.FIELDS}
+        self._buckets = BucketExchanges(config, self._transport_for)
         self._pass: List[tuple] = []           # this pass: begun, not yet settled
         self._failed: Optional[Exception] = None           # why this pass failed, if it did
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
@@ -171,7 +109,6 @@ class SlimState:
             ValueError: this rank is outside the state's process group, or the group has
                 other ranks than the DDP model's (its size differs, or its members).
         """
-        from torch.nn.parallel import DistributedDataParallel
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"SlimState.register: ddp_model must be a torch.nn.parallel."
                             f"DistributedDataParallel model, got {type(ddp_model).__name__}; "
@@ -183,7 +120,6 @@ class SlimState:
                                "one SlimState per model")
         mine, theirs = _group_ranks(self.process_group), _group_ranks(ddp_model.process_group)
         if mine is None:
-            import torch.distributed as dist
             raise ValueError(f"SlimState.register: rank {dist.get_rank()} is not a member of "
                              f"the SlimState's process_group; build it with the DDP model's "
                              f"group: SlimState(process_group=ddp_model.process_group)")
@@ -195,7 +131,6 @@ class SlimState:
                              f"replicas outside the state's group would drift apart. Build it "
                              f"with SlimState(process_group=ddp_model.process_group), or leave "
                              f"process_group None for DDP's default group")
-        from .hook import slim_hook   # hook.py imports this module
         ddp_model.register_comm_hook(self, slim_hook)
         self._model = weakref.ref(ddp_model)
         return self
@@ -227,15 +162,14 @@ class SlimState:
             self._new_pass = False
             if self._failed is not None:
                 raise self._failed
-            keys, numels = self._keys_of(index, params), tuple(p.numel() for p in params)
+            keys = self._buckets.keys_of(index, params)
+            numels = tuple(p.numel() for p in params)
             transport = self._transport_for(buffer.device)
-            b = self._live.get(frozenset(keys))
-            if b is None:
-                b = self._begin(index, buffer, keys, numels)
+            b = self._buckets.for_bucket(index, buffer, keys, numels)
             if self._adam is not None:   # this rank's Adam update travels, not its gradient
                 self._adam.precondition(keys, params, buffer, transport.size, b.dense)
-            if self._carry:   # what retired exchanges held, in the units that travel
-                self._take_carry(keys, numels, buffer)
+            # What retired exchanges held joins after Adam: it is in the units that travel.
+            self._buckets.take_carry(keys, numels, buffer)
             # The same parameters in another order (DDP's first layout and its rebuilt one):
             # the exchange keeps its own order, so a resumed run matches an unbroken one.
             starts = b.starts(keys, numels)
@@ -252,7 +186,7 @@ class SlimState:
                 if self._start is not None:
                     self._start.end_pass()
                 self.iteration += 1
-                self._keys_final = True
+                self._buckets.keys_final = True
         return fut
 
     def _starter(self) -> Starter:
@@ -307,112 +241,11 @@ class SlimState:
         if fut is not None:
             fut.set_exception(exc)
 
-    def _keys_of(self, index: int, params: Sequence[torch.Tensor]) -> Keys:
-        out = []
-        for p in params:
-            known = self._keys.get(id(p))
-            # The same object, not a new one that took a freed parameter's id.
-            k = known[1] if known is not None and known[0]() is p else None
-            if k is None:
-                if self._keys_final:
-                    raise ValueError(f"hvd_slim.ddp: DDP's bucket {index} carries a parameter "
-                                     f"({tuple(p.shape)}) this SlimState has not seen: it "
-                                     f"already serves another DDP model. Make one SlimState "
-                                     f"per model")
-                k, self._next_key = self._next_key, self._next_key + 1
-                self._keys[id(p)] = (weakref.ref(p), k)
-            out.append(k)
-        return tuple(out)
-
-    def _begin(self, index: int, buffer: torch.Tensor, keys: Keys,
-               numels: Tuple[int, ...]) -> _Bucket:
-        """The exchange for a bucket carrying ``keys`` for the first time: a saved one made for
-        the same parameters (in its own order), else a new one, fed what the exchanges it
-        replaces held."""
-        mine, sizes = set(keys), dict(zip(keys, numels))
-        saved = next((s for s in self._saved if set(s["keys"]) == mine and
-                      dict(zip(s["keys"], s["numels"])) == sizes), None)
-        if saved is not None:
-            self._saved.remove(saved)
-            b = self._new(int(saved.get("index", index)), buffer, tuple(saved["keys"]),
-                          tuple(saved["numels"]))
-            b.exchange.load_state_dict(saved["exchange"])   # validated completely first
-            self._live[frozenset(keys)] = b
-            return b
-        for k, old in [(k, b) for k, b in self._live.items() if mine.intersection(k)]:
-            del self._live[k]
-            self._retire(old)
-        for entry in [s for s in self._saved if mine.intersection(s["keys"])]:
-            self._saved.remove(entry)
-            old = self._new(int(entry.get("index", -1)),
-                            torch.zeros(sum(entry["numels"]), dtype=buffer.dtype,
-                                        device=buffer.device),
-                            tuple(entry["keys"]), tuple(entry["numels"]))
-            old.exchange.load_state_dict(entry["exchange"])
-            self._retire(old)
-        b = self._live[frozenset(keys)] = self._new(index, buffer, keys, numels)
-        return b
-
-    def _take_carry(self, keys: Keys, numels: Tuple[int, ...], buffer: torch.Tensor) -> None:
-        """Add what retired exchanges held for these parameters to their part of ``buffer``
-        (after Adam's preconditioning: it is an update, not a gradient, when updates travel)."""
-        offset = 0
-        for k, n in zip(keys, numels):
-            held = self._carry.pop(k, None)
-            if held is not None:
-                buffer[offset:offset + n].add_(held.to(buffer.dtype).to(buffer.device))
-            offset += n
-
-    def _new(self, index: int, buffer: torch.Tensor, keys: Keys,
-             numels: Tuple[int, ...]) -> _Bucket:
-        # The stand-ins' values are never read (magnitude_weight is refused): they share the
-        # bucket's storage, so the exchange keeps no second copy of the gradients. Their names
-        # sort in the bucket's order (the layout orders by name).
-        flat, stand_ins, offset = buffer.detach(), [], 0
-        for n in numels:
-            stand_ins.append(torch.nn.Parameter(flat[offset:offset + n], requires_grad=False))
-            offset += n
-        layout = Layout([(_name(index, i), s) for i, s in enumerate(stand_ins)], self.config,
-                        lambda dt: dt)
-        key_of = {_name(index, i): k for i, k in enumerate(keys)}
-        dense = frozenset(key_of[sg.name] for lb in layout.buckets if lb.kind != SPARSE
-                          for sg in lb.segments)
-        return _Bucket(build_exchange(layout, self.config, self._transport_for(buffer.device)),
-                       stand_ins, index, keys, numels, dense)
-
-    def _retire(self, b: _Bucket) -> None:
-        """Split what ``b``'s exchange holds on this rank by parameter, to join their next
-        gradients (:meth:`_begin`), and keep its figures."""
-        for k, part in self._split(b).items():
-            self._carry[k] = part if k not in self._carry else self._carry[k] + part
-        stats = b.exchange.stats
-        for f in ExchangeStats.FIELDS:
-            self._retired[f] += getattr(stats, f)
-
-    @staticmethod
-    def _split(b: _Bucket) -> Dict[int, torch.Tensor]:
-        """What ``b``'s exchange holds on this rank (float64, in the units of a gradient), by
-        parameter key; zeros for a parameter sent dense."""
-        held = b.exchange.held_as_pushes()
-        key_of = {_name(b.index, i): k for i, k in enumerate(b.keys)}
-        out = {}
-        for lb in b.exchange.layout.buckets:
-            flat = held.get(lb.index)
-            for s in lb.segments:
-                out[key_of[s.name]] = torch.zeros(s.numel, dtype=torch.float64,
-                                                  device=b.stand_ins[0].device) \
-                    if flat is None else flat[s.offset:s.offset + s.numel]
-        return out
-
     def held_by_parameter(self) -> Dict[int, torch.Tensor]:
-        """Everything this rank holds back (float64, flat, in the units of its gradients), by
+        """Everything this rank holds back (float64, flat, in the units that travel), by
         parameter position (the order of the first backward pass the state saw): with what
-        every rank's hook delivered, it adds up to every gradient fed in."""
-        out = {k: v.clone() for k, v in self._carry.items()}
-        for b in self._live.values():
-            for k, part in self._split(b).items():
-                out[k] = out[k] + part if k in out else part
-        return out
+        every rank's hook delivered, it adds up to everything fed in."""
+        return self._buckets.held_by_parameter()
 
     # --- figures ----------------------------------------------------------------------------
     def comm_stats(self) -> Dict[str, Any]:
@@ -420,8 +253,9 @@ class SlimState:
         ``DistributedOptimizer.comm_stats()``: the buckets' exchanges (and those DDP's
         re-bucketing retired) added up; ``steps`` counts the backward passes that reached the
         hook, ``buckets`` the exchanges in use."""
-        stats = [b.exchange.stats for b in self._live.values()]
-        out: Dict[str, Any] = {f: self._retired[f] + sum(getattr(s, f) for s in stats)
+        live = self._buckets.live.values()
+        stats = [b.exchange.stats for b in live]
+        out: Dict[str, Any] = {f: self._buckets.retired[f] + sum(getattr(s, f) for s in stats)
                                for f in ExchangeStats.FIELDS}
         out["steps"], out["skipped_steps"] = self.iteration, self._skipped
         out["flushes"] = max((s.flushes for s in stats), default=0)
@@ -431,12 +265,12 @@ class SlimState:
                 last[k] = last.get(k, 0) + v
         out["last_step"] = last
         out["last_skip_reason"] = next((s.last_skip for s in stats if s.last_skip), "")
-        layouts = [b.exchange.layout for b in self._live.values()]
+        layouts = [b.exchange.layout for b in live]
         tr = self._transport
         out.update(transport=None if tr is None else tr.name,
                    world_size=None if tr is None else tr.size,
-                   servers=max((b.exchange.servers for b in self._live.values()), default=0),
-                   density=self.config.density, buckets=len(self._live),
+                   servers=max((b.exchange.servers for b in live), default=0),
+                   density=self.config.density, buckets=len(layouts),
                    compressed_numel=sum(b.numel for lo in layouts for b in lo.sparse),
                    dense_numel=sum(b.numel for lo in layouts for b in lo.buckets
                                    if b.kind != "sparse"))
@@ -447,11 +281,10 @@ class SlimState:
         """This rank's state: every exchange's residuals and selectors, with the positions of
         the parameters its bucket carries (tensors and plain values only; ``torch.load(...,
         weights_only=True)`` reads it). Save each rank's own."""
-        live = [{"index": b.index, "keys": list(b.keys), "numels": list(b.numels),
-                 "exchange": b.exchange.state_dict()} for b in self._live.values()]
+        buckets, carry, retired = self._buckets.state()
         return {"version": VERSION, "iteration": self.iteration,
-                "config": self.config.effective_dict(), "buckets": live + list(self._saved),
-                "carry": dict(self._carry), "retired": dict(self._retired),
+                "config": self.config.effective_dict(), "buckets": buckets,
+                "carry": carry, "retired": retired,
                 "skipped": self._skipped,
                 "adam": None if self._adam is None else self._adam.state_dict()}
 
@@ -487,18 +320,13 @@ class SlimState:
                              "'carry'; load a SlimState.state_dict()")
         if self._adam is not None:
             self._adam.load_state_dict(state.get("adam"))   # refused before anything changes
-        retired = state.get("retired", {})
-        self._live, self._keys, self._keys_final, self._next_key = {}, {}, False, 0
-        self._saved = [dict(s) for s in buckets]
-        self._carry = {int(k): v for k, v in carry.items()}
-        self._retired = {f: retired.get(f, 0) for f in ExchangeStats.FIELDS}
+        self._buckets.load(buckets, carry, state.get("retired", {}))
         self.iteration, self._skipped = it, int(state.get("skipped", 0))
 
 
 def _group_ranks(group: Any) -> Optional[List[int]]:
     """The global ranks of ``group`` (None: the default group), or None where this rank is
     not a member."""
-    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("hvd_slim.ddp: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group() (torchrun sets up its "
@@ -510,12 +338,7 @@ def _group_ranks(group: Any) -> Optional[List[int]]:
     return list(dist.get_process_group_ranks(group))
 
 
-def _name(index: int, position: int) -> str:
-    """A stand-in's name: bucket ``index``'s parameter at ``position``, sorting in order."""
-    return f"bucket{index}.{position:06d}"
-
-
-def _absorb(b: _Bucket, pending: Any) -> None:
+def _absorb(b: Bucket, pending: Any) -> None:
     """Keep a failed pass's gradient for ``b`` in its residual. ``pending``: what its start
     gave (still a future when DDP's thread failed: waited for here), :data:`NOT_BEGUN` (its
     proposals are made here), or the exception its ``begin()`` raised (which settled itself)."""

@@ -268,7 +268,7 @@ def test_an_exchange_failing_mid_pass_fails_every_bucket_and_loses_nothing():
         state, params = SlimState(transport=tr, density=0.05), make_params()
         iterate(state, params, rank, 0)
         before = state.held_by_parameter()
-        broken = next(b for b in state._live.values() if 2 in b.keys)
+        broken = next(b for b in state._buckets.live.values() if 2 in b.keys)
 
         def boom(*args):   # inside the exchange's collective phases, which then keep the
             raise RuntimeError("boom")   # gradient in the residual, as on a real failure
@@ -310,4 +310,4 @@ def test_a_checkpoint_of_another_format_is_refused_by_its_version():
         state.load_state_dict({"version": 1, "buckets": [], "iteration": 3, "carry": {}})
     with pytest.raises(ValueError, match="unknown SlimState format version 7"):
         state.load_state_dict({"version": 7})
-    assert state.iteration == 0 and not state._saved
+    assert state.iteration == 0 and not state._buckets.saved

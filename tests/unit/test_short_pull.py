@@ -62,8 +62,8 @@ def full_slices(monkeypatch):
     def switch_off():
         original = CoreSelector.select_magnitude
 
-        def never_short(self, a, k, ties=0, short=False):
-            return original(self, a, k, ties)
+        def never_short(self, a, k, ties=0, short=False, **kw):
+            return original(self, a, k, ties, **kw)
         monkeypatch.setattr(CoreSelector, "select_magnitude", never_short)
     return switch_off
 

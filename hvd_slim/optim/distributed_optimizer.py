@@ -125,7 +125,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         warmup_dense_steps: Dense first steps (default 0).
         warmup_decay_steps: Steps of the geometric decay from ``warmup_start_density`` to
             ``density`` (default None: 1/density steps).
-        warmup_start_density: Where that decay starts (default None: 8x ``density``).
+        warmup_start_density: Where that decay starts (default None: 8x ``density``, at least
+            0.05).
         warmup_settle: End the warm-up on a measured signal: the start density holds while
             the pulled update's norm changes by more than this fraction from one window of
             steps to the next, then a decay a quarter as long runs; never longer than the

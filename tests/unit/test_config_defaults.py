@@ -17,10 +17,13 @@ def test_default_pull_density(density, pull):
     assert SlimConfig(density=density).effective_pull_density == pytest.approx(pull)
 
 
-@pytest.mark.parametrize("density, steps, start", [(0.01, 100, 0.08), (0.001, 1000, 0.008),
-                                                   (0.3, 4, 1.0), (0.125, 8, 1.0)])
+@pytest.mark.parametrize("density, steps, start", [(0.01, 100, 0.08), (0.001, 1000, 0.05),
+                                                   (0.00625, 160, 0.05), (0.005, 200, 0.05),
+                                                   (1e-4, 10_000, 0.05), (0.3, 4, 1.0),
+                                                   (0.125, 8, 1.0)])
 def test_automatic_warmup_lasts_one_over_density_steps_from_eight_times_denser(density, steps,
                                                                                 start):
+    """8x the density, but never below 5% (the floor decides below 0.00625)."""
     c = SlimConfig(density=density)
     assert c.effective_warmup_decay_steps == steps and c.warmup_steps == steps
     assert c.effective_warmup_start_density == pytest.approx(start)

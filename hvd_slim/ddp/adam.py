@@ -25,6 +25,7 @@ from typing import AbstractSet, Any, Dict, List, Optional, Sequence
 import torch
 
 from ..optim.inner.adam_update import _decoupled, rank_update, step_by
+from .checks import refuse_old_format
 
 # 2: the small tensors sent dense take the wrapped optimizer's own step (1: each rank's update,
 # for every tensor).
@@ -160,12 +161,10 @@ class HookAdam:
                                                for k, m in self.moments.items()}}
 
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
-        if isinstance(state, dict) and state.get("format") == 1:
-            raise ValueError("hvd_slim.ddp: this checkpoint's Adam moments are format 1, from "
-                             "an hvd_slim whose hook stepped every tensor by each rank's update; "
-                             "this one steps the small tensors sent dense with the optimizer's "
-                             "own Adam (format 2) and cannot resume it. Start the hook from a "
-                             "fresh SlimState (the model and optimizer checkpoints still load)")
+        refuse_old_format(state, "format", 1, "checkpoint's Adam moments",
+                          "hook stepped every tensor by each rank's update",
+                          "steps the small tensors sent dense with the optimizer's own Adam "
+                          "(format 2)")
         if not isinstance(state, dict) or state.get("format") != FORMAT or \
                 not isinstance(state.get("moments"), dict):
             raise ValueError("hvd_slim.ddp: the checkpoint holds no Adam moments of the update "

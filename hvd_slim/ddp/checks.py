@@ -1,4 +1,5 @@
-"""What ``SlimState`` accepts: the Slim-DP keywords a gradient hook can serve."""
+"""What ``SlimState`` accepts: the Slim-DP keywords a gradient hook can serve, and checkpoints of
+its own earlier formats refused by name."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
@@ -55,3 +56,12 @@ def check_keywords(keywords: Mapping[str, Any], config: Optional[SlimConfig] = N
                               f"{config.env_note(name)} cannot be served by a DDP hook ({why}); "
                               f"leave it at {allowed} here, or use hvd_slim.DistributedOptimizer",
                               name)
+
+
+def refuse_old_format(state: Any, field: str, old: int, what: str, then: str, now: str) -> None:
+    """Refuse a checkpoint ``state`` whose ``field`` says format ``old``: ``what`` it is, what
+    the hvd_slim that wrote it did (``then``) and what this one does (``now``)."""
+    if isinstance(state, dict) and state.get(field) == old:
+        raise ValueError(f"hvd_slim.ddp: this {what} is format {old}, from an hvd_slim whose "
+                         f"{then}; this one {now} and cannot resume it. Start the hook from a "
+                         f"fresh SlimState (the model and optimizer checkpoints still load)")

@@ -29,7 +29,7 @@ from ..exchange.stats import ExchangeStats
 from ..transport.base import Transport
 from .adam import HookAdam
 from .buckets import Bucket, BucketExchanges
-from .checks import check_keywords
+from .checks import check_keywords, refuse_old_format
 from .group import group_transport
 from .hook import slim_hook
 from .passes import NOT_BEGUN, Starter
@@ -292,12 +292,9 @@ class SlimState:
         """Resume from :meth:`state_dict` (this rank's own) before the first backward pass of a
         fresh DDP model. The settings must be the same; each saved exchange is checked
         completely when its bucket comes. A refused state changes nothing."""
-        if isinstance(state, dict) and state.get("version") == 1:
-            raise ValueError("hvd_slim.ddp: this SlimState checkpoint is format version 1, "
-                             "from an hvd_slim whose exchanges covered a whole bucket as one "
-                             "tensor; this one exchanges each parameter apart (version 2) and "
-                             "cannot resume it. Start the hook from a fresh SlimState (the "
-                             "model and optimizer checkpoints still load)")
+        refuse_old_format(state, "version", 1, "SlimState checkpoint",
+                          "exchanges covered a whole bucket as one tensor",
+                          "exchanges each parameter apart (version 2)")
         if not isinstance(state, dict) or state.get("version") != VERSION:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"hvd_slim.ddp: unknown SlimState format version {got!r}; expected "

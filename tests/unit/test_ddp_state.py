@@ -306,7 +306,7 @@ def test_inline_where_the_transport_allows_no_second_thread():
 
 def test_a_checkpoint_of_another_format_is_refused_by_its_version():
     state = SlimState(density=0.05)
-    with pytest.raises(ValueError, match="format version 1.*fresh SlimState"):
+    with pytest.raises(ValueError, match="SlimState checkpoint is format 1.*fresh SlimState"):
         state.load_state_dict({"version": 1, "buckets": [], "iteration": 3, "carry": {}})
     with pytest.raises(ValueError, match="unknown SlimState format version 7"):
         state.load_state_dict({"version": 7})

@@ -161,7 +161,7 @@ class HookAdam:
                                                for k, m in self.moments.items()}}
 
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
-        refuse_old_format(state, "format", 1, "checkpoint's Adam moments",
+        refuse_old_format(state, "format", 1, "checkpoint's Adam state",
                           "hook stepped every tensor by each rank's update",
                           "steps the small tensors sent dense with the optimizer's own Adam "
                           "(format 2)")

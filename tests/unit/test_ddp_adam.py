@@ -131,7 +131,7 @@ def test_a_checkpoint_of_the_format_before_is_refused_naming_it():
     saved = hook_run(1, 2, {"density": 0.05}, save=True)[0][0]
     saved["adam"]["format"] = 1
     state = SlimState(optimizer=adamw(make_params()), density=0.05)
-    with pytest.raises(ValueError, match="Adam moments are format 1"):
+    with pytest.raises(ValueError, match="Adam state is format 1"):
         state.load_state_dict(saved)
 
 

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import List
+from typing import Any, List
 
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from examples.ddp_train import gathered_replicas
+from examples.ddp_train import gathered_replicas, leave_together
 from examples.lightning_ddp import teacher_data
 from hvd_slim.ddp import SlimState
 
 
-def main() -> List[torch.Tensor]:
+def main() -> List[Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
@@ -57,10 +57,10 @@ def main() -> List[torch.Tensor]:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(figures, f)
-    accelerator.wait_for_everyone()   # every rank leaves together
+    done = leave_together()   # every rank leaves together
     accelerator.end_training()
-    return gathered   # outlives DDP and its group (gathered_replicas)
+    return gathered + [done]   # outlive DDP and its group (leave_together)
 
 
 if __name__ == "__main__":
-    main()
+    kept = main()   # freed only after main()'s DDP model and its group

@@ -22,7 +22,7 @@ import argparse
 import json
 import math
 import time
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,18 @@ def gathered_replicas(model: torch.nn.Module) -> Tuple[bool, List[torch.Tensor]]
     return all(torch.equal(every[0], t) for t in every[1:]), every + [flat]
 
 
-def main() -> List[torch.Tensor]:
+def leave_together() -> Any:
+    """A barrier every rank leaves together; keep what it returns (its work) referenced until
+    DDP and its process group are gone, with the gathered tensors. Otherwise Gloo's worker
+    thread may free the last collectives itself, and their tensors with them, which needs the
+    GIL that the freeing of the group holds while it joins that thread: torch's teardown
+    deadlock (docs/ddp.md, "Teardown"). Held here, the last reference is Python's."""
+    done = dist.barrier(async_op=True)
+    done.wait()
+    return done
+
+
+def main() -> List[Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=8, help="windows per rank per step")
@@ -129,10 +140,10 @@ def main() -> List[torch.Tensor]:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(figures, f, indent=1)
-    dist.barrier()   # every rank leaves together: a rank still writing must not be left alone
+    done = leave_together()   # a rank still writing must not be left alone
     dist.destroy_process_group()
-    return gathered   # outlives DDP and its group (gathered_replicas)
+    return gathered + [done]   # outlive DDP and its group (leave_together)
 
 
 if __name__ == "__main__":
-    main()
+    kept = main()   # freed only after main()'s DDP model and its group

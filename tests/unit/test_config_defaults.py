@@ -60,3 +60,27 @@ def test_the_default_density_and_value_bits():
 def test_explicit_pull_density_wins():
     assert _sparse(SlimConfig(density=0.001, pull_density=0.001)).k_pull == 1000
     assert _sparse(SlimConfig(density=0.01, pull_density=0.05)).k_pull == 50_000
+
+
+def test_a_checkpoint_from_the_warmup_before_its_floor_is_refused_naming_it():
+    """At density 0.001 the automatic warm-up started at 0.008 before the 5% floor: a
+    checkpoint made then resumes a different schedule, so loading it names the field."""
+    import hvd_slim
+    from hvd_slim.transport import run_ranks
+
+    def body(rank, tr):
+        m = torch.nn.Linear(100, 100)
+        opt = hvd_slim.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                            named_parameters=m.named_parameters(),
+                                            density=0.001, min_compress_numel=1000,
+                                            transport=tr)
+        m(torch.ones(4, 100)).sum().backward()
+        opt.step()
+        saved = opt.state_dict()
+        assert saved["hvd_slim"]["effective"]["warmup_start_density"] == pytest.approx(0.05)
+        saved["hvd_slim"]["effective"]["warmup_start_density"] = 0.008   # as written before
+        with pytest.raises(Exception, match="warmup_start_density"):
+            opt.load_state_dict(saved)
+        return True
+
+    assert run_ranks(1, body, timeout=60) == [True]

@@ -14,8 +14,8 @@ as ``DistributedOptimizer``'s update exchange does.
 
 What ``step()`` applies to the others is the update as the hook delivered it: a
 ``GradScaler``'s ``unscale_`` or a clip of ``p.grad`` after backward does not change it (the
-exchange carries each rank's update, already normalised). The moments follow the pass: kept when it commits, dropped when
-every rank skipped it.
+exchange carries each rank's update, already normalised). The moments follow the pass: kept
+when it commits, dropped when every rank skipped it.
 """
 from __future__ import annotations
 

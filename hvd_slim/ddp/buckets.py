@@ -43,6 +43,7 @@ class Bucket:
     keys: Keys                     # its parameters, by position (see the module docstring)
     numels: Tuple[int, ...]        # theirs, in the exchange's order
     dense: frozenset               # the keys the exchange sends dense (an exact average)
+    key_of: Dict[str, int]         # a stand-in's name in the exchange's layout -> its key
     # For each layout DDP has given these parameters (its first, and its rebuilt one): where
     # each stand-in's part begins in that layout's flat buffer, in the exchange's order.
     layouts: Dict[Keys, Tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -177,7 +178,7 @@ class BucketExchanges:
         dense = frozenset(key_of[sg.name] for lb in layout.buckets if lb.kind != SPARSE
                           for sg in lb.segments)
         return Bucket(build_exchange(layout, self.config, self._transport_for(buffer.device)),
-                       stand_ins, index, keys, numels, dense)
+                      stand_ins, index, keys, numels, dense, key_of)
 
     def _retire(self, b: Bucket) -> None:
         """Split what ``b``'s exchange holds on this rank by parameter, to join their next
@@ -193,12 +194,11 @@ class BucketExchanges:
         """What ``b``'s exchange holds on this rank (float64, in the units of a gradient), by
         parameter key; zeros for a parameter sent dense."""
         held = b.exchange.held_as_pushes()
-        key_of = {_name(b.index, i): k for i, k in enumerate(b.keys)}
         out = {}
         for lb in b.exchange.layout.buckets:
             flat = held.get(lb.index)
             for s in lb.segments:
-                out[key_of[s.name]] = torch.zeros(s.numel, dtype=torch.float64,
+                out[b.key_of[s.name]] = torch.zeros(s.numel, dtype=torch.float64,
                                                   device=b.stand_ins[0].device) \
                     if flat is None else flat[s.offset:s.offset + s.numel]
         return out

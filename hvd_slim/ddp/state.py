@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from ..exchange.describe import config_difference
 from ..exchange.stats import ExchangeStats
 from ..transport.base import Transport
 from .adam import HookAdam
-from .buckets import Bucket, BucketExchanges
+from .buckets import Bucket, BucketExchanges, Keys
 from .checks import check_keywords, refuse_old_format
 from .group import group_transport
 from .hook import slim_hook
@@ -36,6 +37,19 @@ from .passes import NOT_BEGUN, Starter
 
 # 2: one stand-in per parameter (1: one per bucket, whose exchanges' state does not fit).
 VERSION = 2
+
+
+@dataclass
+class _InFlight:
+    """One bucket of the backward pass in flight, from its hook call to the pass's end."""
+
+    bucket: Bucket
+    begun: Any                       # its exchange's start (a future); then what it gave
+    fut: "torch.futures.Future[torch.Tensor]"   # what DDP waits for
+    starts: Tuple[int, ...]          # where each stand-in's part lies in ``buffer``
+    buffer: torch.Tensor             # DDP's flat bucket
+    params: List[torch.Tensor]
+    keys: Keys
 
 
 class SlimState:
@@ -82,7 +96,7 @@ class SlimState:
         self._transport: Optional[Transport] = transport
         self._private = transport is not None   # a private group (or a test's): threads allowed
         self._buckets = BucketExchanges(config, self._transport_for)
-        self._pass: List[tuple] = []           # this pass: begun, not yet settled
+        self._pass: List[_InFlight] = []       # this pass: begun, not yet settled
         self._failed: Optional[Exception] = None           # why this pass failed, if it did
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
         self._new_pass = True                  # the next bucket begins a backward pass
@@ -174,8 +188,8 @@ class SlimState:
             # the exchange keeps its own order, so a resumed run matches an unbroken one.
             starts = b.starts(keys, numels)
             b.feed(buffer, starts)
-            self._pass.append((b, self._starter().start(b.exchange), fut, starts, buffer,
-                               list(params), keys))
+            self._pass.append(_InFlight(b, self._starter().start(b.exchange), fut, starts,
+                                        buffer, list(params), keys))
         except Exception as exc:  # noqa: BLE001 - every bucket of the pass reports it
             self._fail(exc, fut)
         if last:
@@ -198,33 +212,30 @@ class SlimState:
     def _settle(self) -> None:
         """The pass's end: wait for every exchange it started, then commit or drop them all
         (or, after an error, keep each one's gradient in its residual)."""
-        begun = []
-        for entry in self._pass:
+        for e in self._pass:
             try:
-                begun.append(entry[1].result())
+                e.begun = e.begun.result()
             except Exception as exc:  # noqa: BLE001 - the pass fails with it
-                begun.append(exc)
+                e.begun = exc
                 self._failed = self._failed or exc
-        self._pass = [(b, pending) + tuple(rest)
-                      for (b, _, *rest), pending in zip(self._pass, begun)]
         if self._failed is not None:
             self._fail(self._failed, None)
             return
-        skipped = any(entry[1].pulled is None for entry in self._pass)
-        for b, pending, *_ in self._pass:
-            b.exchange.settle(pending, commit=not skipped)
+        skipped = any(e.begun.pulled is None for e in self._pass)
+        for e in self._pass:
+            e.bucket.exchange.settle(e.begun, commit=not skipped)
         if self._adam is not None:
             self._adam.settle(keep=not skipped)
         if skipped:
             self._skipped += 1
             if self.config.nonfinite == "flag":
-                for b, *_ in self._pass:
-                    b.exchange.flag_grads()
-        for b, _, fut, starts, buffer, params, keys in self._pass:
-            result = b.deliver(buffer, starts)   # DDP's own buffer, as its allreduce hook
+                for e in self._pass:
+                    e.bucket.exchange.flag_grads()
+        for e in self._pass:
+            result = e.bucket.deliver(e.buffer, e.starts)   # DDP's own buffer, as allreduce's
             if self._adam is not None:
-                self._adam.deliver(params, result, keys, b.dense)
-            fut.set_result(result)
+                self._adam.deliver(e.params, result, e.keys, e.bucket.dense)
+            e.fut.set_result(result)
 
     def _fail(self, exc: Exception, fut: "Optional[torch.futures.Future[torch.Tensor]]"
               ) -> None:
@@ -232,9 +243,9 @@ class SlimState:
         keeps its gradient in their residuals. Called in DDP's thread for an error there, and
         at the pass's end for one an exchange raised."""
         self._failed = exc
-        for b, pending, other, *_ in self._pass:
-            _absorb(b, pending)
-            other.set_exception(exc)
+        for e in self._pass:
+            _absorb(e.bucket, e.begun)
+            e.fut.set_exception(exc)
         self._pass = []
         if self._adam is not None:   # the updates wait in the residuals: keep the moments
             self._adam.settle(keep=True)

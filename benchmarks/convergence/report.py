@@ -14,14 +14,16 @@ from __future__ import annotations
 import os
 import statistics
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import time_to_accuracy as tta
 from .time_to_accuracy import points as _points
 
 Runs = List[Dict[str, Any]]
-REFERENCE_TAGS = ("adam", "constant-LR", "cosine-in-loss", "4-epochs")  # rows whose dense reference differs in that way
-GROUP_ORDER = ("grid", "baselines", "ablation", "adam", "schedule", "longer")  # the study's row groups, in table order
+# Rows whose dense reference differs in that way ("<config> <tag>" against "dense <tag>").
+REFERENCE_TAGS = ("adam", "constant-LR", "cosine-in-loss", "4-epochs")
+# The study's row groups, in table order.
+GROUP_ORDER = ("grid", "baselines", "ablation", "adam", "schedule", "longer")
 
 
 def _mean_std(xs: List[float]) -> tuple[float, float]:
@@ -60,6 +62,8 @@ def summarise(runs: Runs) -> List[Dict[str, Any]]:
             "pulled": statistics.fmean(x["bytes_pulled"] / s for x, s in zip(last, steps)),
             "dense": statistics.fmean(x["dense_bytes"] / s for x, s in zip(last, steps)),
             "seconds": statistics.fmean(r["seconds"] for r in rs),
+            "by_seed": {r["seed"]: (x["test_accuracy"], x["flushed_accuracy"])
+                        for r, x in zip(rs, last)},
             "epochs": rs[0]["epochs"]})
     for row in rows:  # the gap to dense on the same dataset; "<config> <tag>" to "dense <tag>"
         if row["acc"] is None:
@@ -70,9 +74,20 @@ def summarise(runs: Runs) -> List[Dict[str, Any]]:
         ref = next((x for x in rows if x["dataset"] == row["dataset"]
                     and x["config"] == ref_name and x["net"] == row["net"]), None)
         ref = ref if ref is not None and ref["acc"] is not None else None
-        row["gap"] = None if ref is None else row["acc"] - ref["acc"]
-        row["flushed_gap"] = None if ref is None else row["flushed"] - ref["flushed"]
+        row["gap"], row["flushed_gap"] = (None, None) if ref is None else paired_gaps(row, ref)
     return rows
+
+
+def paired_gaps(row: Dict[str, Any], ref: Dict[str, Any]) -> Tuple[float, float]:
+    """``row``'s accuracy and flushed accuracy less ``ref``'s over the same seeds (dense run
+    on more seeds than a peer would otherwise lend it their spread); over all of ``ref``'s when
+    they share none."""
+    common = [s for s in row["by_seed"] if s in ref["by_seed"]]
+    if not common:
+        return row["acc"] - ref["acc"], row["flushed"] - ref["flushed"]
+    mean = lambda i, by: statistics.fmean(by[s][i] for s in common)  # noqa: E731
+    return (mean(0, row["by_seed"]) - mean(0, ref["by_seed"]),
+            mean(1, row["by_seed"]) - mean(1, ref["by_seed"]))
 
 
 def _verdict(row: Dict[str, Any], target_gap: Dict[float, float]) -> str:
@@ -89,8 +104,8 @@ def table(rows: List[Dict[str, Any]], target_gap: Dict[float, float]) -> str:
     for ds in OrderedDict.fromkeys(r["dataset"] for r in rows):
         sub = [r for r in rows if r["dataset"] == ds]
         out.append(f"\n**{ds}**: {sub[0]['epochs']} epochs, 4 ranks; accuracy = final test "
-                   f"accuracy (%), mean ± std over seeds; Δ = vs dense; bytes per optimizer "
-                   f"step, rank 0\n")
+                   f"accuracy (%), mean ± std over seeds; Δ = vs dense on the same seeds; "
+                   f"bytes per optimizer step, rank 0\n")
         out.append("| config | seeds | accuracy | Δ | after flush | Δ after flush | target "
                    "| pushed B/step | pulled B/step | dense/pushed | s/run |")
         out.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")

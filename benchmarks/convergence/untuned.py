@@ -254,14 +254,26 @@ def summarise(runs: List[Dict[str, Any]]) -> "OrderedDict[Tuple[str, str], Dict[
             "dense": _mean([x["dense_bytes"] / max(x["steps"], 1) for x in last]),
             "seconds": _mean([r["seconds"] for r in rs]),
             "end_by_seed": {r["seed"]: r["records"][-1][m] for r in rs},
+            "epoch1_by_seed": {r["seed"]: r["records"][0][m] for r in rs},
             "load": _mean([r.get("loadavg", [float("nan")])[0] for r in rs])}
     return out
+
+
+def paired_gap(row: Dict[str, Any], ref: Dict[str, Any], key: str) -> float:
+    """``row``'s ``key`` ("epoch1" or "end") less ``ref``'s over the seeds both ran (over all
+    of ``ref``'s when they share none): a dense reference on more seeds than a peer would
+    otherwise lend the peer their spread."""
+    mine, theirs = row[f"{key}_by_seed"], ref[f"{key}_by_seed"]
+    common = [s for s in mine if s in theirs]
+    if not common:
+        return row[key] - ref[key]
+    return _mean([mine[s] for s in common]) - _mean([theirs[s] for s in common])
 
 
 def _gap(row: Optional[Dict[str, Any]], ref: Optional[Dict[str, Any]], key: str) -> str:
     if row is None or ref is None:
         return ""
-    return f"{row[key] - ref[key]:+.2f}"
+    return f"{paired_gap(row, ref, key):+.2f}"
 
 
 def _verdict(gap: float, target: float) -> str:
@@ -279,10 +291,10 @@ def battery_table(rows: "OrderedDict[Tuple[str, str], Dict[str, Any]]") -> str:
             continue
         verdicts = []
         if dflt is not None:
-            verdicts.append("epoch 1 " + _verdict(dflt["epoch1"] - dense["epoch1"], 1.0))
-            verdicts.append("end " + _verdict(dflt["end"] - dense["end"], 0.3))
+            verdicts.append("epoch 1 " + _verdict(paired_gap(dflt, dense, "epoch1"), 1.0))
+            verdicts.append("end " + _verdict(paired_gap(dflt, dense, "end"), 0.3))
         if low is not None:
-            verdicts.append("0.001 " + _verdict(low["end"] - dense["end"], 0.5))
+            verdicts.append("0.001 " + _verdict(paired_gap(low, dense, "end"), 0.5))
         seeds = "/".join(str(r["seeds"]) for r in (dense, dflt, low) if r is not None)
         cell = lambda r, k: "" if r is None else f"{r[k]:.2f}"  # noqa: E731
         out.append(f"| {case} | {seeds} | {dense['epoch1']:.2f} | {dense['end']:.2f} "

@@ -167,8 +167,42 @@ def test_report_table_gaps_and_verdicts(tmp_path):
     assert a["gap"] == pytest.approx(-0.1) and a["seeds"] == 2
     text = report.write_report(runs, str(tmp_path), {0.01: 0.3, 0.001: 0.5})
     assert "| a | 2 | 98.00 ± 0.14 | -0.10 |" in text and "| met |" in text
-    assert "missed by 0.60" in text and "| b | 1 (+1 diverged) |" in text
+    # b ran seed 0 only: 97.0 against seed 0's dense, 98.0, misses 0.5 by 0.50
+    assert "missed by 0.50" in text and "| b | 1 (+1 diverged) |" in text
     assert (tmp_path / "table.md").exists()
+
+
+def test_report_gap_is_taken_against_dense_on_the_same_seeds():
+    # Dense on 3 seeds (98.0, 98.6, 99.2: mean 98.6), a peer on seed 0 only: its gap is against
+    # seed 0's dense (-0.5), not the mean (-1.1); with no seed in common, against the mean.
+    runs = [_run("dense", "dense", 1.0, [90, a], s) for s, a in enumerate((98.0, 98.6, 99.2))]
+    runs += [_run("a", "slim", 0.01, [80, 97.5], 0), _run("b", "slim", 0.01, [80, 97.5], 7)]
+    rows = {r["config"]: r for r in report.summarise(runs)}
+    assert rows["a"]["gap"] == pytest.approx(-0.5)
+    assert rows["a"]["flushed_gap"] == pytest.approx(-0.5)
+    assert rows["b"]["gap"] == pytest.approx(-1.1)
+
+
+def test_battery_gaps_and_verdicts_are_taken_on_the_same_seeds():
+    from benchmarks.convergence import untuned
+    case = next(iter(untuned.CASES))
+
+    def run(variant, seed, epoch1, end):
+        recs = [{"test_accuracy": a, "steps": 10, "bytes_pushed": 10.0, "bytes_pulled": 10.0,
+                 "dense_bytes": 100.0} for a in (epoch1, end)]
+        return {"dataset": "mnist", "case": case, "variant": variant,
+                "seed": seed, "seconds": 1.0, "records": recs}
+
+    # Dense's seed 1 is far better than its seed 0; the defaults ran seed 0 only.
+    rows = untuned.summarise([run("dense", 0, 95.0, 98.0), run("dense", 1, 97.0, 99.0),
+                              run("default", 0, 94.5, 97.8)])
+    assert untuned.paired_gap(rows[(case, "default")], rows[(case, "dense")],
+                              "end") == pytest.approx(-0.2)
+    table = untuned.battery_table(rows)
+    # Against seed 0's dense: -0.50 after epoch 1 and -0.20 at the end, both met (against the
+    # 2-seed means they would read -1.50 and -0.70, both missed).
+    assert "| -0.50 |" in table and "| -0.20 |" in table
+    assert "epoch 1 met; end met" in table
 
 
 @pytest.mark.parametrize("via", ["optimizer", "loss"])

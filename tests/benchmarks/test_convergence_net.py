@@ -193,3 +193,19 @@ def test_report_only_writes_the_time_table(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["convergence.py", "--net", "wifi"])
     with pytest.raises(SystemExit):
         study.main()
+
+
+def test_a_rerun_of_some_rows_keeps_the_rest_of_table_md(tmp_path, monkeypatch):
+    # The results file holds dense and a slim row; rerunning only dense (--only) must rewrite
+    # table.md with both, not with dense alone.
+    def run(config, method, acc):
+        r = _timed_run(config, method, 0, [acc - 1, acc], net="loopback")
+        return dict(r, key=f"mnist1d/{config}/seed0", dataset="mnist1d", group="grid")
+    runs = [run("dense", "dense", 72.0), run("slim d=0.01 pull=slim expl=0", "slim", 71.5)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    monkeypatch.setattr(study, "launch", lambda *a, **k: None)   # the "rerun" changes nothing
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--preset", "quick", "--groups", "grid",
+                                      "--only", "^dense$", "--out", str(tmp_path)])
+    study.main()
+    table = (tmp_path / "table.md").read_text()
+    assert "| dense | 1 |" in table and "| slim d=0.01 pull=slim expl=0 | 1 |" in table

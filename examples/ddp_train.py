@@ -83,6 +83,9 @@ def main() -> List[Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true",
                     help="the fair-horizon model: width 96, 4 blocks (0.5M parameters)")
+    ap.add_argument("--bucket-cap-mb", type=float, default=None,
+                    help="DDP's bucket_cap_mb (default: DDP's 25); the model's size or more puts "
+                         "every parameter in one bucket, so one exchange a step")
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
     args = ap.parse_args()
 
@@ -90,7 +93,8 @@ def main() -> List[Any]:
     torch.manual_seed(args.seed)
     corpus = load_corpus()
     model = ByteLM(width=96, layers=4) if args.small else ByteLM()
-    ddp = DDP(model)
+    ddp = DDP(model) if args.bucket_cap_mb is None else DDP(model,
+                                                            bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.1)
     state = None
     if args.hook == "slim":
@@ -129,11 +133,12 @@ def main() -> List[Any]:
 
     identical, gathered = gathered_replicas(model)
     figures = {"hook": args.hook, "ranks": dist.get_world_size(), "steps": step,
+               "bucket_cap_mb": args.bucket_cap_mb,
                "val_bpb": bpb, "replicas_identical": identical, "seconds": seconds}
     if args.hook.startswith("slim"):
         st = state.comm_stats()
         figures.update(bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
-                       dense_bytes=st["dense_bytes"],
+                       dense_bytes=st["dense_bytes"], buckets=st["buckets"],
                        fewer_pushed=st["dense_bytes"] / max(1, st["bytes_pushed"]))
     if dist.get_rank() == 0:
         print(json.dumps(figures))

@@ -27,10 +27,14 @@ def run_example(module: str, *args: str, np_: int = 2) -> dict:
     return json.loads(out_path.read_text())
 
 
-def test_the_plain_ddp_script():
-    got = run_example("ddp_train", "--steps", "20")
+@pytest.mark.parametrize("cap", [None, 64.0], ids=["ddp-buckets", "one-bucket"])
+def test_the_plain_ddp_script(cap):
+    extra = () if cap is None else ("--bucket-cap-mb", str(cap))
+    got = run_example("ddp_train", "--steps", "20", *extra)
     assert got["replicas_identical"] and got["steps"] == 20 and got["ranks"] == 2
     assert got["fewer_pushed"] > 10 and got["val_bpb"] < 8.0   # 8 bits: a uniform guess
+    # DDP's own buckets are one exchange each; the model in one bucket is one exchange
+    assert got["bucket_cap_mb"] == cap and (got["buckets"] == 1) == (cap is not None), got
 
 
 @pytest.mark.parametrize("module", ["lightning_ddp", "accelerate_ddp"])

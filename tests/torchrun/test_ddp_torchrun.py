@@ -1,7 +1,8 @@
 """The Slim-DP DDP communication hook (hvd_slim/ddp) on real ``DistributedDataParallel`` models,
 every rank one torchrun process on the default Gloo group. Checked: replicas stay bitwise
 identical; ``density=1.0`` equals DDP's own allreduce; ``no_sync`` accumulation, ``static_graph``,
-unused parameters, ``GradScaler`` and ``clip_grad_norm_`` work; a checkpoint resumes bitwise.
+unused parameters, ``GradScaler``, ``clip_grad_norm_`` and ``gradient_as_bucket_view`` work; a
+checkpoint resumes bitwise.
 Every rank runs these in the same order (tests/torchrun/conftest.py)."""
 from __future__ import annotations
 
@@ -247,3 +248,21 @@ def test_adamw_through_the_hook_keeps_replicas_identical_and_resumes(hvd: Any) -
     astate.load_state_dict(ckpt["slim"])
     steps(again, aopt, asched, range(4, 8))
     assert torch.equal(flat(again.module), flat(ddp.module))
+
+
+@pytest.mark.parametrize("adam", [False, True], ids=["sgd", "adamw"])
+def test_gradient_as_bucket_view_trains_bit_for_bit_as_copied_gradients(hvd: Any,
+                                                                         adam: bool) -> None:
+    """DDP(gradient_as_bucket_view=True) saves DDP's copies of every gradient into its bucket and
+    back: the gradients are the bucket. The hook reads and writes the bucket in place (Adam's
+    update too), so the run is bitwise the one with copied gradients, sliced and under AdamW."""
+    def run(view: bool) -> torch.Tensor:
+        ddp = DDP(Net(), gradient_as_bucket_view=view)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.1) if adam else \
+            torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        SlimState(optimizer=opt if adam else None, density=0.02,
+                  min_compress_numel=100).register(ddp)
+        train(ddp, opt, range(8))
+        return flat(ddp.module)
+    viewed, copied = run(True), run(False)
+    assert torch.equal(viewed, copied) and same_everywhere(viewed)

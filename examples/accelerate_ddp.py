@@ -1,11 +1,14 @@
 """Accelerate with Slim-DP: ``accelerator.prepare`` returns a DDP model, which takes the hook::
 
     torchrun --nproc-per-node 2 -m examples.accelerate_ddp
+    torchrun --nproc-per-node 2 -m examples.accelerate_ddp --optimizer adamw
 
 (``accelerate launch`` starts the processes the same way.) Accelerate's own ``comm_hook``
 option takes only its built-in hooks, so the hook is registered on the prepared model. The task
 is examples/lightning_ddp.py's synthetic classifier; rank 0 prints the final training loss, the
-bytes pushed against a dense allreduce, and whether the replicas ended identical.
+bytes pushed against a dense allreduce, and whether the replicas ended identical. Under AdamW
+the state takes the torch optimizer that ``prepare`` wrapped (``opt.optimizer``), so that each
+rank's Adam update travels, not its gradient.
 """
 from __future__ import annotations
 
@@ -25,15 +28,19 @@ from hvd_slim.ddp import SlimState
 def main() -> List[Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
     args = ap.parse_args()
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True)
     net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    adamw = args.optimizer == "adamw"
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.01) if adamw else \
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     loader = DataLoader(teacher_data(), batch_size=32, shuffle=True)
     model, opt, loader = accelerator.prepare(net, opt, loader)
-    state = SlimState(density=0.01).register(model)   # the added line (and its import)
+    # The added line (and its import); under AdamW with the torch optimizer prepare() wrapped.
+    state = SlimState(density=0.01, optimizer=opt.optimizer if adamw else None).register(model)
 
     step, loss = 0, torch.tensor(float("nan"))
     while step < args.steps:
@@ -49,7 +56,8 @@ def main() -> List[Any]:
     identical, gathered = gathered_replicas(net)
     st = state.comm_stats()
     figures = {"ranks": accelerator.num_processes, "steps": st["steps"],
-               "loss": float(loss.detach()),
+               "loss": float(loss.detach()), "optimizer": args.optimizer,
+               "adam_exchange": state.config.adam_exchange,
                "replicas_identical": identical,
                "fewer_pushed": st["dense_bytes"] / max(1, st["bytes_pushed"])}
     if accelerator.is_main_process:

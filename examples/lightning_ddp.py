@@ -1,10 +1,15 @@
 """Lightning with Slim-DP: ``DDPStrategy`` takes the hook and its state::
 
     torchrun --nproc-per-node 2 -m examples.lightning_ddp
+    torchrun --nproc-per-node 2 -m examples.lightning_ddp --optimizer adamw
 
 Lightning (2.6) registers a ``DDPStrategy``'s communication hook on CUDA devices only, and
 silently drops it on the CPU. :class:`HookOnCPU` registers it there itself, once the strategy has
 wrapped the model: pass it in ``callbacks`` when training on CPUs (Gloo).
+
+Under AdamW the state takes the optimizer, so that each rank's Adam update travels, not its
+gradient. Lightning makes the optimizer (``configure_optimizers``) after the strategy that holds
+the state, so :class:`AdamThroughHook` hands it over before the first step.
 
 The model is a small classifier on a fixed synthetic task (a random teacher network labels
 Gaussian inputs), so the script runs anywhere in seconds. Rank 0 prints the final training loss,
@@ -34,8 +39,9 @@ def teacher_data(n: int = 4096, seed: int = 0) -> TensorDataset:
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, optimizer: str = "sgd") -> None:
         super().__init__()
+        self.optimizer_name = optimizer
         self.net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(),
                                        torch.nn.Linear(256, 8))
         self.last_loss = float("nan")
@@ -47,6 +53,8 @@ class Classifier(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
@@ -62,9 +70,21 @@ class HookOnCPU(pl.Callback):
             trainer.strategy.model.register_comm_hook(self.state, self.hook)
 
 
+class AdamThroughHook(pl.Callback):
+    """Give the hook's state the Adam or AdamW that ``configure_optimizers`` made, before the
+    first step: each rank's Adam update then travels (``SlimState.set_optimizer``)."""
+
+    def __init__(self, state: SlimState) -> None:
+        self.state = state
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.state.set_optimizer(trainer.optimizers[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
     args = ap.parse_args()
     pl.seed_everything(0, verbose=False)
@@ -75,8 +95,10 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                          strategy=strategy, max_steps=args.steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[HookOnCPU(state, slim_hook)])
-    model = Classifier()
+                         enable_model_summary=False,
+                         callbacks=[HookOnCPU(state, slim_hook)] + (
+                             [AdamThroughHook(state)] if args.optimizer == "adamw" else []))
+    model = Classifier(args.optimizer)
     trainer.fit(model, DataLoader(teacher_data(), batch_size=32, shuffle=True))
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -84,6 +106,7 @@ def main() -> None:
     dist.all_gather_object(every, hashlib.sha256(flat.numpy().tobytes()).hexdigest())
     st = state.comm_stats()
     figures = {"ranks": dist.get_world_size(), "steps": st["steps"], "loss": model.last_loss,
+               "optimizer": args.optimizer, "adam_exchange": state.config.adam_exchange,
                "replicas_identical": len(set(every)) == 1,
                "fewer_pushed": st["dense_bytes"] / max(1, st["bytes_pushed"])}
     if trainer.global_rank == 0:

@@ -34,6 +34,12 @@ FORMAT = 2
 
 def check_optimizer(optimizer: Any) -> None:
     """Refuse what the update exchange cannot serve, naming the setting."""
+    inner = getattr(optimizer, "optimizer", None)
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) and \
+            type(inner) in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(f"SlimState(optimizer=...) takes torch's {type(inner).__name__} "
+                         f"itself, got the {type(optimizer).__name__} wrapping it: pass its "
+                         f".optimizer")
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         raise ValueError(f"SlimState(optimizer=...) takes torch.optim.Adam or AdamW, got "
                          f"{type(optimizer).__name__}: other optimizers step on the exchanged "

@@ -63,6 +63,10 @@ class SlimState:
             group over the default group's ranks, made at the first bucket, whose exchanges
             run on a communication thread; a group given is used as it is, in DDP's thread).
             Gloo carries CPU gradients, NCCL CUDA ones.
+        optimizer: torch's ``Adam`` or ``AdamW`` over the DDP model's parameters (default
+            None: gradients travel, for any optimizer). Given, each rank's Adam update travels
+            and ``optimizer.step()`` applies what was delivered (docs/ddp.md, "Adam"). A
+            framework that makes the optimizer later gives it with :meth:`set_optimizer`.
         **keywords: The Slim-DP keywords of ``hvd_slim.DistributedOptimizer`` (``density``,
             ``value_bits``, ``pull_value_bits``, ``servers``, ``nonfinite``, ``timeout``, the
             warm-up's, ...), each read from ``HVD_SLIM_<NAME>`` when not passed. What needs
@@ -80,14 +84,8 @@ class SlimState:
                  **keywords: Any) -> None:
         transport = keywords.pop("transport", None)
         check_keywords(keywords)
-        config = resolve_config(keywords)
-        check_keywords(keywords, config, update=optimizer is not None)
-        if optimizer is None:   # gradients travel: no optimizer takes momentum or Adam's update
-            config = config.replaced(momentum_correction=False, adam_exchange="gradient")
-        else:                   # Adam's update travels, at the update exchange's defaults
-            config = config.replaced(momentum_correction=False, adam_exchange="update")
-            config = config.replaced(**config.update_defaults())
-        self.config: SlimConfig = config
+        self._keywords = dict(keywords)
+        self.config: SlimConfig = self._configure(update=optimizer is not None)
         self._adam = None if optimizer is None else HookAdam(optimizer)
         self.process_group = process_group
         if transport is not None and not isinstance(transport, Transport):
@@ -95,7 +93,7 @@ class SlimState:
                             f"{type(transport).__name__}")
         self._transport: Optional[Transport] = transport
         self._private = transport is not None   # a private group (or a test's): threads allowed
-        self._buckets = BucketExchanges(config, self._transport_for)
+        self._buckets = BucketExchanges(self.config, self._transport_for)
         self._pass: List[_InFlight] = []       # this pass: begun, not yet settled
         self._failed: Optional[Exception] = None           # why this pass failed, if it did
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
@@ -103,6 +101,49 @@ class SlimState:
         self._start: Optional[Starter] = None  # where the exchanges run (made at the first)
         self.iteration = 0                     # backward passes that reached the hook
         self._model: Optional[Any] = None      # a weak reference to the model register() saw
+
+    def _configure(self, update: bool) -> SlimConfig:
+        """The settings from the keywords given and ``HVD_SLIM_*``; ``update``: Adam's update
+        travels (an optimizer was given), at the update exchange's defaults."""
+        config = resolve_config(self._keywords)
+        check_keywords(self._keywords, config, update=update)
+        if not update:   # gradients travel: no optimizer takes momentum or Adam's update
+            return config.replaced(momentum_correction=False, adam_exchange="gradient")
+        config = config.replaced(momentum_correction=False, adam_exchange="update")
+        return config.replaced(**config.update_defaults())
+
+    def set_optimizer(self, optimizer: Any) -> "SlimState":
+        """Give the state its optimizer after it was made, as ``SlimState(optimizer=...)``
+        does: for frameworks that make the optimizer after the hook's state (Lightning calls
+        ``configure_optimizers`` after the ``DDPStrategy`` holding the state is built).
+
+        Args:
+            optimizer: torch's ``Adam`` or ``AdamW`` over the DDP model's parameters (a
+                framework's wrapper refused, naming the torch optimizer it holds).
+
+        Returns:
+            This state.
+
+        Raises:
+            RuntimeError: the state has an optimizer already, has seen a backward pass, or
+                holds a loaded checkpoint (whose settings were those without an optimizer):
+                call it before both.
+            ValueError: what ``optimizer=`` refuses (another optimizer, ``amsgrad``, an
+                optimizer serving another state, a setting the update exchange cannot serve).
+        """
+        if self._adam is not None:
+            raise RuntimeError("SlimState.set_optimizer: this state has an optimizer already; "
+                               "make one SlimState per optimizer")
+        held = self._buckets.live or self._buckets.saved or self._buckets.carry
+        if self.iteration or not self._new_pass or held:
+            raise RuntimeError("SlimState.set_optimizer: call it before the first backward pass "
+                               "and before load_state_dict(): the exchanges are made with the "
+                               "settings of the optimizer they serve")
+        config = self._configure(update=True)   # refused here, nothing changed
+        adam = HookAdam(optimizer)
+        self.config, self._adam = config, adam
+        self._buckets = BucketExchanges(config, self._transport_for)
+        return self
 
     # --- registration -----------------------------------------------------------------------
     def register(self, ddp_model: Any) -> "SlimState":

@@ -179,3 +179,56 @@ def test_the_update_exchanges_defaults_apply_unless_given():
     assert (st.config.density, st.config.value_bits, st.config.adam_exchange) == (0.05, 2, "update")
     st = SlimState(optimizer=adamw(make_params()), density=0.01)
     assert (st.config.density, st.config.value_bits) == (0.01, 2)
+
+
+def test_an_optimizer_given_later_is_the_optimizer_given_at_construction():
+    """Lightning makes the optimizer after the strategy holding the state: set_optimizer()
+    before the first pass gives bitwise the run of SlimState(optimizer=...), at the update
+    exchange's defaults."""
+    def body(rank, tr):
+        params = make_params()
+        opt = adamw(params)
+        state = SlimState(transport=tr, density=0.05)
+        assert state.config.adam_exchange == "gradient" and state.config.value_bits == 8
+        assert state.set_optimizer(opt) is state
+        assert (state.config.adam_exchange, state.config.value_bits) == ("update", 2)
+        for t in range(6):
+            iterate(state, params, rank, t)
+            opt.step()
+        return [p.detach().clone() for p in params]
+    later = run_ranks(2, body, timeout=60)
+    at_once = hook_run(2, 6, {"density": 0.05})
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(later[r], at_once[r]))
+
+
+def test_an_optimizer_given_too_late_or_twice_is_refused_and_changes_nothing():
+    params = make_params()
+    with pytest.raises(RuntimeError, match="has an optimizer already"):
+        SlimState(optimizer=adamw(params)).set_optimizer(adamw(make_params()))
+    st = SlimState()
+    with pytest.raises(ValueError, match="takes torch.optim.Adam or AdamW, got SGD"):
+        st.set_optimizer(torch.optim.SGD(params, lr=0.1))
+    assert st._adam is None and st.config.adam_exchange == "gradient"
+
+    class Wrapper:   # what Accelerate's prepare() and Lightning hand back
+        def __init__(self, opt):
+            self.optimizer = opt
+    with pytest.raises(ValueError, match="the Wrapper wrapping it: pass its .optimizer"):
+        st.set_optimizer(Wrapper(adamw(params)))
+    with pytest.raises(ConfigError, match="adam_exchange='gradient'"):
+        SlimState(adam_exchange="gradient").set_optimizer(adamw(params))
+
+    def body(rank, tr):
+        ps = make_params()
+        state = SlimState(transport=tr, density=0.05)
+        iterate(state, ps, rank, 0)
+        with pytest.raises(RuntimeError, match="before the first backward pass"):
+            state.set_optimizer(adamw(ps))
+        assert state.config.adam_exchange == "gradient"
+        return state.state_dict()
+    saved = run_ranks(2, body, timeout=60)
+    resumed = SlimState(density=0.05)
+    resumed.load_state_dict(saved[0])
+    with pytest.raises(RuntimeError, match="and before load_state_dict"):
+        resumed.set_optimizer(adamw(params))

@@ -232,3 +232,18 @@ def test_an_optimizer_given_too_late_or_twice_is_refused_and_changes_nothing():
     resumed.load_state_dict(saved[0])
     with pytest.raises(RuntimeError, match="and before load_state_dict"):
         resumed.set_optimizer(adamw(params))
+
+
+def test_a_rank_that_was_not_given_the_optimizer_is_named_by_the_handshake():
+    """One rank's framework callback did not run: its gradients would meet the others'
+    updates. The first pass's handshake names the setting and the rank, on every rank."""
+    def body(rank, tr):
+        params = make_params()
+        state = SlimState(transport=tr, density=0.05)
+        if rank != 1:
+            state.set_optimizer(adamw(params))
+        with pytest.raises(Exception) as info:
+            iterate(state, params, rank, 0)
+        return str(info.value)
+    msgs = run_ranks(3, body, timeout=60)
+    assert all("adam_exchange" in m and "rank 1" in m for m in msgs), msgs

@@ -78,12 +78,14 @@ class HookAdam:
     # --- in the hook ------------------------------------------------------------------------
     @torch.no_grad()
     def precondition(self, keys: Sequence[int], params: Sequence[torch.Tensor],
-                     buffer: torch.Tensor, size: int, dense: AbstractSet[int] = frozenset()
-                     ) -> None:
+                     buffer: torch.Tensor, size: int, dense: AbstractSet[int] = frozenset(),
+                     scale: float = 1.0) -> None:
         """Turn the bucket's gradients (``buffer``, ``params`` in bucket order) into this
         rank's Adam updates, in place; the next moments wait for :meth:`settle`. The
         parameters in ``dense`` (keys the exchange sends dense) keep their gradient: its exact
-        average comes back, and the optimizer's own step takes it."""
+        average comes back, and the optimizer's own step takes it. ``scale``: a GradScaler's
+        loss scale in the gradients, taken out first (the moments are of the true gradient;
+        the dense ones keep it, for the scaler's ``unscale_``)."""
         offset = 0
         for k, p in zip(keys, params):
             n = p.numel()
@@ -102,6 +104,8 @@ class HookAdam:
                                          for _ in range(3)] + [0]
             nxt = self._spare.pop(k, None) or tuple(torch.empty_like(mom[0]) for _ in range(3))
             g = buffer[offset:offset + n].to(torch.float32, copy=True)
+            if scale != 1.0:   # a power of two: exact
+                g.div_(scale)
             rank_update(g, p, group, _decoupled(self.opt, group), tuple(mom[:3]), nxt,
                         mom[3] + 1, size)
             buffer[offset:offset + n].copy_(g)

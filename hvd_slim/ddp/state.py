@@ -27,6 +27,7 @@ from ..config import ConfigError, SlimConfig
 from ..config.env import resolve_config
 from ..exchange.describe import config_difference
 from ..exchange.stats import ExchangeStats
+from ..optim.inner.adam_update import checked_scaler, loss_scale
 from ..transport.base import Transport
 from .adam import HookAdam
 from .buckets import Bucket, BucketExchanges, Keys
@@ -87,6 +88,8 @@ class SlimState:
         self._keywords = dict(keywords)
         self.config: SlimConfig = self._configure(update=optimizer is not None)
         self._adam = None if optimizer is None else HookAdam(optimizer)
+        self._scaler: Any = None               # set_grad_scaler()'s
+        self._scale = 1.0                      # its scale at this pass's first bucket
         self.process_group = process_group
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be an hvd_slim Transport (for tests), got "
@@ -143,6 +146,27 @@ class SlimState:
         adam = HookAdam(optimizer)
         self.config, self._adam = config, adam
         self._buckets = BucketExchanges(config, self._transport_for)
+        return self
+
+    def set_grad_scaler(self, scaler: Any) -> "SlimState":
+        """Tell the state of the ``torch.amp.GradScaler`` that scales this model's loss, so that
+        each rank's Adam moments (``optimizer=``) are of its true gradient: the hook runs in
+        backward, before the scaler's ``unscale_``, and a scale that grows or backs off would
+        otherwise enter the moments and skew Adam's steps. Without ``optimizer=`` gradients
+        travel and the scaler's ``unscale_`` after backward is all they need; it is then kept
+        and unused.
+
+        Args:
+            scaler: A ``torch.amp.GradScaler`` (its scale is read at each backward pass), or
+                None to forget one.
+
+        Returns:
+            This state.
+
+        Raises:
+            TypeError: ``scaler`` is not a ``torch.amp.GradScaler``.
+        """
+        self._scaler = checked_scaler(scaler, "SlimState.set_grad_scaler")
         return self
 
     # --- registration -----------------------------------------------------------------------
@@ -214,6 +238,7 @@ class SlimState:
         try:
             if self._new_pass and self._adam is not None:
                 self._adam.new_pass()
+                self._scale = loss_scale(self._scaler)
             self._new_pass = False
             if self._failed is not None:
                 raise self._failed
@@ -222,7 +247,8 @@ class SlimState:
             transport = self._transport_for(buffer.device)
             b = self._buckets.for_bucket(index, buffer, keys, numels)
             if self._adam is not None:   # this rank's Adam update travels, not its gradient
-                self._adam.precondition(keys, params, buffer, transport.size, b.dense)
+                self._adam.precondition(keys, params, buffer, transport.size, b.dense,
+                                        self._scale)
             # What retired exchanges held joins after Adam: it is in the units that travel.
             self._buckets.take_carry(keys, numels, buffer)
             # The same parameters in another order (DDP's first layout and its rebuilt one):

@@ -28,7 +28,7 @@ from ..outer.ends import RoundEnds
 from ..runtime.horovod import called_by_horovod_state_init
 from .forward_apply import ForwardApply
 from .inner import adam, wrapped
-from .inner.adam_update import AdamUpdate
+from .inner.adam_update import AdamUpdate, checked_scaler, loss_scale
 from .wrapping import SlimSettings, adopt_source, comm_dtype_fn, momentum_plan
 
 log = logging.getLogger("hvd_slim")
@@ -76,6 +76,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
         # of the compressed parameters is what the exchange carries (optim/inner/adam_update.py).
         self._adam = AdamUpdate(self, self._layout, self._exchange.size) \
             if cfg.adam_exchange == "update" else None
+        self._grad_scaler: Any = None   # set_grad_scaler()'s
         # How a round ends (outer/ends.py); outer_delay=1: its exchange runs during the next.
         self._ends = None if self._outer is None else RoundEnds(
             self._outer, self._exchange, self._requires_update, bool(cfg.outer_delay),
@@ -161,6 +162,22 @@ class _SlimOptimizer(torch.optim.Optimizer):
         for p in self._delay:
             self._delay[p] = passes
 
+    def set_grad_scaler(self, scaler: Any) -> None:
+        """Tell the optimizer of the ``torch.amp.GradScaler`` that scales the loss, so that
+        under ``adam_exchange="update"`` each rank's Adam moments are of its true gradient: in
+        Horovod's AMP order the exchange runs before ``scaler.unscale_``, and a scale that grows
+        or backs off would otherwise enter the moments and skew Adam's steps. Where gradients
+        travel, ``unscale_`` after the exchange is all they need; it is kept and unused.
+
+        Args:
+            scaler: A ``torch.amp.GradScaler`` (its scale is read at each exchange), or None
+                to forget one.
+
+        Raises:
+            TypeError: ``scaler`` is not a ``torch.amp.GradScaler``.
+        """
+        self._grad_scaler = checked_scaler(scaler, "set_grad_scaler")
+
     # --- Horovod protocol --------------------------------------------------------------------
     def synchronize(self) -> None:
         """Run the Slim-DP exchange now: afterwards every ``p.grad`` holds the pulled update.
@@ -196,7 +213,7 @@ class _SlimOptimizer(torch.optim.Optimizer):
     def _synchronize_now(self, opener=None) -> None:
         self._skipped = False
         if self._adam is not None:
-            self._adam.precondition()
+            self._adam.precondition(loss_scale(self._grad_scaler))
         try:
             self._skipped = not (self._exchange.step(opener) if self._overlapped
                                  else self._exchange.step())

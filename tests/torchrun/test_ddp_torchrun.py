@@ -266,3 +266,21 @@ def test_gradient_as_bucket_view_trains_bit_for_bit_as_copied_gradients(hvd: Any
         return flat(ddp.module)
     viewed, copied = run(True), run(False)
     assert torch.equal(viewed, copied) and same_everywhere(viewed)
+
+
+def test_adamw_under_a_changing_grad_scaler_is_adamw_without_one(hvd: Any) -> None:
+    """SlimState(optimizer=AdamW).set_grad_scaler(scaler): the hook takes the loss scale out
+    before each rank's Adam moments, so a scale that doubles at every step gives, bit for
+    bit, the run without a scaler (the scale is a power of two)."""
+    def run(scaled: bool) -> torch.Tensor:
+        ddp = DDP(Net())
+        opt = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1,
+                                      enabled=scaled)
+        SlimState(optimizer=opt, density=0.02, min_compress_numel=100
+                  ).set_grad_scaler(scaler).register(ddp)
+        train(ddp, opt, range(8), scaler=scaler)
+        assert scaler.get_scale() == (1024.0 * 2 ** 8 if scaled else 1.0)
+        return flat(ddp.module)
+    scaled = run(True)
+    assert torch.equal(scaled, run(False)) and same_everywhere(scaled)

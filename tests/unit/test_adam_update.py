@@ -345,3 +345,48 @@ def test_the_update_exchange_has_its_own_defaults_where_the_user_set_none(monkey
     assert build().pull_density == 0.03
     monkeypatch.delenv("HVD_SLIM_PULL_DENSITY")
     assert cfg.env_note("density") == " (from environment variable HVD_SLIM_DENSITY)"
+
+
+def _train_amp(rank, tr, steps, scaled, tell, cls=torch.optim.AdamW):
+    """Horovod's AMP order (scaled backward, synchronize(), unscale_, step under
+    skip_synchronize()) with a GradScaler whose scale doubles every step; ``tell``: the
+    optimizer is given the scaler (set_grad_scaler)."""
+    m = _net()
+    opt = _wrap(m, tr, cls=cls)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1,
+                                  enabled=scaled)
+    if tell:
+        opt.set_grad_scaler(scaler)
+    for t in range(steps):
+        opt.zero_grad()
+        scaler.scale(_loss(m, rank, t)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+    return _flat(m), scaler.get_scale()
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_grad_scaler_changing_its_scale_leaves_adams_update_unchanged(size, cls):
+    """Given the scaler, each rank's moments are of its true gradient: a scale doubling at every
+    step (a power of two, so exactly divided out) gives the run without a scaler, bit for bit,
+    sliced and with Adam's L2 decay joining the true gradient. Not given it, the scale enters
+    the moments and the runs part."""
+    steps = 8
+    plain = run_ranks(size, lambda r, tr: _train_amp(r, tr, steps, False, False, cls))
+    told = run_ranks(size, lambda r, tr: _train_amp(r, tr, steps, True, True, cls))
+    untold = run_ranks(size, lambda r, tr: _train_amp(r, tr, steps, True, False, cls))
+    assert told[0][1] == 2.0 ** 18   # the scale really changed, step after step
+    for r in range(size):
+        assert torch.equal(told[r][0], plain[r][0])
+    assert not torch.equal(untold[0][0], plain[0][0])
+
+
+def test_set_grad_scaler_takes_a_grad_scaler_only():
+    opt = run_ranks(1, lambda r, tr: _wrap(_net(), tr))[0]
+    with pytest.raises(TypeError, match="set_grad_scaler: scaler must be a torch.amp.GradScaler"):
+        opt.set_grad_scaler(2.0 ** 16)
+    opt.set_grad_scaler(None)

@@ -247,3 +247,45 @@ def test_a_rank_that_was_not_given_the_optimizer_is_named_by_the_handshake():
         return str(info.value)
     msgs = run_ranks(3, body, timeout=60)
     assert all("adam_exchange" in m and "rank 1" in m for m in msgs), msgs
+
+
+def scaled_run(size, steps, scaled, kw):
+    """AdamW through the hook, with or without a GradScaler whose scale doubles every step
+    (growth_interval=1): the scale a GradScaler leaves in the gradients is a power of two, so
+    once the hook unscales them the two runs are the same bits."""
+    def body(rank, tr):
+        params = make_params()
+        opt = adamw(params)
+        state = SlimState(transport=tr, optimizer=opt, **kw)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+        if scaled:
+            assert state.set_grad_scaler(scaler) is state
+        for t in range(steps):
+            scale = float(scaler.scale(torch.ones(()))) if scaled else 1.0
+            iterate(state, params, rank, t, scale=scale)
+            if scaled:
+                scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        return [p.detach().clone() for p in params], scale
+    return run_ranks(size, body, timeout=60)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_grad_scaler_changing_its_scale_leaves_adams_update_unchanged(size):
+    """Each rank's Adam moments are of its unscaled gradient: a GradScaler's scale (doubling
+    here at every step) does not enter them, the residuals or the update."""
+    kw = {"density": 0.05}
+    plain, scaled = scaled_run(size, 8, False, kw), scaled_run(size, 8, True, kw)
+    assert scaled[0][1] == 2.0 ** 17   # the scale really changed, step after step
+    for r in range(size):
+        assert all(torch.equal(a, b) for a, b in zip(scaled[r][0], plain[r][0]))
+
+
+def test_set_grad_scaler_takes_a_grad_scaler_only():
+    state = SlimState(optimizer=adamw(make_params()))
+    with pytest.raises(TypeError, match="SlimState.set_grad_scaler: scaler must be a torch.amp"):
+        state.set_grad_scaler("dynamic")
+    assert state.set_grad_scaler(None) is state

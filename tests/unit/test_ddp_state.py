@@ -51,10 +51,11 @@ def grads(rank, t):
     return [torch.randn(s, generator=g) for _, s in SHAPES]
 
 
-def iterate(state, params, rank, t, buckets=BUCKETS):
-    """One backward pass, every bucket through the hook: what was delivered, per parameter."""
+def iterate(state, params, rank, t, buckets=BUCKETS, scale=1.0):
+    """One backward pass, every bucket through the hook: what was delivered, per parameter.
+    ``scale``: a GradScaler's loss scale, which backward leaves in every gradient."""
     for p, g in zip(params, grads(rank, t)):
-        p.grad = g
+        p.grad = g * scale if scale != 1.0 else g
     # DDP waits for the futures at the end of backward: they complete at the last bucket.
     futures = [slim_hook(state, FakeBucket(i, [params[j] for j in members],
                                            i == len(buckets) - 1))

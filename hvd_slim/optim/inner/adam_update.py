@@ -103,10 +103,12 @@ class AdamUpdate:
 
     # --- before the exchange -------------------------------------------------------------------
     @torch.no_grad()
-    def precondition(self) -> None:
+    def precondition(self, scale: float = 1.0) -> None:
         """Turn every compressed ``p.grad`` into this rank's Adam update (in place, in the
         gradient's dtype), computing the next moments aside; a parameter without a gradient
-        is left alone."""
+        is left alone. ``scale``: a GradScaler's loss scale still in the gradients (Horovod's
+        AMP order exchanges before ``unscale_``), taken out first, so the moments are of the
+        true gradient whatever the scale does."""
         groups = self.opt.param_groups
         stepped = []
         for bi, segs in enumerate(self.segments):
@@ -128,6 +130,8 @@ class AdamUpdate:
                                      "adam_exchange='gradient'")
                 gv = g32[lo:hi].view(p.shape)
                 gv.copy_(grad)
+                if scale != 1.0:
+                    gv.div_(scale)
                 sl = slice(lo, hi)
                 rank_update(g32[sl], p, groups[gi], _decoupled(self.opt, groups[gi]),
                             (m[sl], v[sl], w[sl]), (mn[sl], vn[sl], wn[sl]),
@@ -279,6 +283,20 @@ def step_by(p: torch.Tensor, delta: Optional[torch.Tensor], group: Dict[str, Any
         p.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
     if delta is not None:   # None: no gradient here, the decay alone (as before this helper)
         p.sub_(delta.to(p.dtype))
+
+
+def checked_scaler(scaler: Any, where: str) -> Any:
+    """``scaler`` if it is a ``torch.amp.GradScaler`` or None; TypeError naming ``where``."""
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"{where}: scaler must be a torch.amp.GradScaler (or None), got "
+                        f"{type(scaler).__name__}")
+    return scaler
+
+
+def loss_scale(scaler: Any) -> float:
+    """The scale ``scaler`` (a GradScaler, or None: 1) leaves in this backward's gradients: a
+    power of two, so dividing by it is exact. One host read a pass on CUDA."""
+    return 1.0 if scaler is None else float(scaler.get_scale())
 
 
 def _decoupled(opt: torch.optim.Optimizer, group: Dict[str, Any]) -> bool:

@@ -72,13 +72,18 @@ class HookOnCPU(pl.Callback):
 
 class AdamThroughHook(pl.Callback):
     """Give the hook's state the Adam or AdamW that ``configure_optimizers`` made, before the
-    first step: each rank's Adam update then travels (``SlimState.set_optimizer``)."""
+    first step: each rank's Adam update then travels (``SlimState.set_optimizer``). Under
+    ``precision="16-mixed"`` also the precision plugin's GradScaler, so that its loss scale
+    stays out of Adam's moments (``SlimState.set_grad_scaler``)."""
 
     def __init__(self, state: SlimState) -> None:
         self.state = state
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.state.set_optimizer(trainer.optimizers[0])
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.state.set_grad_scaler(scaler)
 
 
 def main() -> None:

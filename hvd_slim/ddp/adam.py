@@ -19,13 +19,16 @@ when it commits, dropped when every rank skipped it.
 """
 from __future__ import annotations
 
+import logging
 import types
 from typing import AbstractSet, Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..optim.inner.adam_update import _decoupled, rank_update, step_by
+from ..optim.inner.adam_update import _decoupled, altered, rank_update, step_by
 from .checks import refuse_old_format
+
+log = logging.getLogger("hvd_slim")
 
 # 2: the small tensors sent dense take the wrapped optimizer's own step (1: each rank's update,
 # for every tensor).
@@ -72,6 +75,7 @@ class HookAdam:
         # pass replaced (or the ones it dropped), so no pass allocates model-sized tensors.
         self._spare: Dict[int, tuple] = {}
         self._delivered: Dict[int, torch.Tensor] = {}   # id(param) -> its update, this pass
+        self.scale = 1.0   # the loss scale precondition() took out this pass
         optimizer.step = types.MethodType(_step, optimizer)  # type: ignore[method-assign]
         optimizer._hvd_slim_hook_adam = self  # type: ignore[attr-defined]
 
@@ -106,6 +110,7 @@ class HookAdam:
             g = buffer[offset:offset + n].to(torch.float32, copy=True)
             if scale != 1.0:   # a power of two: exact
                 g.div_(scale)
+            self.scale = scale
             rank_update(g, p, group, _decoupled(self.opt, group), tuple(mom[:3]), nxt,
                         mom[3] + 1, size)
             buffer[offset:offset + n].copy_(g)
@@ -143,6 +148,8 @@ class HookAdam:
         self._delivered = {}
 
     # --- the optimizer's step ---------------------------------------------------------------
+    _warned_changed = False
+
     @torch.no_grad()
     def step(self) -> None:
         """Step each parameter whose update was delivered by it; then the wrapped optimizer's
@@ -154,6 +161,10 @@ class HookAdam:
             for p in group["params"]:
                 delta = self._delivered.pop(id(p), None)
                 if delta is not None:
+                    if not HookAdam._warned_changed and p.grad is not None and \
+                            altered(p.grad, delta, self.scale):
+                        HookAdam._warned_changed = True
+                        log.warning(_CHANGED)
                     step_by(p, delta, group, decoupled)
                     stepped.append((p, p.grad))
                     p.grad = None   # stepped already: the wrapped step must pass it by
@@ -188,6 +199,14 @@ class HookAdam:
             moments[int(k)] = [m["exp_avg"].clone(), m["exp_avg_sq"].clone(),
                                m["mean_sq"].clone(), int(m["step"])]
         self.moments, self._next, self._delivered, self._spare = moments, {}, {}, {}
+
+
+_CHANGED = ("hvd_slim.ddp: p.grad changed between backward and step() (a gradient clip, or a "
+            "GradScaler's unscale_). With SlimState(optimizer=...) the hook exchanged each "
+            "rank's Adam update in backward, already normalised, and step() applies it as "
+            "delivered: a clip after backward does not reach it. With a GradScaler, call "
+            "state.set_grad_scaler(scaler): its unscale_ is then expected, and its scale kept "
+            "out of Adam's moments.")
 
 
 def _step(self: torch.optim.Optimizer, closure: Any = None) -> Any:

@@ -289,3 +289,39 @@ def test_set_grad_scaler_takes_a_grad_scaler_only():
     with pytest.raises(TypeError, match="SlimState.set_grad_scaler: scaler must be a torch.amp"):
         state.set_grad_scaler("dynamic")
     assert state.set_grad_scaler(None) is state
+
+
+def test_a_clip_after_backward_is_named_once_and_an_expected_unscale_is_not(caplog):
+    """The hook exchanged each rank's Adam update in backward: a clip of p.grad afterwards does
+    not reach it, and step() says so once. A GradScaler's unscale_ the state was told of is
+    expected and silent."""
+    from hvd_slim.ddp.adam import HookAdam
+
+    def body(rank, tr, clip, scaled):
+        params = make_params()
+        opt = adamw(params)
+        state = SlimState(transport=tr, optimizer=opt, density=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+        if scaled:
+            state.set_grad_scaler(scaler)
+        for t in range(3):
+            scale = float(scaler.scale(torch.ones(()))) if scaled else 1.0
+            iterate(state, params, rank, t, scale=scale)
+            if scaled:
+                scaler.unscale_(opt)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, 1e-3)
+            if scaled:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        return True
+    for clip, scaled, warned in ((False, True, False), (True, False, True)):
+        HookAdam._warned_changed = False
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hvd_slim"):
+            run_ranks(2, lambda r, tr: body(r, tr, clip, scaled), timeout=60)
+        named = [m for m in caplog.messages if "a clip after backward does not reach" in m]
+        assert bool(named) == warned, caplog.messages
+        assert len(named) <= 1

@@ -99,6 +99,7 @@ class AdamUpdate:
         # stepped, as torch's Adam skips it).
         self.steps: List[List[int]] = [[0] * len(seg) for seg in self.segments]
         self._stepped: Optional[List[List[bool]]] = None   # the step in flight
+        self._scale = 1.0   # the loss scale the last precondition() took out (set_grad_scaler)
         self._snapshot: Optional[List[torch.Tensor]] = None
 
     # --- before the exchange -------------------------------------------------------------------
@@ -132,6 +133,7 @@ class AdamUpdate:
                 gv.copy_(grad)
                 if scale != 1.0:
                     gv.div_(scale)
+                self._scale = scale
                 sl = slice(lo, hi)
                 rank_update(g32[sl], p, groups[gi], _decoupled(self.opt, groups[gi]),
                             (m[sl], v[sl], w[sl]), (mn[sl], vn[sl], wn[sl]),
@@ -191,7 +193,7 @@ class AdamUpdate:
                 if snap is not None:
                     delta = snap[bi][s.offset:s.offset + s.numel].view(p.shape)
                     if p.grad is not None and not changed:
-                        changed = not torch.equal(p.grad, delta.to(p.grad.dtype))
+                        changed = altered(p.grad, delta, self._scale)
                 step_by(p, delta, group, _decoupled(self.opt, group), decay)
         if changed and not AdamUpdate._warned_changed:
             AdamUpdate._warned_changed = True
@@ -200,7 +202,9 @@ class AdamUpdate:
                         "'update' the exchange carries each rank's Adam update, already "
                         "normalised, and step() applies it as delivered; clip before "
                         "synchronize() to clip this rank's gradient, or pass "
-                        "adam_exchange='gradient' for Horovod's order.")
+                        "adam_exchange='gradient' for Horovod's order. With a GradScaler, "
+                        "call optimizer.set_grad_scaler(scaler): its unscale_ is then "
+                        "expected, and its scale kept out of Adam's moments.")
 
     # --- checkpoint ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -283,6 +287,15 @@ def step_by(p: torch.Tensor, delta: Optional[torch.Tensor], group: Dict[str, Any
         p.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
     if delta is not None:   # None: no gradient here, the decay alone (as before this helper)
         p.sub_(delta.to(p.dtype))
+
+
+def altered(grad: torch.Tensor, delivered: torch.Tensor, scale: float) -> bool:
+    """Whether ``grad`` is no longer the ``delivered`` update, nor that update unscaled by a
+    known loss ``scale`` (a GradScaler's ``unscale_``, exact for a power of two): a clip."""
+    d = delivered.to(grad.dtype)
+    if torch.equal(grad, d):
+        return False
+    return not (scale != 1.0 and torch.equal(grad, d / scale))
 
 
 def checked_scaler(scaler: Any, where: str) -> Any:

@@ -20,6 +20,9 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   run, at every seed: the steps target's measurement;
 - ``lm-fair-local``: ``local_steps=8`` at its defaults, and DiLoCo's dense rounds at H = 8, the
   first seed only;
+- ``lm-fair-hook``: hvd_slim with no keyword through its DDP hook (``--method slim-hook``:
+  DDP's own buckets, ``SlimState(optimizer=AdamW)``) at every seed, against ``lm-fair``'s
+  ``DistributedOptimizer`` on the same seeds and data;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -78,6 +81,8 @@ LOCAL = (("local_steps=8", "slim", None, {"slim": {"local_steps": 8}}),
          # the defaults since 6 December 11:30: the mean over the senders, the warm-up ending on
          # a signal (the row "local_steps=8" ran at the defaults before)
          ("local_steps=8, senders and settle", "slim", None, {"slim": {"local_steps": 8}}))
+# The DDP hook at the defaults (``lm-fair-hook``, every seed)
+HOOK = (("default, DDP hook", "slim-hook", None, {}),)
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that
@@ -101,11 +106,12 @@ TARGETS = {"gap": 0.02, "bytes": 40.0, "steps": 1.25}
 
 
 def configs(group: str) -> List[Config]:
-    """The runs of ``lm-fair``, ``lm-fair-sgd`` and ``lm-fair-longer`` (every seed; SGD's peers
-    the first seed only) or ``lm-fair-peers``, ``lm-fair-bf16`` and ``lm-fair-local`` (the first
+    """The runs of ``lm-fair``, ``lm-fair-sgd``, ``lm-fair-longer`` and ``lm-fair-hook`` (every
+    seed; SGD's peers the first seed only) or ``lm-fair-peers``, ``lm-fair-bf16`` and ``lm-fair-local`` (the first
     seed only)."""
     rows = {"lm-fair-peers": PEERS, "lm-fair-sgd": MAIN + SGD_PEERS,
-            "lm-fair-local": LOCAL, "lm-fair-longer": LONGER_ROWS}.get(group, MAIN)
+            "lm-fair-local": LOCAL, "lm-fair-longer": LONGER_ROWS,
+            "lm-fair-hook": HOOK}.get(group, MAIN)
     case, base = {"lm-fair-sgd": (SGD_CASE, dict(LM_FAIR, **SGD)),
                   "lm-fair-bf16": (BF16_CASE, dict(LM_FAIR, param_dtype="bfloat16"))}.get(
                       group, (CASE, LM_FAIR))
@@ -122,7 +128,7 @@ def configs(group: str) -> List[Config]:
 
 
 GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd", "lm-fair-bf16", "lm-fair-local",
-          "lm-fair-longer")
+          "lm-fair-longer", "lm-fair-hook")
 CASES = {CASE: "AdamW", SGD_CASE: "SGD with Nesterov momentum",
          BF16_CASE: "AdamW, bfloat16 parameters"}
 

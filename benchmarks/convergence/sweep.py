@@ -54,7 +54,7 @@ def run_one(hvd: Any, spec: Dict[str, Any], data: Tuple[Any, Any]) -> Dict[str, 
     opt = DenseWarmup(inner, model, hvd, warm, build) if warm > 0 else build()
     start, load0 = time.perf_counter(), os.getloadavg()[0]  # the load: for reading the times
     try:
-        # PowerSGD trains through its DDP module, whose backward runs the hook.
+        # PowerSGD and slim-hook train through their DDP module, whose backward runs the hook.
         records = _fit(hvd, spec, getattr(opt, "module", model), opt, data)
     except FloatingPointError as exc:
         # hvd_slim raises the same NonFiniteGradientError on every rank with nothing changed,

@@ -176,7 +176,9 @@ def main(argv: Optional[List[str]] = None, dataset: str = "mnist") -> int:
     label = args.method if args.method != "slim" else \
         f"slim d={opt.slim_config.density:g}"
     start = time.perf_counter()
-    records = fit(hvd, args.method, model, opt, train_set, test, epochs=args.epochs,
+    # powersgd and slim-hook train through their DDP module, whose backward runs the hook
+    records = fit(hvd, args.method, getattr(opt, "module", model), opt, train_set, test,
+                  epochs=args.epochs,
                   batch_size=args.batch_size, schedule=Schedule(args.lr, args.lr_schedule),
                   seed=args.seed, name=label, on_epoch=report, show_progress=not args.no_progress,
                   evals_per_epoch=args.evals_per_epoch)

@@ -10,6 +10,8 @@ Methods (``--method``):
 * ``topk``: the top-k + error-feedback allgather baseline in topk.py.
 * ``powersgd``: torch DDP with its PowerSGD hook (powersgd.py); train through the
   optimizer's ``.module``.
+* ``slim-hook``: torch DDP with hvd_slim's own hook (ddp_hook.py) and the run's Slim-DP
+  keywords; train through the optimizer's ``.module``.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .tasks import CLASSIFICATION, Task, TestSet, progress
 from .topk import TopKOptimizer
 
-METHODS = ("dense", "slim", "horovod", "topk", "powersgd")
+METHODS = ("dense", "slim", "horovod", "topk", "powersgd", "slim-hook")
 HOROVOD_MISSING = (
     "--method horovod needs Horovod (horovod.torch), which is not installed in this Python "
     "({python}): {error}. Install it with `make install-horovod` (scripts/install_horovod.sh), "
@@ -78,6 +80,9 @@ def wrap_optimizer(method: str, hvd: ModuleType, opt: torch.optim.Optimizer, mod
     if method == "powersgd":
         from .powersgd import PowerSGDOptimizer  # needs torch.distributed
         return PowerSGDOptimizer(opt, model, powersgd_rank, hvd.size())
+    if method == "slim-hook":
+        from .ddp_hook import SlimHookOptimizer  # needs torch.distributed
+        return SlimHookOptimizer(opt, model, density, dict(finite, **(slim_kwargs or {})))
     return TopKOptimizer(opt, named, 0.02 if density is None else density, hvd)
 
 

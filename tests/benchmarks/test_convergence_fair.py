@@ -37,11 +37,13 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "local_steps=8": [0],
                   "local_steps=8 dense": [0], "local_steps=8 no decay": [0],
                   "local_steps=8 0.05": [0], "local_steps=8 0.05 no decay": [0],
-                  "local_steps=8, senders and settle": [0]}
+                  "local_steps=8, senders and settle": [0], "default, DDP hook": [0, 1, 2]}
     assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
                    "bf16 default": [0]}
-    # the defaults pass no Slim-DP keyword at all
+    # the defaults pass no Slim-DP keyword at all, through DistributedOptimizer or the DDP hook
     assert [s for s in plan if s["variant"] == "default"][0]["slim"] == {}
+    hook = [s for s in plan if s["variant"] == "default, DDP hook"][0]
+    assert (hook["method"], hook["slim"], hook["density"]) == ("slim-hook", {}, None)
     assert [s for s in plan if s["variant"] == "default"][0]["density"] is None
 
 

@@ -8,6 +8,9 @@ run's Slim-DP keywords; under torch's Adam and AdamW the state takes the optimiz
 rank's Adam update travels, as ``DistributedOptimizer``'s default does. The training loop then
 drives the DDP module (backward runs the hook), and ``step()`` is the wrapped optimizer's, which
 the state has taken over under Adam. Bytes are the state's own ``comm_stats()``.
+
+``ddp_bucket_cap_mb`` among the run's keywords is DDP's ``bucket_cap_mb``, not a Slim-DP keyword
+(the model's size or more: every parameter in one bucket, one exchange a step).
 """
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ class SlimHookOptimizer:
         from hvd_slim.optim.rendezvous import torch_transport
         torch_transport("gloo", torch.device("cpu"))  # a Gloo group over this MPI job
         self.optimizer = optimizer
-        self.module = DDP(model)
         kwargs = dict(slim_kwargs)
+        cap = kwargs.pop("ddp_bucket_cap_mb", None)
+        self.module = DDP(model) if cap is None else DDP(model, bucket_cap_mb=float(cap))
         if density is not None:
             kwargs["density"] = density
         adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)

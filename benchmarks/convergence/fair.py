@@ -82,7 +82,10 @@ LOCAL = (("local_steps=8", "slim", None, {"slim": {"local_steps": 8}}),
          # a signal (the row "local_steps=8" ran at the defaults before)
          ("local_steps=8, senders and settle", "slim", None, {"slim": {"local_steps": 8}}))
 # The DDP hook at the defaults (``lm-fair-hook``, every seed)
-HOOK = (("default, DDP hook", "slim-hook", None, {}),)
+HOOK = (("default, DDP hook", "slim-hook", None, {}),
+        # every parameter in one bucket (one exchange a step, as DistributedOptimizer's)
+        ("default, DDP hook, one bucket", "slim-hook", None,
+         {"slim": {"ddp_bucket_cap_mb": 64.0}}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that

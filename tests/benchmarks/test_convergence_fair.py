@@ -37,7 +37,8 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "local_steps=8": [0],
                   "local_steps=8 dense": [0], "local_steps=8 no decay": [0],
                   "local_steps=8 0.05": [0], "local_steps=8 0.05 no decay": [0],
-                  "local_steps=8, senders and settle": [0], "default, DDP hook": [0, 1, 2]}
+                  "local_steps=8, senders and settle": [0], "default, DDP hook": [0, 1, 2],
+                  "default, DDP hook, one bucket": [0, 1, 2]}
     assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
                    "bf16 default": [0]}
     # the defaults pass no Slim-DP keyword at all, through DistributedOptimizer or the DDP hook

@@ -20,25 +20,17 @@ import torch
 import torch.nn as nn
 
 
-class SlimHookOptimizer:
-    """The wrapped optimizer plus the DDP module (``.module``) that carries the hook."""
+class HookedDDP:
+    """A DDP peer of the study: the wrapped optimizer, and the DDP module (``.module``) whose
+    backward runs a communication hook; the training loop drives ``.module`` and steps here.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module,
-                 density: Optional[float], slim_kwargs: Dict[str, Any]) -> None:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    Args:
+        optimizer: The optimizer being wrapped (its ``step()`` is the step).
+        module: The ``DistributedDataParallel`` model, its hook registered.
+    """
 
-        from hvd_slim.ddp import SlimState
-        from hvd_slim.optim.rendezvous import torch_transport
-        torch_transport("gloo", torch.device("cpu"))  # a Gloo group over this MPI job
-        self.optimizer = optimizer
-        kwargs = dict(slim_kwargs)
-        cap = kwargs.pop("ddp_bucket_cap_mb", None)
-        self.module = DDP(model) if cap is None else DDP(model, bucket_cap_mb=float(cap))
-        if density is not None:
-            kwargs["density"] = density
-        adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-        self.state = SlimState(optimizer=optimizer if adam else None, **kwargs)
-        self.state.register(self.module)
+    def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+        self.optimizer, self.module, self.steps = optimizer, module, 0
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
@@ -49,6 +41,34 @@ class SlimHookOptimizer:
 
     def step(self) -> None:
         self.optimizer.step()
+        self.steps += 1
+
+
+def ddp_on_mpi(model: nn.Module, **ddp_kw: Any) -> nn.Module:
+    """``model`` in ``DistributedDataParallel`` over a Gloo group that hvd_slim's rendezvous
+    starts on this MPI job."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hvd_slim.optim.rendezvous import torch_transport
+    torch_transport("gloo", torch.device("cpu"))
+    return DDP(model, **ddp_kw)
+
+
+class SlimHookOptimizer(HookedDDP):
+    """hvd_slim's hook on DDP's model, with the run's Slim-DP keywords."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                 density: Optional[float], slim_kwargs: Dict[str, Any]) -> None:
+        from hvd_slim.ddp import SlimState
+        kwargs = dict(slim_kwargs)
+        cap = kwargs.pop("ddp_bucket_cap_mb", None)
+        super().__init__(optimizer, ddp_on_mpi(model) if cap is None else
+                         ddp_on_mpi(model, bucket_cap_mb=float(cap)))
+        if density is not None:
+            kwargs["density"] = density
+        adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+        self.state = SlimState(optimizer=optimizer if adam else None, **kwargs)
+        self.state.register(self.module)
 
     def comm_stats(self) -> Dict[str, Any]:
         return self.state.comm_stats()

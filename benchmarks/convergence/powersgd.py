@@ -13,11 +13,13 @@ and receives them: ``2 (N - 1) / N`` of those bytes each way per rank.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from .ddp_hook import HookedDDP, ddp_on_mpi
 
 _counted = {"bytes": 0}
 _original_all_reduce = dist.all_reduce
@@ -28,40 +30,24 @@ def _counting_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any
     return _original_all_reduce(tensor, *args, **kwargs)
 
 
-class PowerSGDOptimizer:
-    """The wrapped optimizer plus the DDP module (``.module``) that carries the hook."""
+class PowerSGDOptimizer(HookedDDP):
+    """torch's PowerSGD hook on DDP's model (every parameter in one bucket)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, rank: int,
                  size: int) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from hvd_slim.optim.rendezvous import torch_transport
-        torch_transport("gloo", torch.device("cpu"))  # a Gloo group over this MPI job
-        self.optimizer, self.size = optimizer, size
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # One bucket: PowerSGD over Gloo fails with "Received data size doesn't match expected
         # size" when parameters are spread over several (measured at 4 ranks).
-        self.module = DDP(model, bucket_cap_mb=nbytes / 2 ** 20 + 1)
+        super().__init__(optimizer, ddp_on_mpi(model, bucket_cap_mb=nbytes / 2 ** 20 + 1))
+        self.size = size
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                    start_powerSGD_iter=2, use_error_feedback=True,
                                    warm_start=True, random_seed=0)
         self.module.register_comm_hook(state, psgd.powerSGD_hook)
         dist.all_reduce = _counting_all_reduce
         self._base = _counted["bytes"]
-        self.steps = 0
         self._grad_bytes = nbytes
-
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.steps += 1
 
     def comm_stats(self) -> Dict[str, float]:
         """Cumulative bytes of this rank, modelled as a ring allreduce of what the hook handed

@@ -37,13 +37,13 @@ FORMAT = 2
 
 def check_optimizer(optimizer: Any) -> None:
     """Refuse what the update exchange cannot serve, naming the setting."""
-    inner = getattr(optimizer, "optimizer", None)
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) and \
-            type(inner) in (torch.optim.Adam, torch.optim.AdamW):
-        raise ValueError(f"SlimState(optimizer=...) takes torch's {type(inner).__name__} "
-                         f"itself, got the {type(optimizer).__name__} wrapping it: pass its "
-                         f".optimizer")
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+    served = (torch.optim.Adam, torch.optim.AdamW)
+    if type(optimizer) not in served:
+        inner = getattr(optimizer, "optimizer", None)
+        if type(inner) in served:
+            raise ValueError(f"SlimState(optimizer=...) takes torch's {type(inner).__name__} "
+                             f"itself, got the {type(optimizer).__name__} wrapping it: pass "
+                             f"its .optimizer")
         raise ValueError(f"SlimState(optimizer=...) takes torch.optim.Adam or AdamW, got "
                          f"{type(optimizer).__name__}: other optimizers step on the exchanged "
                          f"gradients as DDP's allreduce would leave them; leave optimizer unset")
@@ -75,21 +75,21 @@ class HookAdam:
         # pass replaced (or the ones it dropped), so no pass allocates model-sized tensors.
         self._spare: Dict[int, tuple] = {}
         self._delivered: Dict[int, torch.Tensor] = {}   # id(param) -> its update, this pass
-        self.scale = 1.0   # the loss scale precondition() took out this pass
+        self.scale = 1.0   # this pass's loss scale (new_pass), taken out of its gradients
         optimizer.step = types.MethodType(_step, optimizer)  # type: ignore[method-assign]
         optimizer._hvd_slim_hook_adam = self  # type: ignore[attr-defined]
 
     # --- in the hook ------------------------------------------------------------------------
     @torch.no_grad()
     def precondition(self, keys: Sequence[int], params: Sequence[torch.Tensor],
-                     buffer: torch.Tensor, size: int, dense: AbstractSet[int] = frozenset(),
-                     scale: float = 1.0) -> None:
+                     buffer: torch.Tensor, size: int, dense: AbstractSet[int] = frozenset()
+                     ) -> None:
         """Turn the bucket's gradients (``buffer``, ``params`` in bucket order) into this
         rank's Adam updates, in place; the next moments wait for :meth:`settle`. The
         parameters in ``dense`` (keys the exchange sends dense) keep their gradient: its exact
-        average comes back, and the optimizer's own step takes it. ``scale``: a GradScaler's
-        loss scale in the gradients, taken out first (the moments are of the true gradient;
-        the dense ones keep it, for the scaler's ``unscale_``)."""
+        average comes back, and the optimizer's own step takes it. The pass's loss scale
+        (:meth:`new_pass`) is taken out first, so the moments are of the true gradient; the
+        dense ones keep it, for the scaler's ``unscale_``."""
         offset = 0
         for k, p in zip(keys, params):
             n = p.numel()
@@ -108,9 +108,8 @@ class HookAdam:
                                          for _ in range(3)] + [0]
             nxt = self._spare.pop(k, None) or tuple(torch.empty_like(mom[0]) for _ in range(3))
             g = buffer[offset:offset + n].to(torch.float32, copy=True)
-            if scale != 1.0:   # a power of two: exact
-                g.div_(scale)
-            self.scale = scale
+            if self.scale != 1.0:   # a power of two: exact
+                g.div_(self.scale)
             rank_update(g, p, group, _decoupled(self.opt, group), tuple(mom[:3]), nxt,
                         mom[3] + 1, size)
             buffer[offset:offset + n].copy_(g)
@@ -142,10 +141,10 @@ class HookAdam:
                     p.shape)
             offset += n
 
-    def new_pass(self) -> None:
-        """A backward pass begins: a delivery its step never took (GradScaler skipped it) is
-        dropped."""
-        self._delivered = {}
+    def new_pass(self, scale: float = 1.0) -> None:
+        """A backward pass begins, its gradients carrying a GradScaler's loss ``scale`` (1:
+        none): a delivery its step never took (GradScaler skipped it) is dropped."""
+        self._delivered, self.scale = {}, scale
 
     # --- the optimizer's step ---------------------------------------------------------------
     _warned_changed = False

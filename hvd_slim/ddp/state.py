@@ -89,7 +89,6 @@ class SlimState:
         self.config: SlimConfig = self._configure(update=optimizer is not None)
         self._adam = None if optimizer is None else HookAdam(optimizer)
         self._scaler: Any = None               # set_grad_scaler()'s
-        self._scale = 1.0                      # its scale at this pass's first bucket
         self.process_group = process_group
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be an hvd_slim Transport (for tests), got "
@@ -237,8 +236,7 @@ class SlimState:
         fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future()
         try:
             if self._new_pass and self._adam is not None:
-                self._adam.new_pass()
-                self._scale = loss_scale(self._scaler)
+                self._adam.new_pass(loss_scale(self._scaler))
             self._new_pass = False
             if self._failed is not None:
                 raise self._failed
@@ -247,8 +245,7 @@ class SlimState:
             transport = self._transport_for(buffer.device)
             b = self._buckets.for_bucket(index, buffer, keys, numels)
             if self._adam is not None:   # this rank's Adam update travels, not its gradient
-                self._adam.precondition(keys, params, buffer, transport.size, b.dense,
-                                        self._scale)
+                self._adam.precondition(keys, params, buffer, transport.size, b.dense)
             # What retired exchanges held joins after Adam: it is in the units that travel.
             self._buckets.take_carry(keys, numels, buffer)
             # The same parameters in another order (DDP's first layout and its rebuilt one):

@@ -112,6 +112,7 @@ class AdamUpdate:
         true gradient whatever the scale does."""
         groups = self.opt.param_groups
         stepped = []
+        self._scale = scale
         for bi, segs in enumerate(self.segments):
             m, v, w, g32 = self.m[bi], self.v[bi], self.w[bi], self._scratch[bi]
             mn, vn, wn = self._m_next[bi], self._v_next[bi], self._w_next[bi]
@@ -133,7 +134,6 @@ class AdamUpdate:
                 gv.copy_(grad)
                 if scale != 1.0:
                     gv.div_(scale)
-                self._scale = scale
                 sl = slice(lo, hi)
                 rank_update(g32[sl], p, groups[gi], _decoupled(self.opt, groups[gi]),
                             (m[sl], v[sl], w[sl]), (mn[sl], vn[sl], wn[sl]),

@@ -19,16 +19,14 @@ when it commits, dropped when every rank skipped it.
 """
 from __future__ import annotations
 
-import logging
 import types
 from typing import AbstractSet, Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..optim.inner.adam_update import _decoupled, altered, rank_update, step_by
+from ..optim.inner.adam_update import WarnOnce, _decoupled, altered, rank_update, step_by
 from .checks import refuse_old_format
 
-log = logging.getLogger("hvd_slim")
 
 # 2: the small tensors sent dense take the wrapped optimizer's own step (1: each rank's update,
 # for every tensor).
@@ -147,8 +145,6 @@ class HookAdam:
         self._delivered, self.scale = {}, scale
 
     # --- the optimizer's step ---------------------------------------------------------------
-    _warned_changed = False
-
     @torch.no_grad()
     def step(self) -> None:
         """Step each parameter whose update was delivered by it; then the wrapped optimizer's
@@ -160,10 +156,9 @@ class HookAdam:
             for p in group["params"]:
                 delta = self._delivered.pop(id(p), None)
                 if delta is not None:
-                    if not HookAdam._warned_changed and p.grad is not None and \
+                    if not CHANGED_AFTER_BACKWARD.given and p.grad is not None and \
                             altered(p.grad, delta, self.scale):
-                        HookAdam._warned_changed = True
-                        log.warning(_CHANGED)
+                        CHANGED_AFTER_BACKWARD()
                     step_by(p, delta, group, decoupled)
                     stepped.append((p, p.grad))
                     p.grad = None   # stepped already: the wrapped step must pass it by
@@ -200,12 +195,12 @@ class HookAdam:
         self.moments, self._next, self._delivered, self._spare = moments, {}, {}, {}
 
 
-_CHANGED = ("hvd_slim.ddp: p.grad changed between backward and step() (a gradient clip, or a "
-            "GradScaler's unscale_). With SlimState(optimizer=...) the hook exchanged each "
-            "rank's Adam update in backward, already normalised, and step() applies it as "
-            "delivered: a clip after backward does not reach it. With a GradScaler, call "
-            "state.set_grad_scaler(scaler): its unscale_ is then expected, and its scale kept "
-            "out of Adam's moments.")
+CHANGED_AFTER_BACKWARD = WarnOnce(
+    "hvd_slim.ddp: p.grad changed between backward and step() (a gradient clip, or a "
+    "GradScaler's unscale_). With SlimState(optimizer=...) the hook exchanged each rank's Adam "
+    "update in backward, already normalised, and step() applies it as delivered: a clip after "
+    "backward does not reach it. With a GradScaler, call state.set_grad_scaler(scaler): its "
+    "unscale_ is then expected, and its scale kept out of Adam's moments.")
 
 
 def _step(self: torch.optim.Optimizer, closure: Any = None) -> Any:

@@ -295,7 +295,7 @@ def test_a_clip_after_backward_is_named_once_and_an_expected_unscale_is_not(capl
     """The hook exchanged each rank's Adam update in backward: a clip of p.grad afterwards does
     not reach it, and step() says so once. A GradScaler's unscale_ the state was told of is
     expected and silent."""
-    from hvd_slim.ddp.adam import HookAdam
+    from hvd_slim.ddp.adam import CHANGED_AFTER_BACKWARD
 
     def body(rank, tr, clip, scaled):
         params = make_params()
@@ -318,10 +318,9 @@ def test_a_clip_after_backward_is_named_once_and_an_expected_unscale_is_not(capl
                 opt.step()
         return True
     for clip, scaled, warned in ((False, True, False), (True, False, True)):
-        HookAdam._warned_changed = False
+        CHANGED_AFTER_BACKWARD.given = False
         caplog.clear()
         with caplog.at_level("WARNING", logger="hvd_slim"):
             run_ranks(2, lambda r, tr: body(r, tr, clip, scaled), timeout=60)
         named = [m for m in caplog.messages if "a clip after backward does not reach" in m]
-        assert bool(named) == warned, caplog.messages
-        assert len(named) <= 1
+        assert len(named) == int(warned), caplog.messages   # once, though two ranks saw it

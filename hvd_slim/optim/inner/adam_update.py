@@ -26,6 +26,7 @@ small tensors) keep the wrapped optimizer's own step on the exact average gradie
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
@@ -173,8 +174,6 @@ class AdamUpdate:
                 part.zero_() if g is None else part.copy_(g.reshape(-1))
             self._snapshot.append(flat)
 
-    _warned_changed = False
-
     @torch.no_grad()
     def apply(self, only: Optional[set] = None, decay: bool = True) -> None:
         """Step the compressed parameters by the delivered update in ``p.grad`` (or the
@@ -192,19 +191,11 @@ class AdamUpdate:
                 delta = p.grad
                 if snap is not None:
                     delta = snap[bi][s.offset:s.offset + s.numel].view(p.shape)
-                    if p.grad is not None and not changed:
+                    if p.grad is not None and not changed and not CHANGED_AFTER_SYNC.given:
                         changed = altered(p.grad, delta, self._scale)
                 step_by(p, delta, group, _decoupled(self.opt, group), decay)
-        if changed and not AdamUpdate._warned_changed:
-            AdamUpdate._warned_changed = True
-            log.warning("hvd_slim: p.grad changed between synchronize() and step() (a "
-                        "GradScaler's unscale_, or a gradient clip). With adam_exchange="
-                        "'update' the exchange carries each rank's Adam update, already "
-                        "normalised, and step() applies it as delivered; clip before "
-                        "synchronize() to clip this rank's gradient, or pass "
-                        "adam_exchange='gradient' for Horovod's order. With a GradScaler, "
-                        "call optimizer.set_grad_scaler(scaler): its unscale_ is then "
-                        "expected, and its scale kept out of Adam's moments.")
+        if changed:
+            CHANGED_AFTER_SYNC()
 
     # --- checkpoint ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -296,6 +287,32 @@ def altered(grad: torch.Tensor, delivered: torch.Tensor, scale: float) -> bool:
     if torch.equal(grad, d):
         return False
     return not (scale != 1.0 and torch.equal(grad, d / scale))
+
+
+class WarnOnce:
+    """A warning this process gives once. Check-and-set under a lock: the fake N-rank transport
+    runs ranks as threads of one process, and a plain flag let two of them both warn."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.given = False
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self.given:
+                return
+            self.given = True
+        log.warning(self.message)
+
+
+CHANGED_AFTER_SYNC = WarnOnce(
+    "hvd_slim: p.grad changed between synchronize() and step() (a GradScaler's unscale_, or a "
+    "gradient clip). With adam_exchange='update' the exchange carries each rank's Adam update, "
+    "already normalised, and step() applies it as delivered; clip before synchronize() to clip "
+    "this rank's gradient, or pass adam_exchange='gradient' for Horovod's order. With a "
+    "GradScaler, call optimizer.set_grad_scaler(scaler): its unscale_ is then expected, and its "
+    "scale kept out of Adam's moments.")
 
 
 def checked_scaler(scaler: Any, where: str) -> Any:

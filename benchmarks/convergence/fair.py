@@ -22,7 +22,8 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   first seed only;
 - ``lm-fair-hook``: hvd_slim with no keyword through its DDP hook (``--method slim-hook``:
   DDP's own buckets, ``SlimState(optimizer=AdamW)``) at every seed, against ``lm-fair``'s
-  ``DistributedOptimizer`` on the same seeds and data;
+  ``DistributedOptimizer`` on the same seeds and data, and ``DistributedOptimizer`` with its
+  flat buffer in DDP's order (the model's reversed) instead of by name;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -85,7 +86,10 @@ LOCAL = (("local_steps=8", "slim", None, {"slim": {"local_steps": 8}}),
 HOOK = (("default, DDP hook", "slim-hook", None, {}),
         # every parameter in one bucket (one exchange a step, as DistributedOptimizer's)
         ("default, DDP hook, one bucket", "slim-hook", None,
-         {"slim": {"ddp_bucket_cap_mb": 64.0}}))
+         {"slim": {"ddp_bucket_cap_mb": 64.0}}),
+        # DistributedOptimizer with its flat buffer in DDP's order (the model's reversed), not
+        # by name: whether the order is what the hook loses (training.py's reversed_names)
+        ("default, DDP's parameter order", "slim", None, {"slim": {"name_order": "reverse"}}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that

@@ -264,6 +264,28 @@ class _MyAdam(torch.optim.AdamW):
     """A user's AdamW whose step may differ from torch's."""
 
 
+def test_a_changed_gradient_is_told_from_a_sample_of_it():
+    """altered() compares a strided sample of a large gradient: a norm clip (every value
+    scaled) or an unexpected unscale is seen, an expected unscale or nothing is not; a clip
+    by value that changed no sampled value goes unseen (the documented miss)."""
+    from hvd_slim.optim.inner.adam_update import CHECKED, altered
+    gen = torch.Generator().manual_seed(0)
+    delivered = torch.randn(16, CHECKED * 3 // 16, generator=gen)   # 3x the sample, 2-D
+    delivered[torch.rand(delivered.shape, generator=gen) < 0.8] = 0   # a sparse delivery
+    scale = 2.0 ** 12
+    assert not altered(delivered.clone(), delivered, 1.0)
+    assert altered(delivered * 0.5, delivered, 1.0)                  # clip_grad_norm_
+    assert not altered(delivered / scale, delivered, scale)          # the expected unscale_
+    assert altered(delivered / scale, delivered, 1.0)                # an unscale not told of
+    assert altered(delivered * 0.5 / scale, delivered, scale)        # unscaled, then clipped
+    off = delivered.clone()
+    flat = off.view(-1)
+    flat[1] = 1e3   # stride 3: position 1 is outside the sample
+    assert not altered(off, delivered, 1.0)
+    flat[3] = 1e3
+    assert altered(off, delivered, 1.0)
+
+
 def test_auto_resolves_by_optimizer_and_logs_why_it_keeps_the_gradient(caplog):
     tr = FakeCluster(1).transport(0)
     assert _wrap(_net(), tr).slim_config.adam_exchange == "update"

@@ -47,7 +47,22 @@ class NumpyScores:
 
     def sample_order(self, i: int) -> float:
         """The ``i``-th smallest sample value (0-based)."""
-        return float(np.partition(self.sample, i)[i])
+        x = self.sample
+        zero = x == 0
+        zeros = int(np.count_nonzero(zero))
+        if 4 * zeros < x.size:
+            return float(np.partition(x, i)[i])
+        # np.partition slows tenfold when most values are one value (6 ms instead of 0.5 on
+        # 65k samples): a server's residual is zero wherever no push landed. The zeros are
+        # counted instead, and the rest split on either side of them.
+        below = x[x < 0]
+        if i < below.size:
+            return float(np.partition(below, i)[i])
+        i -= below.size
+        if i < zeros:
+            return 0.0
+        above = x[x > 0]
+        return float(np.partition(above, i - zeros)[i - zeros])
 
     def sample_max_below(self, thr: float) -> Optional[float]:
         below = self.sample[self.sample < thr]

@@ -156,6 +156,27 @@ def test_both_score_backends_meet_the_scores_contract():
         assert isinstance(scores, backend.Scores), type(scores).__name__
 
 
+@pytest.mark.parametrize("zeros", [0.0, 0.3, 0.95, 1.0])
+@pytest.mark.parametrize("negative", [False, True])
+def test_a_sample_order_statistic_is_the_sorted_samples_mostly_zero_or_not(zeros, negative):
+    """sample_order(i) is the i-th smallest sample in both twins, where most of the sample is
+    zero (the numpy twin counts the zeros there instead of partitioning them) or little."""
+    from hvd_slim.selection.scores_numpy import NumpyScores
+    from hvd_slim.selection.scores_torch import TorchScores
+
+    gen = torch.Generator().manual_seed(int(zeros * 100) + negative)
+    x = torch.rand(5000, generator=gen)
+    x[torch.rand(5000, generator=gen) < zeros] = 0
+    if negative:   # outside the scores' contract, but the order statistic stays exact
+        x[:300] = -x[:300]
+    want = torch.sort(x).values
+    twins = (NumpyScores(x.numpy(), False), TorchScores(x, False))
+    for scores in twins:
+        scores.take_sample(1)
+    for i in (0, 150, 299, 300, 2499, 4750, 4999):
+        assert [t.sample_order(i) for t in twins] == [float(want[i])] * 2, i
+
+
 def test_slice_indices_is_the_core_then_its_keyed_exploration():
     from hvd_slim.selection import ROLE_PULL, ROLE_PUSH, slice_indices
 

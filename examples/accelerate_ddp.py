@@ -41,7 +41,7 @@ def main() -> List[Any]:
     model, opt, loader = accelerator.prepare(net, opt, loader)
     # The added line (and its import); under AdamW with the torch optimizer prepare() wrapped.
     state = SlimState(density=0.01, optimizer=opt.optimizer if adamw else None).register(model)
-    if accelerator.scaler is not None:   # mixed_precision="fp16": its scale out of Adam's moments
+    if accelerator.scaler is not None:   # mixed_precision="fp16": its scale out of what is kept
         state.set_grad_scaler(accelerator.scaler)
 
     step, loss = 0, torch.tensor(float("nan"))

@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..config import SlimConfig
 from ..exchange import SPARSE, Layout
 from ..exchange.build import build_exchange
+from ..exchange.loss_scale import LossScale
 from ..exchange.stats import ExchangeStats
 from ..transport.base import Transport
 
@@ -83,12 +84,16 @@ class BucketExchanges:
     Args:
         config: The state's settings.
         transport_for: The exchange's transport for gradients on a device (made once).
+        loss_scale: The scale of the gradients DDP hands over (exchange/loss_scale.py), which
+            every bucket's exchange shares.
     """
 
     def __init__(self, config: SlimConfig,
-                 transport_for: Callable[[torch.device], Transport]) -> None:
+                 transport_for: Callable[[torch.device], Transport],
+                 loss_scale: Optional[LossScale] = None) -> None:
         self.config = config
         self._transport_for = transport_for
+        self.loss_scale = LossScale() if loss_scale is None else loss_scale
         self.live: Dict[frozenset, Bucket] = {}   # by the parameters a bucket carries
         self.saved: List[dict] = []            # loaded exchanges waiting for their bucket
         self.carry: Dict[int, torch.Tensor] = {}   # by key: held values waiting for a bucket
@@ -153,14 +158,17 @@ class BucketExchanges:
 
     def take_carry(self, keys: Keys, numels: Tuple[int, ...], buffer: torch.Tensor) -> None:
         """Add what retired exchanges held for these parameters to their part of ``buffer``
-        (after Adam's preconditioning: it is an update, not a gradient, when updates travel)."""
+        (after Adam's preconditioning: it is an update, not a gradient, when updates travel).
+        Held in true units, it joins a scaled buffer at the loss scale (exactly: a power of
+        two), which the exchange then divides out again."""
         if not self.carry:
             return
-        offset = 0
+        scale, offset = self.loss_scale.read(), 0
         for k, n in zip(keys, numels):
             held = self.carry.pop(k, None)
             if held is not None:
-                buffer[offset:offset + n].add_(held.to(buffer.dtype).to(buffer.device))
+                buffer[offset:offset + n].add_(held.to(buffer.dtype).to(buffer.device),
+                                               alpha=scale)
             offset += n
 
     def _new(self, index: int, buffer: torch.Tensor, keys: Keys,
@@ -173,7 +181,7 @@ class BucketExchanges:
             stand_ins.append(torch.nn.Parameter(flat[offset:offset + n], requires_grad=False))
             offset += n
         layout = Layout([(_name(index, i), s) for i, s in enumerate(stand_ins)], self.config,
-                        lambda dt: dt)
+                        lambda dt: dt, loss_scale=self.loss_scale)
         key_of = {_name(index, i): k for i, k in enumerate(keys)}
         dense = frozenset(key_of[sg.name] for lb in layout.buckets if lb.kind != SPARSE
                           for sg in lb.segments)

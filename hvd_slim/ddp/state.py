@@ -27,7 +27,7 @@ from ..config import ConfigError, SlimConfig
 from ..config.env import resolve_config
 from ..exchange.describe import config_difference
 from ..exchange.stats import ExchangeStats
-from ..optim.inner.adam_update import checked_scaler, loss_scale
+from ..exchange.loss_scale import LossScale, checked_scaler, loss_scale
 from ..transport.base import Transport
 from .adam import HookAdam
 from .buckets import Bucket, BucketExchanges, Keys
@@ -95,7 +95,10 @@ class SlimState:
                             f"{type(transport).__name__}")
         self._transport: Optional[Transport] = transport
         self._private = transport is not None   # a private group (or a test's): threads allowed
-        self._buckets = BucketExchanges(self.config, self._transport_for)
+        # The scale of the gradients the exchanges take, when they are gradients (told by
+        # set_grad_scaler): exchange/loss_scale.py.
+        self._loss_scale = LossScale()
+        self._buckets = BucketExchanges(self.config, self._transport_for, self._loss_scale)
         self._pass: List[_InFlight] = []       # this pass: begun, not yet settled
         self._failed: Optional[Exception] = None           # why this pass failed, if it did
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
@@ -144,16 +147,20 @@ class SlimState:
         config = self._configure(update=True)   # refused here, nothing changed
         adam = HookAdam(optimizer)
         self.config, self._adam = config, adam
-        self._buckets = BucketExchanges(config, self._transport_for)
+        self._loss_scale.scaler = None   # Adam takes the scale out before the exchange
+        self._buckets = BucketExchanges(config, self._transport_for, self._loss_scale)
         return self
 
     def set_grad_scaler(self, scaler: Any) -> "SlimState":
-        """Tell the state of the ``torch.amp.GradScaler`` that scales this model's loss, so that
-        each rank's Adam moments (``optimizer=``) are of its true gradient: the hook runs in
-        backward, before the scaler's ``unscale_``, and a scale that grows or backs off would
-        otherwise enter the moments and skew Adam's steps. Without ``optimizer=`` gradients
-        travel and the scaler's ``unscale_`` after backward is all they need; it is then kept
-        and unused.
+        """Tell the state of the ``torch.amp.GradScaler`` that scales this model's loss. The hook
+        runs in backward, before the scaler's ``unscale_``, on scaled gradients; told the
+        scale, what outlives a pass is kept in true units, so a scale that grows or backs off
+        changes nothing and a run is bitwise the run without a scaler: the residuals where
+        gradients travel, each rank's Adam moments under ``optimizer=``.
+
+        Call it before the first backward pass and before ``load_state_dict()`` (a checkpoint
+        records whether a scaler was given); afterwards only one scaler may replace another.
+        Every rank must give one, or none: the handshake names a rank that differs.
 
         Args:
             scaler: A ``torch.amp.GradScaler`` (its scale is read at each backward pass), or
@@ -164,8 +171,21 @@ class SlimState:
 
         Raises:
             TypeError: ``scaler`` is not a ``torch.amp.GradScaler``.
+            RuntimeError: a scaler given, or taken away, after the first backward pass or a
+                loaded checkpoint, while gradients travel.
         """
-        self._scaler = checked_scaler(scaler, "SlimState.set_grad_scaler")
+        scaler = checked_scaler(scaler, "SlimState.set_grad_scaler")
+        gradients = self._adam is None
+        if gradients and (scaler is None) != (self._loss_scale.scaler is None) and \
+                (self.iteration or not self._new_pass or self._buckets.live or
+                 self._buckets.saved or self._buckets.carry):
+            raise RuntimeError("SlimState.set_grad_scaler: a GradScaler can be given or taken "
+                               "away only before the first backward pass and before "
+                               "load_state_dict(): the residuals are kept in true units when "
+                               "one is given, at the loss scale otherwise")
+        self._scaler = scaler
+        if gradients:
+            self._loss_scale.scaler = scaler
         return self
 
     # --- registration -----------------------------------------------------------------------
@@ -360,7 +380,7 @@ class SlimState:
         return {"version": VERSION, "iteration": self.iteration,
                 "config": self.config.effective_dict(), "buckets": buckets,
                 "carry": carry, "retired": retired,
-                "skipped": self._skipped,
+                "skipped": self._skipped, "scaled": self._loss_scale.told,
                 "adam": None if self._adam is None else self._adam.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -390,6 +410,14 @@ class SlimState:
             raise ValueError("hvd_slim.ddp: a SlimState checkpoint needs 'iteration' (an integer "
                              ">= 0), 'buckets' (each with keys, numels and its exchange) and "
                              "'carry'; load a SlimState.state_dict()")
+        scaled = bool(state.get("scaled", False))
+        if scaled != self._loss_scale.told:
+            raise ValueError(
+                "hvd_slim.ddp: the checkpoint was saved " + ("with" if scaled else "without") +
+                " a GradScaler given to set_grad_scaler() (its residuals in " +
+                ("true units" if scaled else "the loss scale's") + "); this state has " +
+                ("none" if scaled else "one") + ". Call state.set_grad_scaler(scaler) before "
+                "load_state_dict() as the saving run did, or leave it out alike")
         if self._adam is not None:
             self._adam.load_state_dict(state.get("adam"))   # refused before anything changes
         self._buckets.load(buckets, carry, state.get("retired", {}))

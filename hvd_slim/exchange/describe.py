@@ -14,11 +14,15 @@ from .layout import Layout
 DESCRIPTION_VERSION = 1
 
 
-def rank_description(layout: Layout, config: SlimConfig, rank: int, step: int, digest: int) -> dict:
-    """A JSON-ready description of one rank's exchange."""
+def rank_description(layout: Layout, config: SlimConfig, rank: int, step: int, digest: int,
+                     scaled: bool = False) -> dict:
+    """A JSON-ready description of one rank's exchange; ``scaled``: it was told a GradScaler
+    (named as a config field, ``set_grad_scaler``, where ranks differ)."""
+    shared = config.shared_dict()
+    if scaled:
+        shared["set_grad_scaler"] = "given"
     return {"version": DESCRIPTION_VERSION, "rank": rank, "step": step,
-            "digest": f"{digest:016x}", "config": config.shared_dict(),
-            "params": layout.description()}
+            "digest": f"{digest:016x}", "config": shared, "params": layout.description()}
 
 
 def ranks_text(ranks: Sequence[int]) -> str:

@@ -18,6 +18,7 @@ from ..wire import message as wm
 from .describe import (config_difference, grouped, param_difference, params_of, rank_description,
                        ranks_text)
 from .errors import ExchangeError
+from .loss_scale import TOLD_BIT
 
 if TYPE_CHECKING:   # step.py imports this module
     from .step import SlimExchange
@@ -25,21 +26,26 @@ if TYPE_CHECKING:   # step.py imports this module
 ROOT = 0
 REPLY_BOUND = 1 << 14  # every reply (AGREED, DESCRIBE, ERROR) fits; error texts are cut to fit
 FIX = ("Every rank must build the same model, freeze the same parameters, pass the same "
-       "DistributedOptimizer keywords and HVD_SLIM_* variables, and call optimizer.step() the "
-       "same number of times (a resumed job: every rank loads its own checkpoint of one save)")
+       "DistributedOptimizer keywords and HVD_SLIM_* variables, give set_grad_scaler() a "
+       "GradScaler on every rank or on none, and call optimizer.step() the same number of "
+       "times (a resumed job: every rank loads its own checkpoint of one save)")
 
 
 def check_agreement(ex: SlimExchange, step: int) -> None:
     """Collective over every rank of ``ex.transport``: return when all ranks agree with this
     one, else raise the same :class:`ExchangeError` on every rank."""
     tr, rank = ex.transport, ex.rank
-    hello = control.encode_control(wm.HELLO, rank, step, ex.digest)
+    # Whether the exchange was told a loss scale (exchange/loss_scale.py) joins the digest here
+    # only: it may be told after the exchange was built, before this first step.
+    told = ex.layout.loss_scale.told
+    hello = control.encode_control(wm.HELLO, rank, step, ex.digest ^ (TOLD_BIT if told else 0))
     got = tr.gather(hello, root=ROOT, bound=len(hello))
     reply = _guard(lambda: _judge_hellos(got, step), step) if rank == ROOT else None
     if _read_reply(tr.broadcast(reply, root=ROOT, bound=REPLY_BOUND), step) == wm.AGREED:
         return
     desc = control.encode_description(rank, step, ex.digest,
-                                      rank_description(ex.layout, ex.cfg, rank, step, ex.digest))
+                                      rank_description(ex.layout, ex.cfg, rank, step, ex.digest,
+                                                       told))
     got = tr.gather(desc, root=ROOT, bound=None)
     reply = _guard(lambda: _judge_descriptions(got, step), step) if rank == ROOT else None
     _read_reply(tr.broadcast(reply, root=ROOT, bound=REPLY_BOUND), step)

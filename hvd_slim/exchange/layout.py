@@ -19,6 +19,7 @@ import torch
 from ..config import SlimConfig
 from ..wire.indices import index_bytes_bound
 from ..wire.values import PACKED_BITS, packed_nbytes, slice_dtype
+from .loss_scale import LossScale
 from .warmup import Schedule
 
 DENSE = "dense"
@@ -129,11 +130,14 @@ class Layout:
     def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]], config: SlimConfig,
                  comm_dtype_of: Callable[[torch.dtype], torch.dtype],
                  frozen: Sequence[Tuple[str, torch.Tensor]] = (),
-                 kinds: Optional[Dict[str, str]] = None) -> None:
+                 kinds: Optional[Dict[str, str]] = None,
+                 loss_scale: Optional[LossScale] = None) -> None:
         # kinds: DENSE or SPARSE by name, instead of by size (exchange/hosts/hierarchy.py's host
         # pieces keep the kind of the bucket they were cut from). Frozen parameters
         # (requires_grad=False) take no part in the exchange; they are kept only so that a mismatch
-        # error can say "frozen on rank 1" rather than "missing".
+        # error can say "frozen on rank 1" rather than "missing". loss_scale: the scale of the
+        # gradients it reads (exchange/loss_scale.py), shared with the layouts cut from it.
+        self.loss_scale = LossScale() if loss_scale is None else loss_scale
         self.frozen = sorted(((n, tuple(p.shape), p.dtype) for n, p in frozen),
                              key=lambda item: item[0])
         ordered = sorted(named_params, key=lambda item: item[0])

@@ -36,6 +36,9 @@ class Puller:
             layout, config, shards, path, stats
         self.rank, self.size, self.digest = rank, size, digest
         self._pulled: Dict[int, torch.Tensor] = {}     # sliced pulls; each p.grad views it
+        # The loss scale the compressed buckets' pulls are written back at (the worker sets it
+        # at each step's compensate; 1 for a flush): exchange/loss_scale.py.
+        self.scale = 1.0
 
     def read(self, bufs: List[Any], t: int, flush: bool) -> Optional[List[List[wm.Section]]]:
         """Every server's reply (one per shard) decoded strictly: the pulled sections per
@@ -104,12 +107,16 @@ class Puller:
             got.sort(key=lambda ps: ps[0].lo)
             if all(sec.mode == wm.M_EMPTY for _, sec in got):
                 continue
-            if len(got) == 1 and got[0][1].mode == wm.M_DENSE:
-                values[b.index] = (section_values(got[0][1], got[0][0].b), False)
+            if b.kind == DENSE:   # at the gradients' own scale; cut into pieces: put together
+                values[b.index] = (section_values(got[0][1], got[0][0].b), False) \
+                    if len(got) == 1 else \
+                    (torch.cat([section_values(sec, p.b) for p, sec in got]), False)
                 continue
-            if b.kind == DENSE:   # a dense bucket cut into pieces: put it back together
-                values[b.index] = (torch.cat([section_values(sec, p.b) for p, sec in got]),
-                                   False)
+            # A compressed bucket's values are in true units: the loss scale goes back in.
+            scale = self.scale
+            if len(got) == 1 and got[0][1].mode == wm.M_DENSE:
+                whole = section_values(got[0][1], got[0][0].b)
+                values[b.index] = (whole if scale == 1.0 else whole.to(b.dtype) * scale, False)
                 continue
             # The pull is scattered into a buffer this rank keeps: no copy into separate .grad
             # tensors.
@@ -123,12 +130,16 @@ class Puller:
                 part = flat[p.lo:p.hi]
                 if sec.mode == wm.M_DENSE:
                     part.copy_(section_values(sec, p.b))
+                    if scale != 1.0:   # in the gradients' dtype: a comm dtype may overflow
+                        part.mul_(scale)
                 else:
                     idx = self._indices(p, sec, t)
                     try:
-                        part[idx] = section_values(sec, p.b.as_pulled(), idx.numel())
+                        got_values = section_values(sec, p.b.as_pulled(), idx.numel())
                     except wm.WireError as exc:
                         raise ExchangeError(f"rank {self.rank}: {exc}") from None
+                    part[idx] = got_values if scale == 1.0 else \
+                        got_values.to(part.dtype) * scale
             values[b.index] = (flat, True)
         return values
 

@@ -85,12 +85,14 @@ class Worker:
                       for b in layout.buckets}
         self._score: Dict[int, torch.Tensor] = {}   # only with magnitude_weight > 0
         self._pending: List[Proposal] = []
+        self.scale = 1.0   # this step's loss scale (exchange/loss_scale.py), read at compensate
 
     # --- compensate and select ---------------------------------------------------------------
     def compensate(self, t: int) -> Compensated:
         """Every bucket's proposed ``a = r + u`` read straight from the ``.grad``s (speculative:
         no memory changes), or (a NaN/Inf, unless nonfinite is "propagate") a report instead."""
         self._pending = []
+        self.scale = self.puller.scale = self.layout.loss_scale.read()
         check = self.cfg.nonfinite != "propagate"
         folded, bad = [], []
         for b in self.layout.at_step(t):
@@ -131,6 +133,7 @@ class Worker:
         """Every residual as dense sections, per shard (dense buckets send nothing), pending
         until the flush's pull says it went through."""
         self._pending = []
+        self.puller.scale = 1.0   # residuals are in true units, and so is the step flush runs
         out: List[List[wm.Section]] = [[] for _ in range(self.shards.servers)]
         for b, pieces in zip(self.layout.buckets, self.shards.pieces(None)):
             if b.kind == DENSE:
@@ -150,11 +153,13 @@ class Worker:
         """A dense bucket's flat gradient, or a compressed bucket's proposed ``(a, u_new)``
         computed straight from each parameter's ``.grad`` (speculative: nothing changes yet)."""
         flat, f = self._flat[b.index], self.cfg.gradient_predivide_factor
-        scaled = self.cfg.op == "average" and f != 1.0
-        if b.kind == DENSE or scaled:
+        # A compressed bucket takes its gradient in true units: its residual outlives the step's
+        # loss scale. (S * g) / (f * S) is bitwise g / f, S being a power of two.
+        div = (f if self.cfg.op == "average" else 1.0) * (1.0 if b.kind == DENSE else self.scale)
+        if b.kind == DENSE or div != 1.0:
             g = self.layout.read_grads(b, flat)
-            if scaled:
-                g.div_(f)
+            if div != 1.0:
+                g.div_(div)
             return (g, None) if b.kind == DENSE else self.memory[b.index].propose(g)
         return self.memory[b.index].propose_parts(self.layout.grad_parts(b), flat)
 

@@ -22,13 +22,14 @@ from ..api import join as api_join
 from ..exchange import SPARSE, Layout
 from ..exchange.build import build_exchange
 from ..exchange.errors import NonFiniteGradientError
+from ..exchange.loss_scale import checked_scaler, loss_scale
 from ..exchange.protocol import OverlappedExchange
 from ..outer import OuterRounds
 from ..outer.ends import RoundEnds
 from ..runtime.horovod import called_by_horovod_state_init
 from .forward_apply import ForwardApply
 from .inner import adam, wrapped
-from .inner.adam_update import AdamUpdate, checked_scaler, loss_scale
+from .inner.adam_update import AdamUpdate
 from .wrapping import SlimSettings, adopt_source, comm_dtype_fn, momentum_plan
 
 log = logging.getLogger("hvd_slim")
@@ -163,11 +164,20 @@ class _SlimOptimizer(torch.optim.Optimizer):
             self._delay[p] = passes
 
     def set_grad_scaler(self, scaler: Any) -> None:
-        """Tell the optimizer of the ``torch.amp.GradScaler`` that scales the loss, so that
-        under ``adam_exchange="update"`` each rank's Adam moments are of its true gradient: in
-        Horovod's AMP order the exchange runs before ``scaler.unscale_``, and a scale that grows
-        or backs off would otherwise enter the moments and skew Adam's steps. Where gradients
-        travel, ``unscale_`` after the exchange is all they need; it is kept and unused.
+        """Tell the optimizer of the ``torch.amp.GradScaler`` that scales the loss. In Horovod's
+        AMP order the exchange runs before ``scaler.unscale_``, on scaled gradients; told the
+        scale, it keeps what outlives a step in true units, so a scale that grows or backs off
+        changes nothing and a run is bitwise the run without a scaler:
+
+        - where gradients travel, the residuals (and momentum correction's velocities) hold
+          true units, and ``flush()`` applies them as such (untold, they hold the scale of the
+          step that left them, and a flush applies them at the loss scale);
+        - under ``adam_exchange="update"``, each rank's Adam moments are of its true gradient.
+
+        Call it before the first step and before ``load_state_dict()`` (a checkpoint records
+        whether a scaler was given, and a resumed optimizer must say the same); afterwards
+        only one scaler may replace another. Every rank must give one, or none: the handshake
+        names a rank that differs.
 
         Args:
             scaler: A ``torch.amp.GradScaler`` (its scale is read at each exchange), or None
@@ -175,8 +185,20 @@ class _SlimOptimizer(torch.optim.Optimizer):
 
         Raises:
             TypeError: ``scaler`` is not a ``torch.amp.GradScaler``.
+            RuntimeError: a scaler given, or taken away, after the first step.
         """
-        self._grad_scaler = checked_scaler(scaler, "set_grad_scaler")
+        scaler = checked_scaler(scaler, "set_grad_scaler")
+        holder = self._layout.loss_scale
+        gradients = self._adam is None and self._outer is None   # what the exchange carries
+        if gradients and (scaler is None) != (holder.scaler is None) and \
+                self._exchange.step_count > 0:
+            raise RuntimeError("set_grad_scaler: a GradScaler can be given or taken away only "
+                               "before the first step (and before load_state_dict()): the "
+                               "residuals are kept in true units when one is given, at the "
+                               "loss scale otherwise")
+        self._grad_scaler = scaler
+        if gradients:
+            holder.scaler = scaler
 
     # --- Horovod protocol --------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -447,6 +469,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
         outer = None if self._ends is None else self._ends.state_dict()   # lands first
         sd = super(self.__class__, self).state_dict()
         sd["hvd_slim"] = self._exchange.state_dict()
+        if self._layout.loss_scale.told:   # the residuals are in true units
+            sd["hvd_slim_scaled"] = True
         if self._adam is not None:
             sd["hvd_slim_adam"] = self._adam.state_dict()
         if outer is not None:
@@ -463,6 +487,14 @@ class _SlimOptimizer(torch.optim.Optimizer):
         slim = state_dict.pop("hvd_slim", None)
         outer = state_dict.pop("hvd_slim_outer", None)
         moments = state_dict.pop("hvd_slim_adam", None)
+        scaled = state_dict.pop("hvd_slim_scaled", False)
+        if slim is not None and bool(scaled) != self._layout.loss_scale.told:
+            raise ValueError(
+                "hvd_slim checkpoint was saved " + ("with" if scaled else "without") + " a "
+                "GradScaler given to set_grad_scaler() (its residuals in " +
+                ("true units" if scaled else "the loss scale's") + "); this optimizer has " +
+                ("none" if scaled else "one") + ". Call optimizer.set_grad_scaler(scaler) "
+                "before load_state_dict() as the saving run did, or leave it out alike")
         if self._ends is not None:
             self._ends.prepare_load()   # the exchange's state is whole before it is replaced
         if slim is not None:

@@ -110,7 +110,7 @@ class HierarchicalExchange:
                                       server_rank=int(hosts[self.cfg.server_rank]))
         comm_dtype = {b.dtype: b.comm_dtype for b in self.layout.buckets}
         inner_layout = Layout(list(pieces.values()), inner_cfg, lambda dt: comm_dtype[dt],
-                              kinds=kinds)
+                              kinds=kinds, loss_scale=self.layout.loss_scale)
         name_of = {name: i for i, (name, _) in pieces.items()}
         plan = {ib.index: momentum[name_of[ib.segments[0].name]] for ib in inner_layout.buckets
                 if name_of[ib.segments[0].name] in momentum and ib.kind == SPARSE}

@@ -88,7 +88,8 @@ class StagedExchange:
         self.stages: List[Stage] = []
         momentum = momentum or {}
         for cut in self.cuts:
-            sl = Layout(cut, config, lambda dt: comm_dtype[dt])
+            sl = Layout(cut, config, lambda dt: comm_dtype[dt],
+                        loss_scale=layout.loss_scale)
             # A stage's compressed bucket takes the momentum plan of the whole model's bucket
             # its parameters come from (one per dtype).
             whole = {sb.index: bucket_of[id(sb.segments[0].param)] for sb in sl.sparse}

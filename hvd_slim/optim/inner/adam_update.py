@@ -324,20 +324,6 @@ CHANGED_AFTER_SYNC = WarnOnce(
     "scale kept out of Adam's moments.")
 
 
-def checked_scaler(scaler: Any, where: str) -> Any:
-    """``scaler`` if it is a ``torch.amp.GradScaler`` or None; TypeError naming ``where``."""
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(f"{where}: scaler must be a torch.amp.GradScaler (or None), got "
-                        f"{type(scaler).__name__}")
-    return scaler
-
-
-def loss_scale(scaler: Any) -> float:
-    """The scale ``scaler`` (a GradScaler, or None: 1) leaves in this backward's gradients: a
-    power of two, so dividing by it is exact. One host read a pass on CUDA."""
-    return 1.0 if scaler is None else float(scaler.get_scale())
-
-
 def _decoupled(opt: torch.optim.Optimizer, group: Dict[str, Any]) -> bool:
     """AdamW's decay (torch 2.x: AdamW, or Adam with ``decoupled_weight_decay=True``)."""
     return isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))

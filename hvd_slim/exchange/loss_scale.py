@@ -1,0 +1,52 @@
+"""The loss scale of the gradients an exchange reads: a ``torch.amp.GradScaler``'s, once the
+optimizer (``set_grad_scaler``) or the DDP hook's state was told of it.
+
+In Horovod's AMP order the exchange runs before ``scaler.unscale_``, on *scaled* gradients.
+Told the scale, the exchange keeps its compressed buckets in the gradients' true units: it takes
+each rank's gradient divided by the scale and writes what it pulled back multiplied by it, where
+the script's ``unscale_`` divides it out again. Both are exact, the scale being a power of two.
+So residuals and velocities never mix two scales when the scaler grows or backs off, a
+``flush()`` hands true units to the optimizer step it runs, and a run is bitwise the run without
+a scaler. Dense buckets keep the scale: they hold nothing between steps. Under Adam's update
+exchange the moments take the scale out before the exchange (optim/inner/adam_update.py), so the
+exchange is not told then.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# XORed into the handshake's digest of a rank whose exchange was told a scale: ranks that
+# disagree would keep their residuals in other units, and write their pulls at other scales.
+TOLD_BIT = 1 << 63
+
+
+class LossScale:
+    """Whether, and by which ``torch.amp.GradScaler``, the gradients are scaled; shared by a
+    layout and the layouts cut from it (overlap's stages, a host leader's pieces)."""
+
+    def __init__(self) -> None:
+        self.scaler: Any = None
+
+    @property
+    def told(self) -> bool:
+        return self.scaler is not None
+
+    def read(self) -> float:
+        """The scale in this step's gradients (1.0 untold): one host read on CUDA."""
+        return loss_scale(self.scaler)
+
+
+def checked_scaler(scaler: Any, where: str) -> Any:
+    """``scaler`` if it is a ``torch.amp.GradScaler`` or None; TypeError naming ``where``."""
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"{where}: scaler must be a torch.amp.GradScaler (or None), got "
+                        f"{type(scaler).__name__}")
+    return scaler
+
+
+def loss_scale(scaler: Any) -> float:
+    """The scale ``scaler`` (a GradScaler, or None: 1) leaves in this backward's gradients: a
+    power of two, so dividing by it is exact. One host read a pass on CUDA."""
+    return 1.0 if scaler is None else float(scaler.get_scale())

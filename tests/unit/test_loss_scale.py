@@ -1,0 +1,161 @@
+"""A GradScaler told to the exchange (``set_grad_scaler``) where gradients travel: residuals and
+velocities are kept in true units (hvd_slim/exchange/loss_scale.py), so a scale that changes at
+every step gives, bit for bit, the run without a scaler, and ``flush()`` applies true units. The
+handshake names a rank that told none, a checkpoint says whether one was told, and the scaler
+cannot be given or taken away once the residuals hold something."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvd_slim.ddp import SlimState
+from hvd_slim.exchange.errors import ExchangeError
+from hvd_slim.transport import run_ranks
+
+from test_adam_update import _flat, _loss, _net, _wrap
+from test_ddp_adam import make_params
+from test_ddp_state import BUCKETS, REBUCKETED, iterate
+
+SGD = {"cls": torch.optim.SGD, "opt_kw": {"momentum": 0.9, "weight_decay": 1e-4}}
+
+
+def _scaler(on: bool) -> torch.amp.GradScaler:
+    # growth_interval=1: the scale doubles at every step, so residuals left at one scale meet
+    # gradients at another at every step
+    return torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1, enabled=on)
+
+
+def _train(rank, tr, steps, scaled, tell, flush=False, kw=None, save=None, load=None):
+    """Horovod's AMP order; ``tell``: the optimizer is given the scaler. Returns the
+    parameters after the steps (and after a flush), the last scale, and (``save``) the
+    optimizer's and scaler's states to resume from."""
+    m = _net()
+    opt = _wrap(m, tr, **dict(SGD, **(kw or {})))
+    scaler = _scaler(scaled)
+    if tell:
+        opt.set_grad_scaler(scaler)
+    first = 0
+    if load is not None:
+        opt.load_state_dict(load[rank]["opt"])
+        scaler.load_state_dict(load[rank]["scaler"])
+        m.load_state_dict(load[rank]["model"])
+        first = load[rank]["t"]
+    for t in range(first, first + steps):
+        opt.zero_grad()
+        scaler.scale(_loss(m, rank, t)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+    if save:
+        return {"opt": opt.state_dict(), "scaler": scaler.state_dict(), "t": first + steps,
+                "model": {k: v.clone() for k, v in m.state_dict().items()}}
+    stepped = _flat(m).clone()
+    if flush:
+        opt.flush()
+    return stepped, _flat(m), scaler.get_scale()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("kw", [{}, {"momentum_correction": False}, {"overlap": 2},
+                                {"gradient_predivide_factor": 2.0}],
+                         ids=["momentum-correction", "plain-residual", "overlap", "predivide"])
+def test_a_told_scaler_gives_the_run_without_one_and_its_flush(size, kw):
+    steps = 7
+    plain = run_ranks(size, lambda r, tr: _train(r, tr, steps, False, False, True, kw))
+    told = run_ranks(size, lambda r, tr: _train(r, tr, steps, True, True, True, kw))
+    assert told[0][2] == 2.0 ** (10 + steps)   # the scale changed at every step
+    for r in range(size):
+        assert torch.equal(told[r][0], plain[r][0]), r   # the steps
+        assert torch.equal(told[r][1], plain[r][1]), r   # and the flush after them
+    # Not told, the residuals mix scales and the flush applies them at the loss scale
+    untold = run_ranks(size, lambda r, tr: _train(r, tr, steps, True, False, True, kw))
+    assert not torch.equal(untold[0][0], plain[0][0])
+    flushed = [(run[0][1] - run[0][0]).abs().max() for run in (plain, untold)]
+    assert flushed[1] > 100 * flushed[0]
+
+
+def test_a_checkpoint_resumes_bitwise_and_says_whether_a_scaler_was_told():
+    unbroken = run_ranks(2, lambda r, tr: _train(r, tr, 6, True, True))
+    saved = run_ranks(2, lambda r, tr: _train(r, tr, 3, True, True, save=True))
+    resumed = run_ranks(2, lambda r, tr: _train(r, tr, 3, True, True, load=saved))
+    for r in range(2):
+        assert torch.equal(resumed[r][0], unbroken[r][0])
+    assert saved[0]["opt"]["hvd_slim_scaled"] is True
+    with pytest.raises(RuntimeError, match="saved with a GradScaler given to "
+                                           "set_grad_scaler.*this optimizer has none"):
+        run_ranks(2, lambda r, tr: _train(r, tr, 1, True, False, load=saved))
+
+
+def test_ranks_that_differ_on_a_scaler_are_named_at_the_first_step():
+    def body(rank, tr):
+        with pytest.raises(ExchangeError, match="Config field 'set_grad_scaler': 'given' on "
+                                                "rank 0 vs. '<unset>' on rank 1.*give "
+                                                r"set_grad_scaler\(\) a GradScaler on every"):
+            _train(rank, tr, 1, True, rank == 0)
+        return True
+    assert run_ranks(2, body) == [True, True]
+
+
+def test_a_scaler_is_given_or_taken_away_before_the_first_step_only():
+    def body(rank, tr):
+        m = _net()
+        opt = _wrap(m, tr, **SGD)
+        opt.set_grad_scaler(_scaler(True))
+        opt.set_grad_scaler(None)          # before the first step: anything goes
+        with pytest.raises(TypeError, match="set_grad_scaler: scaler must be a torch.amp"):
+            opt.set_grad_scaler(2.0 ** 16)
+        opt.set_grad_scaler(_scaler(True))
+        opt.zero_grad()
+        _loss(m, rank, 0).backward()
+        opt.step()
+        opt.set_grad_scaler(_scaler(True))   # one scaler for another
+        with pytest.raises(RuntimeError, match="only before the first step"):
+            opt.set_grad_scaler(None)
+        return True
+    assert run_ranks(2, body) == [True, True]
+
+
+# --- the DDP hook, gradients travelling ------------------------------------------------------
+def _hook_run(size, steps, scaled, tell, buckets=BUCKETS, then=REBUCKETED):
+    """SGD with momentum through the hook (no optimizer given: gradients travel); DDP's
+    buckets laid out again after the first pass (``then``), so what the first exchanges held
+    is carried into the new ones."""
+    def body(rank, tr):
+        params = make_params()
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        state = SlimState(transport=tr, density=0.05)
+        scaler = _scaler(scaled)
+        if tell:
+            assert state.set_grad_scaler(scaler) is state
+        for t in range(steps):
+            scale = float(scaler.scale(torch.ones(()))) if scaled else 1.0
+            iterate(state, params, rank, t, buckets=buckets if t == 0 else then, scale=scale)
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        return [p.detach().clone() for p in params], state.state_dict()
+    return run_ranks(size, body, timeout=60)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_hook_told_a_scaler_gives_the_run_without_one(size):
+    plain, told = _hook_run(size, 6, False, False), _hook_run(size, 6, True, True)
+    untold = _hook_run(size, 6, True, False)
+    for r in range(size):
+        assert all(torch.equal(a, b) for a, b in zip(told[r][0], plain[r][0])), r
+    assert not all(torch.equal(a, b) for a, b in zip(untold[0][0], plain[0][0]))
+    assert told[0][1]["scaled"] is True and plain[0][1]["scaled"] is False
+
+
+def test_the_hooks_checkpoint_and_late_scaler_are_refused_by_name():
+    saved = _hook_run(1, 2, True, True)[0][1]
+    state = SlimState(density=0.05)
+    with pytest.raises(ValueError, match="saved with a GradScaler given to set_grad_scaler"):
+        state.load_state_dict(saved)
+    state.set_grad_scaler(_scaler(True))
+    state.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match="only before the first backward pass"):
+        state.set_grad_scaler(None)
+    state.set_grad_scaler(_scaler(True))   # one scaler for another

@@ -25,10 +25,12 @@ def _scaler(on: bool) -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1, enabled=on)
 
 
-def _train(rank, tr, steps, scaled, tell, flush=False, kw=None, save=None, load=None):
-    """Horovod's AMP order; ``tell``: the optimizer is given the scaler. Returns the
-    parameters after the steps (and after a flush), the last scale, and (``save``) the
-    optimizer's and scaler's states to resume from."""
+def _train(rank, tr, steps, scaled, tell, flush=False, kw=None, save=None, load=None,
+           inf_at=None):
+    """Horovod's AMP order; ``tell``: the optimizer is given the scaler; ``inf_at``: a step
+    whose gradient overflows on the last rank (every rank skips it; a scaler backs off).
+    Returns the parameters after the steps (and after a flush), the last scale, and
+    (``save``) the optimizer's and scaler's states to resume from."""
     m = _net()
     opt = _wrap(m, tr, **dict(SGD, **(kw or {})))
     scaler = _scaler(scaled)
@@ -43,6 +45,8 @@ def _train(rank, tr, steps, scaled, tell, flush=False, kw=None, save=None, load=
     for t in range(first, first + steps):
         opt.zero_grad()
         scaler.scale(_loss(m, rank, t)).backward()
+        if t == inf_at and rank == tr.size - 1:
+            next(m.parameters()).grad.view(-1)[0] = float("inf")
         opt.synchronize()
         scaler.unscale_(opt)
         with opt.skip_synchronize():
@@ -74,6 +78,16 @@ def test_a_told_scaler_gives_the_run_without_one_and_its_flush(size, kw):
     assert not torch.equal(untold[0][0], plain[0][0])
     flushed = [(run[0][1] - run[0][0]).abs().max() for run in (plain, untold)]
     assert flushed[1] > 100 * flushed[0]
+
+
+def test_a_scaler_backing_off_after_an_overflow_changes_nothing_either():
+    """An overflow on one rank: every rank skips the step and the scaler halves its scale
+    (after doubling twice); the run is still the run without a scaler, which skips it too."""
+    plain = run_ranks(3, lambda r, tr: _train(r, tr, 6, False, False, True, inf_at=2))
+    told = run_ranks(3, lambda r, tr: _train(r, tr, 6, True, True, True, inf_at=2))
+    assert told[0][2] == 2.0 ** (10 + 5 - 1)   # 5 growths, one halving
+    for r in range(3):
+        assert torch.equal(told[r][0], plain[r][0]) and torch.equal(told[r][1], plain[r][1])
 
 
 def test_a_checkpoint_resumes_bitwise_and_says_whether_a_scaler_was_told():

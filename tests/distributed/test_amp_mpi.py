@@ -20,15 +20,18 @@ def digest(model):
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 
-def amp_train(steps, dtype, init_scale, growth_interval, overflow=()):
+def amp_train(steps, dtype, init_scale, growth_interval, overflow=(), tell=False):
     """Train with torch.amp.GradScaler; ``dtype``: the autocast dtype (None: float32 only);
-    ``overflow``: the (rank, step)s whose loss is made to overflow. Per step: the scale after
-    update(), whether the parameters moved, and every rank's parameter hash."""
+    ``overflow``: the (rank, step)s whose loss is made to overflow; ``tell``: the optimizer is
+    given the scaler (its residuals in true units). Per step: the scale after update(),
+    whether the parameters moved, and every rank's parameter hash."""
     model = net()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(), density=0.02,
                                    min_compress_numel=1000)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    if tell:
+        opt.set_grad_scaler(scaler)
     scales, moved, hashes = [], [], []
     for t in range(steps):
         g = torch.Generator().manual_seed(7919 * hvd.rank() + t)
@@ -56,10 +59,12 @@ def assert_identical(hashes):
         assert len(set(row)) == 1, f"replicas differ after step {t}: {row}"
 
 
+@pytest.mark.parametrize("tell", [False, True], ids=["untold", "told"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_forced_overflow_on_one_rank_skips_and_backs_off_everywhere(dtype):
+def test_forced_overflow_on_one_rank_skips_and_backs_off_everywhere(dtype, tell):
     last = hvd.size() - 1
-    scales, moved, hashes, skipped = amp_train(8, dtype, 2.0 ** 8, 2, {(last, 2), (last, 5)})
+    scales, moved, hashes, skipped = amp_train(8, dtype, 2.0 ** 8, 2, {(last, 2), (last, 5)},
+                                               tell=tell)
     assert_identical(hashes)
     # growth_interval=2: doubles after two clean steps, halves at each overflow
     assert scales == [256.0, 512.0, 256.0, 256.0, 512.0, 256.0, 256.0, 512.0]

@@ -123,19 +123,26 @@ def test_static_graph_and_unused_parameters(hvd: Any, ddp_kw: dict) -> None:
         assert torch.equal(flat(ddp.module.spare), spare)
 
 
-def test_grad_scaler_and_clipping(hvd: Any) -> None:
-    ddp, opt = model(SlimState(density=0.02, min_compress_numel=100))
+@pytest.mark.parametrize("tell", [False, True], ids=["untold", "told"])
+def test_grad_scaler_and_clipping(hvd: Any, tell: bool) -> None:
+    state = SlimState(density=0.02, min_compress_numel=100)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    if tell:   # the residuals in true units (exchange/loss_scale.py)
+        state.set_grad_scaler(scaler)
+    ddp, opt = model(state)
     train(ddp, opt, range(6), scaler=scaler, clip=True)
     assert same_everywhere(flat(ddp.module)) and scaler.get_scale() == 1024.0
 
 
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(hvd: Any) -> None:
+@pytest.mark.parametrize("tell", [False, True], ids=["untold", "told"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(hvd: Any, tell: bool) -> None:
     """nonfinite="flag": a rank's inf makes every rank's update NaN, so GradScaler skips the step
     and backs off alike everywhere."""
     state = SlimState(density=0.02, min_compress_numel=100)
     ddp, opt = model(state)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    if tell:
+        state.set_grad_scaler(scaler)
     train(ddp, opt, range(2), scaler=scaler)
     before = flat(ddp.module)
     x, y = batch(2, dist.get_rank())

@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List
 
 import torch
 
+from ..exchange.loss_scale import checked_scaler
 from .wrapping import SlimSettings, adopt_source
 
 
@@ -40,6 +41,10 @@ class _OutsideSetOptimizer(torch.optim.Optimizer):
 
     def flush(self) -> None:
         """Nothing is held back outside the process set."""
+
+    def set_grad_scaler(self, scaler: Any) -> None:
+        """Checked as inside the set; nothing here is kept between steps, so nothing to tell."""
+        checked_scaler(scaler, "set_grad_scaler")
 
     def comm_stats(self) -> Dict[str, Any]:
         """No traffic: this rank is not in the optimizer's process set."""

@@ -182,6 +182,10 @@ def test_a_rank_outside_the_set_steps_alone(hvd, sets):
     opt = wrap(model, process_set=even, transport="mpi", density=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     assert isinstance(opt, torch.optim.SGD)
+    # hvd_slim's extras run unchanged on every rank, a scaler checked alike
+    with pytest.raises(TypeError, match="set_grad_scaler: scaler must be a torch.amp"):
+        opt.set_grad_scaler(1024.0)
+    opt.set_grad_scaler(None)
     train(model, opt, range(3), hvd.rank())
     if hvd.rank() in even.ranks:
         assert opt.comm_stats()["steps"] == 3

@@ -28,14 +28,27 @@ class LossScale:
 
     def __init__(self) -> None:
         self.scaler: Any = None
+        self._seen: Any = None    # (the scale tensor, its version) last read
+        self._value = 1.0
 
     @property
     def told(self) -> bool:
         return self.scaler is not None
 
     def read(self) -> float:
-        """The scale in this step's gradients (1.0 untold): one host read on CUDA."""
-        return loss_scale(self.scaler)
+        """The scale in this step's gradients (1.0 untold). Every exchange of a step reads it
+        (each of the DDP hook's buckets, each of overlap's stages), and on CUDA a read waits for
+        the GPU: the value is kept until the scaler's scale tensor changes (its in-place
+        update bumps the tensor's version)."""
+        scaler = self.scaler
+        if scaler is None:
+            return 1.0
+        t = scaler._get_scale_async() if scaler.is_enabled() else None
+        if t is None:
+            return loss_scale(scaler)
+        if self._seen is None or self._seen[0] is not t or self._seen[1] != t._version:
+            self._seen, self._value = (t, t._version), loss_scale(scaler)
+        return self._value
 
 
 def checked_scaler(scaler: Any, where: str) -> Any:

@@ -173,3 +173,26 @@ def test_the_hooks_checkpoint_and_late_scaler_are_refused_by_name():
     with pytest.raises(RuntimeError, match="only before the first backward pass"):
         state.set_grad_scaler(None)
     state.set_grad_scaler(_scaler(True))   # one scaler for another
+
+
+def test_the_scale_is_read_again_whenever_the_scaler_changed_it():
+    """LossScale keeps the value it read (a read waits for the GPU on CUDA) until the scaler's
+    scale tensor changes: update() growing or backing off, a loaded state, another scaler."""
+    from hvd_slim.exchange.loss_scale import LossScale
+    held, scaler = LossScale(), _scaler(True)
+    assert held.read() == 1.0 and not held.told
+    held.scaler = scaler
+    assert held.read() == 2.0 ** 10   # before the first scale(): the initial scale
+    w = torch.ones(2, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler.scale(w.sum()).backward()
+    assert held.read() == 2.0 ** 10
+    scaler.step(opt)
+    scaler.update()
+    assert held.read() == 2.0 ** 11
+    scaler.update(3.0)
+    assert held.read() == 3.0
+    scaler.load_state_dict(dict(scaler.state_dict(), scale=64.0))
+    assert held.read() == 64.0
+    held.scaler = _scaler(False)   # disabled: it leaves the gradients as they are
+    assert held.read() == 1.0

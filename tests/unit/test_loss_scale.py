@@ -196,3 +196,48 @@ def test_the_scale_is_read_again_whenever_the_scaler_changed_it():
     assert held.read() == 64.0
     held.scaler = _scaler(False)   # disabled: it leaves the gradients as they are
     assert held.read() == 1.0
+
+
+@pytest.mark.parametrize("hosts, per_host", [(2, 2), (3, 2)])
+def test_host_first_told_a_scale_is_the_exchange_of_the_unscaled_gradients(hosts, per_host):
+    """hierarchical=True: the host leaders' exchange divides the scale out of the host's sum
+    and the pull, spread on the host, carries it back; unscaled, every step's delivery and the
+    flush are bitwise those of the gradients never scaled, the scale changing at every step."""
+    from hvd_slim.config import SlimConfig
+    from hvd_slim.exchange import Layout
+    from hvd_slim.exchange.hosts.hierarchy import HierarchicalExchange
+
+    from test_exchange import grad_for
+    from test_exchange import make_params as exchange_params
+    from test_hierarchy import host_numbers, run_hosts
+    hosts_of, steps = host_numbers(hosts, per_host), 5
+    config = SlimConfig(min_compress_numel=1000, density=0.02, seed=3)
+
+    def run(scaled):
+        def fn(rank, world, local, cross):
+            named = exchange_params()
+            layout = Layout(named, config, lambda dt: dt)
+            scaler = _scaler(True)
+            scaler.scale(torch.ones(()))   # its scale tensor, for update(new_scale)
+            if scaled:
+                layout.loss_scale.scaler = scaler
+            ex = HierarchicalExchange(layout, config, world, local, cross, hosts_of)
+            out = []
+            for t in range(steps):
+                s = 2.0 ** (10 + (3 * t) % 7) if scaled else 1.0
+                scaler.update(s)
+                for name, p in named:
+                    p.grad = grad_for(rank, t, name, p.shape) * s
+                ex.step()
+                out.append({n: p.grad / s for n, p in named})   # unscale_: exact
+            for _, p in named:
+                p.grad = None
+            ex.flush()
+            out.append({n: p.grad.clone() for n, p in named if p.grad is not None})
+            return out
+        return run_hosts(hosts_of, fn)
+
+    plain, told = run(False), run(True)
+    for r in range(len(hosts_of)):
+        for t, (a, b) in enumerate(zip(told[r], plain[r])):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (r, t)

@@ -23,7 +23,8 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
 - ``lm-fair-hook``: hvd_slim with no keyword through its DDP hook (``--method slim-hook``:
   DDP's own buckets, ``SlimState(optimizer=AdamW)``) at every seed, against ``lm-fair``'s
   ``DistributedOptimizer`` on the same seeds and data, and ``DistributedOptimizer`` with its
-  flat buffer in DDP's order (the model's reversed) instead of by name;
+  flat buffer in DDP's order (the model's reversed) instead of by name, and with another seed
+  for its exploration and ties (the spread of a change that changes nothing statistically);
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -89,7 +90,10 @@ HOOK = (("default, DDP hook", "slim-hook", None, {}),
          {"slim": {"ddp_bucket_cap_mb": 64.0}}),
         # DistributedOptimizer with its flat buffer in DDP's order (the model's reversed), not
         # by name: whether the order is what the hook loses (training.py's reversed_names)
-        ("default, DDP's parameter order", "slim", None, {"slim": {"name_order": "reverse"}}))
+        ("default, DDP's parameter order", "slim", None, {"slim": {"name_order": "reverse"}}),
+        # the spread of a change of bits that changes nothing statistically: another seed for
+        # the replicas' shared generator (exploration, ties), everything else the default's
+        ("default, exploration seed 1", "slim", None, {"slim": {"seed": 1}}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that

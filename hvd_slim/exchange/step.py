@@ -180,7 +180,8 @@ class SlimExchange:
         self.worker.apply(pending.pulled, pending.t, pending.rendered)
         schedule = self.layout.schedule
         if schedule.observing(pending.t):   # the warm-up's signal: what this step delivered
-            schedule.observe(pending.t, self.layout.delivered_norm())
+            # in true units (a loss scale told: the pull went back at it; exact, a power of two)
+            schedule.observe(pending.t, self.layout.delivered_norm() / self.worker.scale)
         self.stats.timed("apply", start)
         self.step_count += 1
         self.stats.finish_step(time.perf_counter() - pending.t0)

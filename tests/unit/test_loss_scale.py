@@ -26,11 +26,11 @@ def _scaler(on: bool) -> torch.amp.GradScaler:
 
 
 def _train(rank, tr, steps, scaled, tell, flush=False, kw=None, save=None, load=None,
-           inf_at=None):
+           inf_at=None, keep=False):
     """Horovod's AMP order; ``tell``: the optimizer is given the scaler; ``inf_at``: a step
     whose gradient overflows on the last rank (every rank skips it; a scaler backs off).
     Returns the parameters after the steps (and after a flush), the last scale, and
-    (``save``) the optimizer's and scaler's states to resume from."""
+    (``save``) the optimizer's and scaler's states to resume from; ``keep``: also the layout."""
     m = _net()
     opt = _wrap(m, tr, **dict(SGD, **(kw or {})))
     scaler = _scaler(scaled)
@@ -58,6 +58,8 @@ def _train(rank, tr, steps, scaled, tell, flush=False, kw=None, save=None, load=
     stepped = _flat(m).clone()
     if flush:
         opt.flush()
+    if keep:
+        return stepped, _flat(m), scaler.get_scale(), opt._layout
     return stepped, _flat(m), scaler.get_scale()
 
 
@@ -78,6 +80,21 @@ def test_a_told_scaler_gives_the_run_without_one_and_its_flush(size, kw):
     assert not torch.equal(untold[0][0], plain[0][0])
     flushed = [(run[0][1] - run[0][0]).abs().max() for run in (plain, untold)]
     assert flushed[1] > 100 * flushed[0]
+
+
+def test_the_warm_up_settles_on_the_true_units_of_what_was_delivered():
+    """warmup_settle ends the warm-up's hold on the norm of what each step delivered: told a
+    scale, that is the norm of the pull in true units, so the hold ends where the run without
+    a scaler's does (step 10 here), not never, as the doubling scale's norms would have it."""
+    kw = {"density": 0.02, "warmup_settle": 0.9}
+
+    def body(rank, tr, scaled):
+        got = _train(rank, tr, 24, scaled, scaled, kw=kw, keep=True)
+        return got[0], got[3].schedule.settled_at
+    plain = run_ranks(2, lambda r, tr: body(r, tr, False))
+    told = run_ranks(2, lambda r, tr: body(r, tr, True))
+    assert plain[0][1] == told[0][1] == 10
+    assert all(torch.equal(told[r][0], plain[r][0]) for r in range(2))
 
 
 def test_a_scaler_backing_off_after_an_overflow_changes_nothing_either():

@@ -158,9 +158,9 @@ class SlimState:
         changes nothing and a run is bitwise the run without a scaler: the residuals where
         gradients travel, each rank's Adam moments under ``optimizer=``.
 
-        Call it before the first backward pass and before ``load_state_dict()`` (a checkpoint
-        records whether a scaler was given); afterwards only one scaler may replace another.
-        Every rank must give one, or none: the handshake names a rank that differs.
+        Call it before the first backward pass and before ``load_state_dict()``; afterwards only
+        one scaler may replace another. Where gradients travel every rank must give one, or
+        none (the handshake names a rank that differs), and a checkpoint records it.
 
         Args:
             scaler: A ``torch.amp.GradScaler`` (its scale is read at each backward pass), or

@@ -174,10 +174,10 @@ class _SlimOptimizer(torch.optim.Optimizer):
           step that left them, and a flush applies them at the loss scale);
         - under ``adam_exchange="update"``, each rank's Adam moments are of its true gradient.
 
-        Call it before the first step and before ``load_state_dict()`` (a checkpoint records
-        whether a scaler was given, and a resumed optimizer must say the same); afterwards
-        only one scaler may replace another. Every rank must give one, or none: the handshake
-        names a rank that differs.
+        Call it before the first step and before ``load_state_dict()``; afterwards only one
+        scaler may replace another. Where gradients travel every rank must give one, or none
+        (the handshake names a rank that differs), and a checkpoint records it (a resumed
+        optimizer must say the same).
 
         Args:
             scaler: A ``torch.amp.GradScaler`` (its scale is read at each exchange), or None

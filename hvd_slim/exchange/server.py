@@ -284,7 +284,7 @@ class Server:
             short=not pb.slice_bits and not propagate, nonfinite_first=propagate)
         if core.numel() < min(b.k_pull_core, b.numel):
             coded, exp, delivered = quantize(v.index_select(0, core), pb.slice_dtype, 0)
-            plan.forget.append((mem, core, delivered))
+            plan.forget.append((mem, core, delivered, None))
             return self._checked(b, coded, delivered, core, plan, wm.M_SHORT, core, exp)
         sel = slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
                             role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
@@ -292,8 +292,11 @@ class Server:
         # pull_value_bits: what rounding loses stays in the server's residual (forgotten:
         # delivered).
         # index_select: 3-4x faster than v[sel] on a CPU (no advanced-indexing machinery)
-        coded, exp, delivered = quantize(v.index_select(0, sel), pb.slice_dtype, pb.slice_bits)
-        plan.forget.append((mem, sel, delivered))
+        sent = v.index_select(0, sel)
+        coded, exp, delivered = quantize(sent, pb.slice_dtype, pb.slice_bits)
+        # What stays at sel, from the values gathered to send: one scatter at the commit.
+        plan.forget.append((mem, sel, delivered, None if delivered is None else
+                            sent.sub_(delivered)))
         return self._checked(b, coded, delivered, sel, plan, wm.M_SLICE, core, exp)
 
     def _sent(self, b: Bucket, values: torch.Tensor, sel: Optional[torch.Tensor], plan: "_Plan",
@@ -332,7 +335,8 @@ class _Plan:
 
     def __init__(self) -> None:
         self.memory: List[tuple] = []        # (memory, proposed residual, sent, delivered)
-        self.forget: List[tuple] = []        # (memory, sent, delivered): aggregated in place
+        # (memory, sent, delivered, what stays there or None): aggregated in place
+        self.forget: List[tuple] = []
         self.saved: List[tuple] = []         # (residual, coordinates, their values before)
         self.overflow: List[str] = []        # parameters whose pulled values overflow the wire
         self.sent_dtype: Optional[torch.dtype] = None
@@ -342,8 +346,8 @@ class _Plan:
         old = {}
         for mem, v, sent, delivered in self.memory:
             old[id(mem)] = mem.commit(v, None, sent, delivered)
-        for mem, sent, delivered in self.forget:
-            mem.update(sent, delivered)
+        for mem, sent, delivered, left in self.forget:
+            mem.update(sent, delivered, left=left)
         self.saved = []
         return old
 

@@ -45,6 +45,7 @@ class Proposal:
     mask_velocity: float = 1.0             # share of the velocity dropped at ``sel``
     a: Optional[torch.Tensor] = None       # proposed residual before forgetting ``sel``
     u_new: Optional[torch.Tensor] = None   # proposed velocity (momentum correction)
+    left: Optional[torch.Tensor] = None    # what stays at ``sel``: a there, less ``delivered``
 
 
 @dataclass
@@ -181,7 +182,7 @@ class Worker:
             return secs, _lossy(delivered, coded), None
         t_sel = time.perf_counter()
         w = self.layout.read_params(b, torch.empty_like(a)) if cfg.magnitude_weight else None
-        secs, sels, delivered = [], [], []
+        secs, sels, delivered, left = [], [], [], []
         for p, ap in zip(pieces, _cut(a, pieces)):
             pb = p.b
             core = self._select_core(pb, ap, None if w is None else w[p.lo:p.hi]).to(b.device)
@@ -190,10 +191,13 @@ class Worker:
             t_code = time.perf_counter()
             # value_bits: the values travel in the slice dtype; what rounding lost stays in the
             # residual (``delivered`` is what the server decodes), to be sent later.
-            coded, exp, got = quantize(ap.index_select(0, sel), pb.slice_dtype, pb.slice_bits)
+            sent = ap.index_select(0, sel)
+            coded, exp, got = quantize(sent, pb.slice_dtype, pb.slice_bits)
             secs.append(self.path.section(wm.M_SLICE, coded, pb.numel, indices=core, exp=exp))
             sels.append(sel + p.lo if p.lo else sel)
             delivered.append(got)
+            if got is not None:
+                left.append(sent.sub_(got))   # its coded copy is made: sent is free
             t_sel += time.perf_counter() - t_code   # select_seconds: selection alone
         self.stats.select_seconds += time.perf_counter() - t_sel
         sel = sels[0] if len(sels) == 1 else torch.cat(sels)
@@ -202,7 +206,9 @@ class Worker:
             lossy = (delivered[0] if len(delivered) == 1 else torch.cat(delivered), coded.dtype)
         self._pending.append(Proposal(index=b.index, sel=sel,
                                       delivered=None if lossy is None else lossy[0],
-                                      mask_velocity=cfg.momentum_masking, a=a, u_new=u_new))
+                                      mask_velocity=cfg.momentum_masking, a=a, u_new=u_new,
+                                      left=(left[0] if len(left) == 1 else torch.cat(left))
+                                      if left else None))
         return secs, lossy, sel
 
     def _select_core(self, pb: Bucket, a: torch.Tensor, w: Optional[torch.Tensor]
@@ -245,7 +251,8 @@ class Worker:
             if p.a is None:
                 mem.update(p.sel, p.delivered, p.mask_velocity)
                 continue
-            self._flat[p.index] = mem.commit(p.a, p.u_new, p.sel, p.delivered, p.mask_velocity)
+            self._flat[p.index] = mem.commit(p.a, p.u_new, p.sel, p.delivered, p.mask_velocity,
+                                             p.left)
         self._pending = []
 
     def absorb(self) -> None:

@@ -139,8 +139,7 @@ class SlimState:
         if self._adam is not None:
             raise RuntimeError("SlimState.set_optimizer: this state has an optimizer already; "
                                "make one SlimState per optimizer")
-        held = self._buckets.live or self._buckets.saved or self._buckets.carry
-        if self.iteration or not self._new_pass or held:
+        if self._begun:
             raise RuntimeError("SlimState.set_optimizer: call it before the first backward pass "
                                "and before load_state_dict(): the exchanges are made with the "
                                "settings of the optimizer they serve")
@@ -176,9 +175,7 @@ class SlimState:
         """
         scaler = checked_scaler(scaler, "SlimState.set_grad_scaler")
         gradients = self._adam is None
-        if gradients and (scaler is None) != (self._loss_scale.scaler is None) and \
-                (self.iteration or not self._new_pass or self._buckets.live or
-                 self._buckets.saved or self._buckets.carry):
+        if gradients and (scaler is None) != (self._loss_scale.scaler is None) and self._begun:
             raise RuntimeError("SlimState.set_grad_scaler: a GradScaler can be given or taken "
                                "away only before the first backward pass and before "
                                "load_state_dict(): the residuals are kept in true units when "
@@ -187,6 +184,13 @@ class SlimState:
         if gradients:
             self._loss_scale.scaler = scaler
         return self
+
+    @property
+    def _begun(self) -> bool:
+        """Whether a backward pass reached the hook or a checkpoint was loaded: the exchanges
+        (or the saved ones) hold state made with the settings in force."""
+        b = self._buckets
+        return bool(self.iteration or not self._new_pass or b.live or b.saved or b.carry)
 
     # --- registration -----------------------------------------------------------------------
     def register(self, ddp_model: Any) -> "SlimState":

@@ -38,7 +38,9 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "local_steps=8 dense": [0], "local_steps=8 no decay": [0],
                   "local_steps=8 0.05": [0], "local_steps=8 0.05 no decay": [0],
                   "local_steps=8, senders and settle": [0], "default, DDP hook": [0, 1, 2],
-                  "default, DDP hook, one bucket": [0, 1, 2]}
+                  "default, DDP hook, one bucket": [0, 1, 2],
+                  "default, DDP's parameter order": [0, 1, 2],
+                  "default, exploration seed 1": [0, 1, 2]}
     assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
                    "bf16 default": [0]}
     # the defaults pass no Slim-DP keyword at all, through DistributedOptimizer or the DDP hook
@@ -126,3 +128,14 @@ def test_a_subset_beyond_the_corpus_sees_every_window_then_a_seeded_draw_again()
     assert len(again) == len(set(again)) == 500 and all(0 <= i < n for i in again)
     assert tasks.load_dataset("pystdlib", n + 500, data_seed=3)[0].indices == more.indices
     assert tasks.load_dataset("pystdlib", n + 500, data_seed=4)[0].indices[n:] != again
+
+
+def test_ddps_parameter_order_reaches_the_optimizer_by_name():
+    """The study's probe of the flat buffer's order: renamed so that hvd_slim's name order
+    (it sorts by name) is the model's order reversed, the same tensors."""
+    import torch
+    from benchmarks.convergence.training import reversed_names
+    named = [(f"layer{i}.weight", torch.zeros(1)) for i in (0, 1, 10, 2)]
+    renamed = reversed_names(named)
+    assert [p for _, p in sorted(renamed)] == [p for _, p in reversed(named)]
+    assert all(new.endswith(old) for (new, _), (old, _) in zip(renamed, named))

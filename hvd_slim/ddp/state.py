@@ -174,15 +174,10 @@ class SlimState:
                 loaded checkpoint, while gradients travel.
         """
         scaler = checked_scaler(scaler, "SlimState.set_grad_scaler")
-        gradients = self._adam is None
-        if gradients and (scaler is None) != (self._loss_scale.scaler is None) and self._begun:
-            raise RuntimeError("SlimState.set_grad_scaler: a GradScaler can be given or taken "
-                               "away only before the first backward pass and before "
-                               "load_state_dict(): the residuals are kept in true units when "
-                               "one is given, at the loss scale otherwise")
+        if self._adam is None:   # gradients travel
+            self._loss_scale.give(scaler, self._begun, "SlimState.set_grad_scaler",
+                                  "the first backward pass and before load_state_dict()")
         self._scaler = scaler
-        if gradients:
-            self._loss_scale.scaler = scaler
         return self
 
     @property
@@ -414,14 +409,8 @@ class SlimState:
             raise ValueError("hvd_slim.ddp: a SlimState checkpoint needs 'iteration' (an integer "
                              ">= 0), 'buckets' (each with keys, numels and its exchange) and "
                              "'carry'; load a SlimState.state_dict()")
-        scaled = bool(state.get("scaled", False))
-        if scaled != self._loss_scale.told:
-            raise ValueError(
-                "hvd_slim.ddp: the checkpoint was saved " + ("with" if scaled else "without") +
-                " a GradScaler given to set_grad_scaler() (its residuals in " +
-                ("true units" if scaled else "the loss scale's") + "); this state has " +
-                ("none" if scaled else "one") + ". Call state.set_grad_scaler(scaler) before "
-                "load_state_dict() as the saving run did, or leave it out alike")
+        self._loss_scale.check_resumed(state.get("scaled", False), "hvd_slim.ddp: the checkpoint",
+                                       "state")
         if self._adam is not None:
             self._adam.load_state_dict(state.get("adam"))   # refused before anything changes
         self._buckets.load(buckets, carry, state.get("retired", {}))

@@ -35,6 +35,30 @@ class LossScale:
     def told(self) -> bool:
         return self.scaler is not None
 
+    def give(self, scaler: Any, begun: bool, where: str, before: str) -> None:
+        """Take ``scaler`` (None: none). Once the residuals hold something (``begun``), one
+        scaler may replace another, but going from none to one or back is refused: the
+        residuals are in true units with one, at the loss scale without. ``where`` names the
+        call, ``before`` what it must come before."""
+        if begun and (scaler is None) != (self.scaler is None):
+            raise RuntimeError(f"{where}: a GradScaler can be given or taken away only before "
+                               f"{before}: the residuals are kept in true units when one is "
+                               f"given, at the loss scale otherwise")
+        self.scaler = scaler
+
+    def check_resumed(self, saved: Any, where: str, owner: str) -> None:
+        """ValueError unless a checkpoint that was saved with a scaler given (``saved``) is
+        loaded with one, and one saved without, without. ``where`` begins the message;
+        ``owner`` is what the script calls ``set_grad_scaler`` on."""
+        if bool(saved) == self.told:
+            return
+        how, units, now = ("with", "true units", "none") if saved else \
+            ("without", "the loss scale's", "one")
+        raise ValueError(f"{where} was saved {how} a GradScaler given to set_grad_scaler() (its "
+                         f"residuals in {units}); this {owner} has {now}. Call "
+                         f"{owner}.set_grad_scaler(scaler) before load_state_dict() as the "
+                         f"saving run did, or leave it out alike")
+
     def read(self) -> float:
         """The scale in this step's gradients (1.0 untold). Every exchange of a step reads it
         (each of the DDP hook's buckets, each of overlap's stages), and on CUDA a read waits for

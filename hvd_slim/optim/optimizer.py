@@ -188,17 +188,11 @@ class _SlimOptimizer(torch.optim.Optimizer):
             RuntimeError: a scaler given, or taken away, after the first step.
         """
         scaler = checked_scaler(scaler, "set_grad_scaler")
-        holder = self._layout.loss_scale
-        gradients = self._adam is None and self._outer is None   # what the exchange carries
-        if gradients and (scaler is None) != (holder.scaler is None) and \
-                self._exchange.step_count > 0:
-            raise RuntimeError("set_grad_scaler: a GradScaler can be given or taken away only "
-                               "before the first step (and before load_state_dict()): the "
-                               "residuals are kept in true units when one is given, at the "
-                               "loss scale otherwise")
+        if self._adam is None and self._outer is None:   # gradients travel
+            self._layout.loss_scale.give(scaler, self._exchange.step_count > 0,
+                                         "set_grad_scaler", "the first step (and before "
+                                         "load_state_dict())")
         self._grad_scaler = scaler
-        if gradients:
-            holder.scaler = scaler
 
     # --- Horovod protocol --------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -488,13 +482,8 @@ class _SlimOptimizer(torch.optim.Optimizer):
         outer = state_dict.pop("hvd_slim_outer", None)
         moments = state_dict.pop("hvd_slim_adam", None)
         scaled = state_dict.pop("hvd_slim_scaled", False)
-        if slim is not None and bool(scaled) != self._layout.loss_scale.told:
-            raise ValueError(
-                "hvd_slim checkpoint was saved " + ("with" if scaled else "without") + " a "
-                "GradScaler given to set_grad_scaler() (its residuals in " +
-                ("true units" if scaled else "the loss scale's") + "); this optimizer has " +
-                ("none" if scaled else "one") + ". Call optimizer.set_grad_scaler(scaler) "
-                "before load_state_dict() as the saving run did, or leave it out alike")
+        if slim is not None:
+            self._layout.loss_scale.check_resumed(scaled, "hvd_slim checkpoint", "optimizer")
         if self._ends is not None:
             self._ends.prepare_load()   # the exchange's state is whole before it is replaced
         if slim is not None:

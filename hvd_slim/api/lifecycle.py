@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Union
 
 from ..runtime import basics
-from ..transport import torch_dist
+from ..transport import torch_cache
 from . import engine
 from . import process_sets as sets
 from .timeout import api_timeout
@@ -66,7 +66,7 @@ def shutdown() -> None:
         None.
     """
     # torch.distributed transports (transport="gloo"/"nccl") are torn down with the runtime.
-    torch_dist.close_all()
+    torch_cache.close_all()
     if not basics.is_initialized():
         return
     engine.stop()   # its thread must be done with the communicators first

@@ -30,7 +30,7 @@ import torch
 
 from ..api import engine
 from ..runtime import basics, horovod, torch_world
-from ..transport import torch_dist
+from ..transport import torch_cache, torch_dist
 
 # The bootstrap's pieces live in the runtime, which starts hvd.init() under torchrun with them.
 TIMEOUT_ENV, DEFAULT_TIMEOUT_S, TORCHRUN_VARS = (torch_world.TIMEOUT_ENV,
@@ -50,7 +50,7 @@ def torch_transport(backend: str, device: torch.device) -> Any:
     dev = torch.device("cpu") if backend == "gloo" else torch.device(device)
     if dev.type == "cuda" and dev.index is None:   # one cache key, and set_device needs one
         dev = torch.device("cuda", torch.cuda.current_device())
-    found = torch_dist.cached(backend, dev)
+    found = torch_cache.cached(backend, dev)
     if found is not None:
         return found
     tmo = timeout()
@@ -82,8 +82,8 @@ def torch_transport(backend: str, device: torch.device) -> Any:
         _register(store, rank, size, tmo)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=tmo)
         group, on_close = None, dist.destroy_process_group
-    return torch_dist.remember(torch_dist.TorchDistTransport(group, backend, dev, rank, size, tmo,
-                                                             on_close))
+    return torch_cache.remember(torch_dist.TorchDistTransport(group, backend, dev, rank, size, tmo,
+                                                              on_close))
 
 
 def _mpi_store(rank: int, size: int, tmo: datetime.timedelta) -> Any:

@@ -34,17 +34,17 @@ through pinned host frames.
 """
 from __future__ import annotations
 
-import atexit
 import datetime
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import Transport, TransportError, TransportTimeout, as_payload
-from .torch_frames import TensorFrames
+from .base import (LENGTH_BYTES, Transport, TransportError, TransportTimeout, _check_roots,
+                   as_payload, check_bound)
+from .torch_frames import Frames, check_root, check_tensor, deliver, fill
 
 BACKENDS = ("gloo", "nccl")
 
@@ -57,7 +57,7 @@ def _as_tensor(payload: Any) -> torch.Tensor:
     return torch.from_numpy(payload)
 
 
-class TorchDistTransport(TensorFrames, Transport):
+class TorchDistTransport(Transport):
     """Payload collectives over one torch.distributed process group.
 
     ``device`` is where frames live during a collective: CPU for Gloo, this rank's CUDA device
@@ -70,6 +70,7 @@ class TorchDistTransport(TensorFrames, Transport):
         super().__init__(rank, size)
         self.name = backend
         self.group, self.device, self.timeout = group, torch.device(device), timeout
+        self.frames = Frames(self.device)
         self._on_close = on_close
         self._closed = False
         self._broken: Optional[str] = None
@@ -143,6 +144,140 @@ class TorchDistTransport(TensorFrames, Transport):
         # As broadcast: a root's own payload comes back as a copy, never aliasing the caller's.
         return [t.numpy().copy() if r == self.rank else t.numpy() for r, t in zip(roots, out)]
 
+    # --- tensor payloads (the exchange's device path) -------------------------------------------
+    def device_payloads(self, device: Any) -> bool:
+        """NCCL: CUDA tensors, frames on this rank's GPU, nothing through the host. Gloo: CPU
+        tensors as they are (no numpy round trip); CUDA tensors through pinned host frames."""
+        dev = torch.device(device)
+        return dev.type == "cuda" if self.name == "nccl" else True
+
+    def gather_tensor(self, payload: torch.Tensor, root: int, bound: Optional[int] = None
+                      ) -> Optional[List[torch.Tensor]]:
+        """:meth:`gather` for a 1-D uint8 tensor; the root gets tensors on its device (views of
+        the received frames when they live there: no copy)."""
+        check_tensor(payload, "gather_tensor")
+        check_bound(payload, bound, self.rank, "gather")
+        check_root(root, self.size)
+        extra = 0
+        if bound is None:  # no bound known: agree on the largest payload first
+            bound, extra = self._agree_max(len(payload)), LENGTH_BYTES
+        step = bound + LENGTH_BYTES
+        frame = self.frames.around(payload, bound)
+        is_root = self.rank == root
+        staged = payload.device.type != "cpu"
+        parts = [self.frames.empty(bound, staged) for _ in range(self.size)] if is_root else None
+        self._run("gather", dist.gather, frame, gather_list=parts, group_dst=root)
+        self.stats.record("gather", step + extra, (self.size * step if is_root else 0) + extra)
+        if not is_root:
+            return None
+        lengths = self.frames.lengths(parts, bound, list(range(self.size)), "gather")
+        return [self.frames.payload(p, n, payload.device) for p, n in zip(parts, lengths)]
+
+    def broadcast_tensor(self, payload: Optional[torch.Tensor], root: int,
+                         bound: Optional[int] = None, device: Any = "cpu") -> torch.Tensor:
+        """:meth:`broadcast` for a 1-D uint8 tensor; every rank gets a tensor on ``device``."""
+        check_root(root, self.size)
+        dev, is_root = torch.device(device), self.rank == root
+        if is_root:
+            check_tensor(payload, "broadcast_tensor")
+            check_bound(payload, bound, self.rank, "broadcast")
+        staged = dev.type != "cpu"
+        if bound is None:  # the length word first, then exactly the payload
+            n = self._to_device(torch.tensor([len(payload) if is_root else 0], dtype=torch.int64))
+            self._run("broadcast", dist.broadcast, n, group_src=root)
+            length = int(n.item())
+            if is_root:
+                buf = payload.to(self.device) if self.device.type != "cpu" else \
+                    payload.cpu().contiguous()
+            else:
+                buf = self.frames.buffer(length, staged)
+            if length:
+                self._run("broadcast", dist.broadcast, buf, group_src=root)
+            moved = length + LENGTH_BYTES
+            self.stats.record("broadcast", moved if is_root else 0, moved)
+            return payload.to(dev) if is_root else deliver(buf, dev)
+        frame = self.frames.around(payload, bound) if is_root else \
+            self.frames.empty(bound, staged)
+        self._run("broadcast", dist.broadcast, frame, group_src=root)
+        moved = bound + LENGTH_BYTES
+        self.stats.record("broadcast", moved if is_root else 0, moved)
+        if is_root:
+            return payload.to(dev)
+        n = self.frames.lengths([frame], bound, [root], "broadcast")[0]
+        return self.frames.payload(frame, n, dev)
+
+    def gather_many_tensor(self, payloads: Sequence[torch.Tensor], roots: Sequence[int],
+                           bounds: Sequence[Optional[int]]) -> Optional[List[torch.Tensor]]:
+        """:meth:`gather_many` for 1-D uint8 tensors as one ``all_to_all_single``: each rank
+        sends root ``roots[i]`` its frame padded to ``bounds[i]`` (which every rank knows) and
+        nothing to the other ranks, so only the roots receive. Counted as the gathers would be
+        (the padded frames, and an 8-byte word per root without a bound)."""
+        _check_roots(roots, self.size, len(payloads), len(bounds))
+        for p, b in zip(payloads, bounds):
+            check_tensor(p, "gather_many_tensor")
+            check_bound(p, b, self.rank, "gather")
+        bounds, extra = list(bounds), [0] * len(roots)
+        unbounded = [i for i, b in enumerate(bounds) if b is None]
+        if unbounded:  # the largest payload for every root without a bound, in one all-reduce
+            t = self._to_device(torch.tensor([len(payloads[i]) for i in unbounded],
+                                             dtype=torch.int64))
+            self._run("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+            for i, n in zip(unbounded, t.tolist()):
+                bounds[i], extra[i] = int(n), LENGTH_BYTES
+        roots = [int(r) for r in roots]
+        me = roots.index(self.rank) if self.rank in roots else None
+        step = {r: b + LENGTH_BYTES for r, b in zip(roots, bounds)}
+        send_splits = [step.get(d, 0) for d in range(self.size)]
+        recv_splits = [step[self.rank] if me is not None else 0] * self.size
+        send = self.frames.buffer(sum(send_splits), any(p.device.type != "cpu" for p in payloads))
+        # The input is laid out by destination rank, as all_to_all_single splits it.
+        by_root = dict(zip(roots, payloads))
+        at = 0
+        for d, n in enumerate(send_splits):
+            if n:
+                fill(send[at:at + n], by_root[d])
+                at += n
+        kept = None if me is None else payloads[me]
+        parts = self.frames.buffer(sum(recv_splits),
+                                   kept is not None and kept.device.type != "cpu")
+        self._run("gather", dist.all_to_all_single, parts, send,
+                  output_split_sizes=recv_splits, input_split_sizes=send_splits)
+        for i, r in enumerate(roots):
+            self.stats.record("gather", step[r] + extra[i],
+                              (self.size * step[r] if i == me else 0) + extra[i])
+        if me is None:
+            return None
+        frames = list(parts.split(step[self.rank]))
+        lengths = self.frames.lengths(frames, bounds[me], list(range(self.size)), "gather")
+        return [self.frames.payload(f, n, kept.device) for f, n in zip(frames, lengths)]
+
+    def broadcast_many_tensor(self, payload: Optional[torch.Tensor], roots: Sequence[int],
+                              bounds: Sequence[Optional[int]], device: Any = "cpu"
+                              ) -> List[torch.Tensor]:
+        """:meth:`broadcast_many` for 1-D uint8 tensors. With every rank a root and every bound
+        given, one ``all_gather`` of frames padded to the largest bound (each rank counts its
+        frame sent and every frame received, per root as the broadcasts are recorded). Otherwise
+        one broadcast per root: an all_gather would move a frame from every non-root too, and
+        without bounds the frame size is not known."""
+        _check_roots(roots, self.size, len(roots), len(bounds))
+        if len(roots) != self.size or any(b is None for b in bounds):
+            return super().broadcast_many_tensor(payload, roots, bounds, device)
+        roots = [int(r) for r in roots]
+        me = roots.index(self.rank)
+        check_tensor(payload, "broadcast_many_tensor")
+        check_bound(payload, bounds[me], self.rank, "broadcast")
+        dev = torch.device(device)
+        bound = max(bounds)
+        step = bound + LENGTH_BYTES
+        got = self.frames.buffer(self.size * step, dev.type != "cpu")
+        frames = list(got.split(step))   # rank order, views of one buffer
+        self._run("broadcast", dist.all_gather, frames, self.frames.around(payload, bound))
+        for r in roots:
+            self.stats.record("broadcast", step if r == self.rank else 0, step)
+        lengths = self.frames.lengths(frames, bound, list(range(self.size)), "broadcast")
+        return [payload.to(dev) if r == self.rank else
+                self.frames.payload(frames[r], lengths[r], dev) for r in roots]
+
     def close(self) -> None:
         """Release the process group (once); later collectives raise TransportError."""
         if not self._closed:
@@ -174,40 +309,3 @@ def available_backends(cuda: bool) -> List[str]:
     if cuda and dist.is_nccl_available() and torch.cuda.is_available():
         out.append("nccl")
     return out
-
-
-# --- one transport per (backend, device), shared by every optimizer of the process ----------
-_cache: Dict[Tuple[str, str], TorchDistTransport] = {}
-_exit_hook = False
-
-
-def cached(backend: str, device: torch.device) -> Optional[TorchDistTransport]:
-    """The open transport for ``(backend, device)``, if one was made."""
-    return _cache.get((backend, str(device)))
-
-
-def remember(transport: TorchDistTransport) -> TorchDistTransport:
-    """Cache ``transport``; the first one also schedules :func:`close_all` at exit, so process
-    groups are torn down before interpreter teardown and before mpi4py finalises MPI (its exit
-    handler was registered earlier, so it runs later)."""
-    global _exit_hook
-    if not _exit_hook:
-        _exit_hook = True
-        atexit.register(close_all)
-    _cache[(transport.name, str(transport.device))] = transport
-    return transport
-
-
-def close_all() -> None:
-    """Close every cached transport; groups made with ``new_group`` go before the default one."""
-    import sys
-    hosts = sys.modules.get("hvd_slim.runtime.torch_hosts")
-    if hosts is not None:   # hierarchical=True's groups first: they live on the world's
-        hosts.close_all()
-    items = sorted(_cache.values(), key=lambda t: t.group is None)
-    _cache.clear()
-    for t in items:
-        try:
-            t.close()
-        except Exception:  # noqa: BLE001 - teardown must reach every group even if one fails
-            pass

@@ -15,7 +15,7 @@ from hvd_slim.runtime import basics, env, horovod, torch_world
 from hvd_slim.optim import transport_choice as choose_transport, rendezvous
 from hvd_slim.transport import FakeCluster, TransportError
 from hvd_slim.transport import torch_dist
-from hvd_slim.transport.torch_frames import TensorFrames
+from hvd_slim.transport.torch_frames import Frames
 from hvd_slim.optim.wrapping import parameter_device
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
@@ -134,26 +134,21 @@ def test_transport_timeout_variable():
 
 # --- frames -------------------------------------------------------------------------------------
 
-class _Frames(TensorFrames):
-    """TensorFrames' framing on the host, without a process group."""
-
-    device = torch.device("cpu")
-
-
 @pytest.mark.parametrize("n,size", [(0, 0), (0, 5), (3, 3), (5, 17)])
 def test_frame_round_trip(n, size):
     payload = np.arange(n, dtype=np.uint8) + 1
-    frame = _Frames()._frame_of(torch.from_numpy(payload), size)
+    frame = Frames(torch.device("cpu")).around(torch.from_numpy(payload), size)
     assert len(frame) == size + 8 and int(frame[8 + n:].sum()) == 0
-    (m,) = _Frames._lengths([frame], size, [0], "gather")
+    (m,) = Frames.lengths([frame], size, [0], "gather")
     assert frame[8:8 + m].tolist() == payload.tolist()
+    assert Frames.payload(frame, m, "cpu").tolist() == payload.tolist()
 
 
 def test_a_frame_announcing_more_than_the_bound_is_refused():
-    frame = _Frames()._frame_of(torch.ones(4, dtype=torch.uint8), 6)
+    frame = Frames(torch.device("cpu")).around(torch.ones(4, dtype=torch.uint8), 6)
     frame[:8] = torch.from_numpy(np.frombuffer(np.int64(7).tobytes(), np.uint8).copy())
     with pytest.raises(TransportError, match=r"frame from rank 2 announces 7 bytes, outside \[0, 6\]"):
-        _Frames._lengths([frame], 6, [2], "gather")
+        Frames.lengths([frame], 6, [2], "gather")
 
 
 # --- inside Horovod (a stand-in horovod.torch module) ---------------------------------------------

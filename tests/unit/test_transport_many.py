@@ -172,10 +172,10 @@ def test_a_payload_over_its_bound_is_refused(op):
 def test_a_frame_written_inside_a_larger_buffer_round_trips(offset):
     """Gloo's gather_many lays every root's frame into one all_to_all_single input, where a
     frame may start at any byte: its length word is written alike there."""
-    from hvd_slim.transport.torch_frames import TensorFrames, _fill
+    from hvd_slim.transport.torch_frames import Frames, fill
     buf = torch.full((offset + 8 + 9,), 255, dtype=torch.uint8)
     frame = buf[offset:]
-    _fill(frame, torch.arange(5, dtype=torch.uint8) + 1)
+    fill(frame, torch.arange(5, dtype=torch.uint8) + 1)
     assert buf[:offset].tolist() == [255] * offset
-    (n,) = TensorFrames._lengths([frame], 9, [0], "gather")
+    (n,) = Frames.lengths([frame], 9, [0], "gather")
     assert n == 5 and frame[8:8 + n].tolist() == [1, 2, 3, 4, 5] and frame[8 + n:].sum() == 0

@@ -295,8 +295,8 @@ class Server:
         sent = v.index_select(0, sel)
         coded, exp, delivered = quantize(sent, pb.slice_dtype, pb.slice_bits)
         # What stays at sel, from the values gathered to send: one scatter at the commit.
-        plan.forget.append((mem, sel, delivered, None if delivered is None else
-                            sent.sub_(delivered)))
+        plan.forget.append((mem, sel, delivered, sent.sub_(delivered)
+                            if delivered is not None and mem.takes_left(sel.numel()) else None))
         return self._checked(b, coded, delivered, sel, plan, wm.M_SLICE, core, exp)
 
     def _sent(self, b: Bucket, values: torch.Tensor, sel: Optional[torch.Tensor], plan: "_Plan",

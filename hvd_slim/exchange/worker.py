@@ -183,6 +183,7 @@ class Worker:
         t_sel = time.perf_counter()
         w = self.layout.read_params(b, torch.empty_like(a)) if cfg.magnitude_weight else None
         secs, sels, delivered, left = [], [], [], []
+        keep_left = self.memory[b.index].takes_left(b.k)
         for p, ap in zip(pieces, _cut(a, pieces)):
             pb = p.b
             core = self._select_core(pb, ap, None if w is None else w[p.lo:p.hi]).to(b.device)
@@ -196,7 +197,7 @@ class Worker:
             secs.append(self.path.section(wm.M_SLICE, coded, pb.numel, indices=core, exp=exp))
             sels.append(sel + p.lo if p.lo else sel)
             delivered.append(got)
-            if got is not None:
+            if got is not None and keep_left:
                 left.append(sent.sub_(got))   # its coded copy is made: sent is free
             t_sel += time.perf_counter() - t_code   # select_seconds: selection alone
         self.stats.select_seconds += time.perf_counter() - t_sel

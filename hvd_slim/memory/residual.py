@@ -124,6 +124,12 @@ class ResidualMemory:
             self.update(sent, delivered, mask_velocity, left)
         return old
 
+    def takes_left(self, sent: int) -> bool:
+        """Whether :meth:`update` writes ``left`` for ``sent`` coordinates (one scatter) rather
+        than subtracting what was delivered: below 5% of the buffer. A sender computes
+        ``left`` only then."""
+        return 20 * sent < self.numel
+
     def update(self, sent: Optional[torch.Tensor], delivered: Optional[torch.Tensor] = None,
                mask_velocity: float = 1.0, left: Optional[torch.Tensor] = None) -> None:
         """Forget the coordinates ``sent`` (int64 indices, or None for all of them).
@@ -140,7 +146,7 @@ class ResidualMemory:
         sparse steps pass the ``momentum_masking`` setting).
         """
         r = self.residual
-        if sent is not None and left is not None and 20 * sent.numel() < r.numel():
+        if sent is not None and left is not None and self.takes_left(sent.numel()):
             r.index_copy_(0, sent, left.to(r.dtype))
         elif sent is None:
             if delivered is None:

@@ -14,10 +14,8 @@ resumes bitwise.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import weakref
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,27 +28,14 @@ from ..exchange.stats import ExchangeStats
 from ..exchange.loss_scale import LossScale, checked_scaler, loss_scale
 from ..transport.base import Transport
 from .adam import HookAdam
-from .buckets import Bucket, BucketExchanges, Keys
+from .buckets import BucketExchanges
 from .checks import check_keywords, refuse_old_format
 from .group import group_transport
 from .hook import slim_hook
-from .passes import NOT_BEGUN, Starter
+from .passes import BackwardPass
 
 # 2: one stand-in per parameter (1: one per bucket, whose exchanges' state does not fit).
 VERSION = 2
-
-
-@dataclass
-class _InFlight:
-    """One bucket of the backward pass in flight, from its hook call to the pass's end."""
-
-    bucket: Bucket
-    begun: Any                       # its exchange's start (a future); then what it gave
-    fut: "torch.futures.Future[torch.Tensor]"   # what DDP waits for
-    starts: Tuple[int, ...]          # where each stand-in's part lies in ``buffer``
-    buffer: torch.Tensor             # DDP's flat bucket
-    params: List[torch.Tensor]
-    keys: Keys
 
 
 class SlimState:
@@ -99,11 +84,8 @@ class SlimState:
         # set_grad_scaler): exchange/loss_scale.py.
         self._loss_scale = LossScale()
         self._buckets = BucketExchanges(self.config, self._transport_for, self._loss_scale)
-        self._pass: List[_InFlight] = []       # this pass: begun, not yet settled
-        self._failed: Optional[Exception] = None           # why this pass failed, if it did
+        self._pass = BackwardPass()            # the buckets of the pass in flight
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
-        self._new_pass = True                  # the next bucket begins a backward pass
-        self._start: Optional[Starter] = None  # where the exchanges run (made at the first)
         self.iteration = 0                     # backward passes that reached the hook
         self._model: Optional[Any] = None      # a weak reference to the model register() saw
 
@@ -185,7 +167,7 @@ class SlimState:
         """Whether a backward pass reached the hook or a checkpoint was loaded: the exchanges
         (or the saved ones) hold state made with the settings in force."""
         b = self._buckets
-        return bool(self.iteration or not self._new_pass or b.live or b.saved or b.carry)
+        return bool(self.iteration or not self._pass.fresh or b.live or b.saved or b.carry)
 
     # --- registration -----------------------------------------------------------------------
     def register(self, ddp_model: Any) -> "SlimState":
@@ -253,12 +235,13 @@ class SlimState:
         and backs off alike everywhere. The futures complete then; DDP waits for them at the
         end of backward. An error ends the pass on every bucket, each keeping its gradient."""
         fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future()
+        flight = self._pass
         try:
-            if self._new_pass and self._adam is not None:
+            if flight.fresh and self._adam is not None:
                 self._adam.new_pass(loss_scale(self._scaler))
-            self._new_pass = False
-            if self._failed is not None:
-                raise self._failed
+            flight.fresh = False
+            if flight.failed is not None:
+                raise flight.failed
             keys = self._buckets.keys_of(index, params)
             numels = tuple(p.numel() for p in params)
             transport = self._transport_for(buffer.device)
@@ -271,69 +254,21 @@ class SlimState:
             # the exchange keeps its own order, so a resumed run matches an unbroken one.
             starts = b.starts(keys, numels)
             b.feed(buffer, starts)
-            self._pass.append(_InFlight(b, self._starter().start(b.exchange), fut, starts,
-                                        buffer, list(params), keys))
+            # A thread of its own only on a private group (or a test's): DDP's own group may
+            # be in use by DDP's thread meanwhile.
+            flight.begin(b, fut, starts, buffer, list(params), keys,
+                         threaded=self._private and transport.threads_allowed())
         except Exception as exc:  # noqa: BLE001 - every bucket of the pass reports it
-            self._fail(exc, fut)
+            flight.fail(exc, fut, self._adam)
         if last:
             try:
-                self._settle()
+                if flight.settle(self._adam, flag=self.config.nonfinite == "flag"):
+                    self._skipped += 1
             finally:
-                self._pass, self._failed, self._new_pass = [], None, True
-                if self._start is not None:
-                    self._start.end_pass()
+                flight.end()
                 self.iteration += 1
                 self._buckets.keys_final = True
         return fut
-
-    def _starter(self) -> Starter:
-        if self._start is None:
-            tr = self._transport
-            self._start = Starter(self._private and tr is not None and tr.threads_allowed())
-        return self._start
-
-    def _settle(self) -> None:
-        """The pass's end: wait for every exchange it started, then commit or drop them all
-        (or, after an error, keep each one's gradient in its residual)."""
-        for e in self._pass:
-            try:
-                e.begun = e.begun.result()
-            except Exception as exc:  # noqa: BLE001 - the pass fails with it
-                e.begun = exc
-                self._failed = self._failed or exc
-        if self._failed is not None:
-            self._fail(self._failed, None)
-            return
-        skipped = any(e.begun.pulled is None for e in self._pass)
-        for e in self._pass:
-            e.bucket.exchange.settle(e.begun, commit=not skipped)
-        if self._adam is not None:
-            self._adam.settle(keep=not skipped)
-        if skipped:
-            self._skipped += 1
-            if self.config.nonfinite == "flag":
-                for e in self._pass:
-                    e.bucket.exchange.flag_grads()
-        for e in self._pass:
-            result = e.bucket.deliver(e.buffer, e.starts)   # DDP's own buffer, as allreduce's
-            if self._adam is not None:
-                self._adam.deliver(e.params, result, e.keys, e.bucket.dense)
-            e.fut.set_result(result)
-
-    def _fail(self, exc: Exception, fut: "Optional[torch.futures.Future[torch.Tensor]]"
-              ) -> None:
-        """The pass failed (``fut``: a bucket's future to fail too): what its exchanges began
-        keeps its gradient in their residuals. Called in DDP's thread for an error there, and
-        at the pass's end for one an exchange raised."""
-        self._failed = exc
-        for e in self._pass:
-            _absorb(e.bucket, e.begun)
-            e.fut.set_exception(exc)
-        self._pass = []
-        if self._adam is not None:   # the updates wait in the residuals: keep the moments
-            self._adam.settle(keep=True)
-        if fut is not None:
-            fut.set_exception(exc)
 
     def held_by_parameter(self) -> Dict[int, torch.Tensor]:
         """Everything this rank holds back (float64, flat, in the units that travel), by
@@ -430,16 +365,3 @@ def _group_ranks(group: Any) -> Optional[List[int]]:
         return None
     return list(dist.get_process_group_ranks(group))
 
-
-def _absorb(b: Bucket, pending: Any) -> None:
-    """Keep a failed pass's gradient for ``b`` in its residual. ``pending``: what its start
-    gave (still a future when DDP's thread failed: waited for here), :data:`NOT_BEGUN` (its
-    proposals are made here), or the exception its ``begin()`` raised (which settled itself)."""
-    if isinstance(pending, concurrent.futures.Future):
-        try:
-            pending = pending.result()
-        except Exception:  # noqa: BLE001 - begin() settled its own failure
-            return
-    if isinstance(pending, Exception):
-        return
-    b.exchange.absorb(None if pending is NOT_BEGUN else pending)

@@ -297,7 +297,7 @@ def test_inline_where_the_transport_allows_no_second_thread():
         tr.threads_allowed = lambda: False
         state, params = SlimState(transport=tr, density=0.05), make_params()
         out = [iterate(state, params, rank, t) for t in range(3)]
-        return out, state._start._pool is None
+        return out, state._pass.threaded is False
     inline = run_ranks(2, body, timeout=60)
     threaded = run(2, 3, density=0.05)
     for (res, no_pool), (ref, _) in zip(inline, threaded):

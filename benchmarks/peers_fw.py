@@ -41,7 +41,9 @@ class Ddp(Peer):
     """``DistributedDataParallel`` with ``allreduce_hook``, ``fp16_compress_hook``,
     ``powerSGD_hook`` (rank r) or hvd_slim's ``slim_hook`` ("slim": its defaults, the automatic
     warm-up off so every measured step is a steady one, as the hvd_slim peers; "slim-1b": the
-    same with every parameter in one bucket, as PowerSGD's runs here)."""
+    same with every parameter in one bucket, as PowerSGD's runs here; "slim-1bv": that with
+    ``gradient_as_bucket_view=True``, DDP's gradients the bucket itself, so neither DDP's copy
+    into the bucket nor its copy back is made)."""
 
     family = "ddp"
 
@@ -52,14 +54,16 @@ class Ddp(Peer):
         from torch.nn.parallel import DistributedDataParallel as DDP
         ensure_gloo(comm.Get_rank(), self.size)
         self.name = f"ddp-{hook}"
-        self.slim = hook in ("slim", "slim-1b")   # hvd_slim's hook: its own counters
+        self.slim = hook in ("slim", "slim-1b", "slim-1bv")   # hvd_slim's hook: its counters
         nbytes = sum(p.numel() * p.element_size() for _, p in work.named)
         kwargs: Dict[str, Any] = {}
-        if hook.startswith("powersgd") or hook == "slim-1b":
+        if hook.startswith("powersgd") or hook.startswith("slim-1b"):
             # Measured: PowerSGD over Gloo at 4 ranks fails with "Received data size doesn't match
             # expected size" unless every parameter sits in one bucket; "slim-1b" is slim_hook
             # in the same single bucket, to compare like with like.
             kwargs["bucket_cap_mb"] = nbytes / 2 ** 20 + 1
+        if hook == "slim-1bv":
+            kwargs["gradient_as_bucket_view"] = True
         self.module = DDP(work.model, **kwargs)
         if hook == "allreduce":
             self.module.register_comm_hook(None, default_hooks.allreduce_hook)

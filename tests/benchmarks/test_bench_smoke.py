@@ -53,7 +53,7 @@ def result(tmp_path_factory):
 
 def test_every_peer_has_figures(result):
     names = ["floor", "mpi-allreduce", "horovod", "horovod-fp16", "ddp-allreduce", "ddp-fp16",
-             "ddp-powersgd-r1", "ddp-powersgd-r4", "ddp-slim", "ddp-slim-1b"]
+             "ddp-powersgd-r1", "ddp-powersgd-r4", "ddp-slim", "ddp-slim-1b", "ddp-slim-1bv"]
     names += [f"topk-ef@{d:g}" for d in DENSITIES]
     names += [f"hvd_slim-{p}@{d:g}" for d in DENSITIES for p in ("slim", "union")]
     assert list(result["peers"]) == names

@@ -36,9 +36,6 @@ class Puller:
             layout, config, shards, path, stats
         self.rank, self.size, self.digest = rank, size, digest
         self._pulled: Dict[int, torch.Tensor] = {}     # sliced pulls; each p.grad views it
-        # The loss scale the compressed buckets' pulls are written back at (the worker sets it
-        # at each step's compensate; 1 for a flush): exchange/loss_scale.py.
-        self.scale = 1.0
 
     def read(self, bufs: List[Any], t: int, flush: bool) -> Optional[List[List[wm.Section]]]:
         """Every server's reply (one per shard) decoded strictly: the pulled sections per
@@ -75,11 +72,11 @@ class Puller:
             raise ExchangeError(f"rank {self.rank}: {exc}") from None
 
     def write(self, pulled: List[List[wm.Section]], t: int,
-              rendered: Optional["Rendered"] = None) -> None:
+              rendered: Optional["Rendered"] = None, scale: float = 1.0) -> None:
         """Write the pulled values (per shard) into ``p.grad``: zeros where nothing was
         delivered, dense sections straight in. ``rendered``: what :meth:`render` already made
-        of the same pull."""
-        values = rendered if rendered is not None else self.render(pulled, t)
+        of the same pull; ``scale``: as for :meth:`render`."""
+        values = rendered if rendered is not None else self.render(pulled, t, scale)
         for b in self.layout.at_step(t):
             got = values.get(b.index)
             if got is None:
@@ -90,14 +87,17 @@ class Puller:
             else:
                 self.layout.write_grads(b, flat)
 
-    def render(self, pulled: List[List[wm.Section]], t: int) -> "Rendered":
+    def render(self, pulled: List[List[wm.Section]], t: int, scale: float = 1.0
+               ) -> "Rendered":
         """What the pull delivers, per bucket of step ``t`` (absent: nothing), as one flat
         tensor and whether ``p.grad`` may view it (a host's spread,
         exchange/hosts/hierarchy.py, needs the values before the commit). A compressed
         bucket's values are scattered in place into the buffer this rank keeps for
         it (``_pulled``, zeroed first), which the last committed pull's ``p.grad`` views: call
         it only where that view may be overwritten (at the commit, :meth:`write`; in the
-        hierarchy, after the host reduction gave the stand-in pieces a fresh ``.grad``)."""
+        hierarchy, after the host reduction gave the stand-in pieces a fresh ``.grad``).
+        ``scale``: the loss scale of the step's gradients (exchange/loss_scale.py), which a
+        compressed bucket's values, in true units, are written back at (1 for a flush)."""
         parts: List[List[Tuple[Piece, wm.Section]]] = [[] for _ in self.layout.buckets]
         for pieces, sections in zip(self.shards.by_shard(t), pulled):
             for p, sec in zip(pieces, sections):
@@ -113,7 +113,6 @@ class Puller:
                     (torch.cat([section_values(sec, p.b) for p, sec in got]), False)
                 continue
             # A compressed bucket's values are in true units: the loss scale goes back in.
-            scale = self.scale
             if len(got) == 1 and got[0][1].mode == wm.M_DENSE:
                 whole = section_values(got[0][1], got[0][0].b)
                 values[b.index] = (whole if scale == 1.0 else whole.to(b.dtype) * scale, False)

@@ -86,14 +86,16 @@ class Worker:
                       for b in layout.buckets}
         self._score: Dict[int, torch.Tensor] = {}   # only with magnitude_weight > 0
         self._pending: List[Proposal] = []
-        self.scale = 1.0   # this step's loss scale (exchange/loss_scale.py), read at compensate
+        # The loss scale of this step's gradients (exchange/loss_scale.py), read at compensate:
+        # taken out of what is compressed, put back into what is pulled (1 for a flush).
+        self.scale = 1.0
 
     # --- compensate and select ---------------------------------------------------------------
     def compensate(self, t: int) -> Compensated:
         """Every bucket's proposed ``a = r + u`` read straight from the ``.grad``s (speculative:
         no memory changes), or (a NaN/Inf, unless nonfinite is "propagate") a report instead."""
         self._pending = []
-        self.scale = self.puller.scale = self.layout.loss_scale.read()
+        self.scale = self.layout.loss_scale.read()
         check = self.cfg.nonfinite != "propagate"
         folded, bad = [], []
         for b in self.layout.at_step(t):
@@ -134,7 +136,7 @@ class Worker:
         """Every residual as dense sections, per shard (dense buckets send nothing), pending
         until the flush's pull says it went through."""
         self._pending = []
-        self.puller.scale = 1.0   # residuals are in true units, and so is the step flush runs
+        self.scale = 1.0   # residuals are in true units, and so is the step flush runs
         out: List[List[wm.Section]] = [[] for _ in range(self.shards.servers)]
         for b, pieces in zip(self.layout.buckets, self.shards.pieces(None)):
             if b.kind == DENSE:
@@ -238,7 +240,12 @@ class Worker:
         """The step went through: commit this rank's proposals, then write the pulled values
         into ``p.grad`` (:meth:`Puller.write`; ``rendered``: its render of them)."""
         self._commit()
-        self.puller.write(pulled, t, rendered)
+        self.puller.write(pulled, t, rendered, self.scale)
+
+    def render(self, pulled: List[List[wm.Section]], t: int) -> Any:
+        """What the pull delivers, before the commit (:meth:`Puller.render`, at this step's
+        loss scale), for :meth:`apply` to write."""
+        return self.puller.render(pulled, t, self.scale)
 
     # --- the step's outcome on this rank's memory --------------------------------------------
     def selector_states(self) -> Dict[int, dict]:

@@ -248,7 +248,7 @@ class HierarchicalExchange:
         if pending.pulled is None:
             return SKIPPED, None, [], pending
         # The values the pull delivers, before the commit (the render is kept for it).
-        pending.rendered = self.inner.worker.puller.render(pending.pulled, pending.t)
+        pending.rendered = self.inner.worker.render(pending.pulled, pending.t)
         values = pending.rendered
         by_name: Dict[str, torch.Tensor] = {}
         for ib in self.inner.layout.buckets:

@@ -7,7 +7,10 @@ each rank's gradient divided by the scale and writes what it pulled back multipl
 the script's ``unscale_`` divides it out again. Both are exact, the scale being a power of two.
 So residuals and velocities never mix two scales when the scaler grows or backs off, a
 ``flush()`` hands true units to the optimizer step it runs, and a run is bitwise the run without
-a scaler. Dense buckets keep the scale: they hold nothing between steps. Under Adam's update
+a scaler. A host's carry under ``hierarchical=True`` (a failed step's gradient that no host
+reduction took in yet) is kept in true units too (exchange/hosts/phases.py), since the scale may
+change before a later step takes it in. Dense buckets keep the scale: they hold nothing between
+steps. Under Adam's update
 exchange the moments take the scale out before the exchange (optim/inner/adam_update.py), so the
 exchange is not told then.
 """

@@ -258,3 +258,104 @@ def test_host_first_told_a_scale_is_the_exchange_of_the_unscaled_gradients(hosts
     for r in range(len(hosts_of)):
         for t, (a, b) in enumerate(zip(told[r], plain[r])):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (r, t)
+
+
+def test_host_first_a_failed_steps_carry_keeps_its_true_units_through_a_change_of_scale():
+    """hierarchical=True with overlap: step 1 fails (stage 1's server), so stage 2's gradient
+    goes to each rank's carry, at step 1's scale; the scale then changes before the carry joins
+    step 2's host reduction, and again before the flush. Told the scale, every delivery and the
+    flush are bitwise those of the run never scaled, and so is what each rank holds."""
+    from hvd_slim.exchange.errors import ExchangeError
+
+    from test_exchange import grad_for
+    from test_exchange import make_params as exchange_params
+    from test_hierarchy import held_by_name, host_numbers, run_hosts
+    from test_overlap_hosts import break_server, config_of, mend_server, staged
+    hosts_of = host_numbers(2, 2)
+    config = config_of(op="sum", density=0.02, seed=2)
+
+    def run(scaled):
+        def fn(rank, world, local, cross):
+            named = exchange_params()
+            ex = staged(config, hosts_of, world, local, cross, named, threaded=False)
+            scaler = _scaler(True)
+            scaler.scale(torch.ones(()))   # its scale tensor, for update(new_scale)
+            if scaled:
+                ex.layout.loss_scale.scaler = scaler
+            out = []
+            for t in range(4):
+                s = 2.0 ** (10 + (3 * t) % 7) if scaled else 1.0
+                scaler.update(s)
+                for name, p in named:
+                    p.grad = grad_for(rank, t, name, p.shape) * s
+                if t == 1:
+                    break_server(ex, rank)
+                try:
+                    ex.step()
+                    out.append({n: p.grad / s for n, p in named})   # unscale_: exact
+                except ExchangeError:
+                    out.append("failed")
+                if t == 1:
+                    mend_server(ex, rank)
+            held = {k: v.clone() for k, v in held_by_name(ex).items()}
+            scaler.update(2.0 ** 5 if scaled else 1.0)   # the flush's scale: yet another
+            for _, p in named:
+                p.grad = None
+            ex.flush()
+            out.append({n: p.grad.clone() for n, p in named if p.grad is not None})
+            return out, held
+        return run_hosts(hosts_of, fn)
+
+    plain, told = run(False), run(True)
+    for r in range(len(hosts_of)):
+        (a_out, a_held), (b_out, b_held) = told[r], plain[r]
+        assert a_out[1] == b_out[1] == "failed"
+        for t, (a, b) in enumerate(zip(a_out, b_out)):
+            if t != 1:
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (r, t)
+        assert a_held.keys() == b_held.keys()
+        assert all(torch.equal(a_held[k], b_held[k]) for k in a_held), r
+
+
+def test_an_old_host_first_checkpoint_with_a_carry_is_refused_once_a_scaler_is_told():
+    """Before the carry was kept in true units a checkpoint held it at its failed step's scale
+    without the scale: with a GradScaler told it cannot be read, and says so; without one (the
+    units were the same) it loads, as does a checkpoint that records its carry unscaled."""
+    from hvd_slim.exchange.errors import ExchangeError
+
+    from test_exchange import grad_for
+    from test_exchange import make_params as exchange_params
+    from test_hierarchy import host_numbers, run_hosts
+    from test_overlap_hosts import break_server, config_of, mend_server, staged
+    hosts_of = host_numbers(2, 2)
+    config = config_of(op="sum", density=0.02, seed=2)
+
+    def fn(rank, world, local, cross):
+        named = exchange_params()
+        ex = staged(config, hosts_of, world, local, cross, named, threaded=False)
+        for name, p in named:
+            p.grad = grad_for(rank, 0, name, p.shape)
+        break_server(ex, rank)
+        with pytest.raises(ExchangeError):
+            ex.step()
+        mend_server(ex, rank)
+        state = ex.state_dict()
+        assert any(st["carry"] and st["carry_unscaled"] for st in state["stages"])
+        old = dict(state, stages=[{k: v for k, v in st.items() if k != "carry_unscaled"}
+                                  for st in state["stages"]])
+        outcomes = []
+        for told, saved in ((True, old), (False, old), (True, state)):
+            fresh = staged(config, hosts_of, world, local, cross, exchange_params(),
+                           threaded=False)
+            if told:
+                fresh.layout.loss_scale.scaler = _scaler(True)
+            try:
+                fresh.load_state_dict(saved)
+                outcomes.append("loaded")
+            except ValueError as exc:
+                outcomes.append(str(exc))
+        return outcomes
+
+    for outcomes in run_hosts(hosts_of, fn):
+        assert "carry" in outcomes[0] and "loss scale" in outcomes[0], outcomes[0]
+        assert outcomes[1:] == ["loaded", "loaded"]

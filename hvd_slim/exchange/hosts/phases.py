@@ -77,13 +77,18 @@ class HostPhases:
         one message per local rank, and whether it holds a NaN/Inf. What the reduction sends
         is read here, so the script may clear ``p.grad`` before it runs (``overlap_forward``)."""
         check = self.cfg.nonfinite != "propagate"
-        encoded = [self.frames.encode_reduce(j, check, self.carry) for j in range(self.size)]
+        scale = self.layout.loss_scale.read()   # of this step's gradients, which the carry joins
+        encoded = [self.frames.encode_reduce(j, check, self.carry, scale=scale)
+                   for j in range(self.size)]
         bad = any(flag for _, flag in encoded)
         return [self.frames.flag(buf, bad) for buf, _ in encoded], bad
 
     def encode_carry(self) -> List[np.ndarray]:
         """:meth:`encode` of this rank's carry alone (a flush's), flagged when it has one."""
-        return [self.frames.flag(self.frames.encode_reduce(j, False, self.carry, grads=False)[0],
+        # At the scale the cross exchange's absorb divides out (it reads the scaler's scale).
+        scale = self.layout.loss_scale.read()
+        return [self.frames.flag(self.frames.encode_reduce(j, False, self.carry, grads=False,
+                                                           scale=scale)[0],
                                  False, bool(self.carry)) for j in range(self.size)]
 
     def reduce(self, t: int, pieces: Dict[int, tuple], payloads: List[np.ndarray]) -> bool:
@@ -189,7 +194,10 @@ class HostPhases:
     def keep_own(self, payloads: Optional[List[np.ndarray]] = None) -> None:
         """This rank's gradient of the compressed buckets into its carry (checkpointed), so a
         failure before the host reduction loses none of it: from :meth:`encode`'s
-        ``payloads`` (which hold the carry already) when given, else from ``p.grad``."""
+        ``payloads`` (which hold the carry already) when given, else from ``p.grad``. The
+        carry is kept in true units (the step's loss scale divided out: exact, a power of
+        two), for the scale may change before a later step takes it in."""
+        scale = self.layout.loss_scale.read()
         if payloads is not None:
             carry: Dict[int, torch.Tensor] = {}
             for j, buf in enumerate(payloads):
@@ -199,7 +207,7 @@ class HostPhases:
                     if b.kind == SPARSE:
                         lo = self.frames.bounds[i][j]
                         c = carry.setdefault(i, torch.zeros(b.numel, dtype=b.dtype))
-                        c[lo:lo + n] = x
+                        c[lo:lo + n] = x if scale == 1.0 else x / scale
             self.carry = carry
             return
         for b in self.layout.sparse:
@@ -208,7 +216,8 @@ class HostPhases:
                 c = self.carry[b.index] = torch.zeros(b.numel, dtype=b.dtype)
             for off, numel, g in Layout.grad_parts(b):
                 if g is not None:
-                    c[off:off + numel] += g.detach().reshape(-1).cpu()
+                    g = g.detach().reshape(-1).cpu()
+                    c[off:off + numel] += g if scale == 1.0 else g / scale
 
     def flag_grads(self) -> None:
         """A step every rank skipped under ``nonfinite="flag"``: every gradient NaN (also

@@ -47,7 +47,9 @@ def state_of(ex: "HierarchicalExchange") -> dict:
             "inner": ex.inner.state_dict() if ex.inner is not None else None,
             # Without pieces the figures are this rank's own (else in the inner's state).
             "stats": ex.stats.state_dict() if ex.inner is None else None,
-            "carry": {i: c.clone() for i, c in ex.host_phases.carry.items()}}
+            "carry": {i: c.clone() for i, c in ex.host_phases.carry.items()},
+            # in true units (a told loss scale divided out); absent: at a failed step's scale
+            "carry_unscaled": True}
 
 
 def validate(ex: "HierarchicalExchange", state: dict) -> None:
@@ -65,6 +67,12 @@ def validate(ex: "HierarchicalExchange", state: dict) -> None:
     buckets = {b.index: b for b in ex.layout.buckets if b.kind == SPARSE}
     if not isinstance(carry, dict):
         raise ValueError("hvd_slim checkpoint: 'carry' must map bucket indices to tensors")
+    if carry and not state.get("carry_unscaled", False) and ex.layout.loss_scale.told:
+        raise ValueError("hvd_slim checkpoint: its carry (the gradient of a failed step that "
+                         "no host reduction took in yet) was saved by an hvd_slim that kept it "
+                         "at that step's loss scale without recording the scale, and a "
+                         "GradScaler is told now: resume from a checkpoint saved after a step "
+                         "that went through, or save it again with this version")
     for i, c in carry.items():
         b = buckets.get(i)
         if b is None or not isinstance(c, torch.Tensor) or c.dtype != b.dtype \

@@ -65,11 +65,11 @@ class HostFrames:
 
     # --- reduction ---------------------------------------------------------------------------
     def encode_reduce(self, j: int, check: bool,
-                      carry: Optional[Dict[int, torch.Tensor]] = None, grads: bool = True
-                      ) -> Tuple[np.ndarray, bool]:
+                      carry: Optional[Dict[int, torch.Tensor]] = None, grads: bool = True,
+                      scale: float = 1.0) -> Tuple[np.ndarray, bool]:
         """Piece j of every bucket of this rank's gradients (``grads``; else zeros) plus its
-        ``carry`` (by bucket), and whether they hold a NaN/Inf (``check``); the flag byte is
-        set by :meth:`flag`."""
+        ``carry`` (by bucket, in true units: at the gradients' loss ``scale``), and whether
+        they hold a NaN/Inf (``check``); the flag byte is set by :meth:`flag`."""
         buf = np.zeros(self.reduce_sizes[j], np.uint8)
         bad = False
         for i, at, n in self.places[j]:
@@ -81,7 +81,7 @@ class HostFrames:
                 if a < z and g is not None and grads:
                     out[a - lo:z - lo].copy_(g.reshape(-1)[a - off:z - off])
             if carry and i in carry:
-                out.add_(carry[i][lo:lo + n])
+                out.add_(carry[i][lo:lo + n], alpha=scale)
             bad = bad or (check and not bool(torch.isfinite(out).all()))
         return buf, bad
 

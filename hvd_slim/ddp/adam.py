@@ -87,11 +87,16 @@ class HookAdam:
         parameters in ``dense`` (keys the exchange sends dense) keep their gradient: its exact
         average comes back, and the optimizer's own step takes it. The pass's loss scale
         (:meth:`new_pass`) is taken out first, so the moments are of the true gradient; the
-        dense ones keep it, for the scaler's ``unscale_``."""
+        dense ones keep it, for the scaler's ``unscale_``. A parameter without a gradient
+        (unused by this rank's backward) is passed by, as torch's Adam passes it by."""
         offset = 0
         for k, p in zip(keys, params):
             n = p.numel()
-            if k in dense:
+            # A parameter this rank's backward did not reach (DDP's find_unused_parameters) has
+            # no gradient: as torch's Adam does, its moments neither decay nor count a step,
+            # and its part of the bucket (zeros) sends no update. (With
+            # gradient_as_bucket_view=True every .grad is a view of the bucket: never None.)
+            if k in dense or p.grad is None:
                 offset += n
                 continue
             gi = self._group.get(id(p))

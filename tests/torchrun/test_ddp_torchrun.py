@@ -327,3 +327,49 @@ def test_in_one_bucket_the_hook_is_distributed_optimizer_in_ddps_order(hvd: Any,
         dopt.step()
     assert torch.equal(flat(ddp.module), flat(net)) and same_everywhere(flat(net))
     assert dopt.comm_stats()["bytes_pushed"] < dopt.comm_stats()["dense_bytes"] / 3
+
+
+class Branchy(torch.nn.Module):
+    """A branch (``side``) that only rank 0 takes on odd steps: the others leave it unused,
+    as a mixture of experts leaves an expert."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(24, 256), torch.nn.Linear(256, 4)
+        self.side = torch.nn.Linear(256, 256)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        if dist.get_rank() == 0 and self.step % 2:
+            h = h + self.side(h)
+        return self.fc2(h)
+
+
+def test_adamw_leaves_a_locally_unused_parameters_moments_as_distributed_optimizer_does(
+        hvd: Any) -> None:
+    """find_unused_parameters=True and a parameter only rank 0 uses, on odd steps: each rank's
+    Adam steps on its own gradients, and a parameter this rank did not use has none (torch's
+    Adam passes such a parameter by), so its moments neither decay nor count a step, and it
+    sends no update. The hook in one bucket then trains bit for bit as DistributedOptimizer in
+    DDP's order, and replicas stay identical."""
+    kw = dict(density=0.05, min_compress_numel=100)
+    ddp = DDP(Branchy(), bucket_cap_mb=64, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.1)
+    SlimState(optimizer=opt, **kw).register(ddp)
+    net = Branchy()
+    named = [(f"p{i:03d}", p) for i, p in enumerate(net.parameters())]
+    dopt = hvd.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=0.01,
+                                                      weight_decay=0.1),
+                                    named_parameters=named, **kw)
+    for t in range(30):
+        ddp.module.step = net.step = t
+        x, y = batch(t, dist.get_rank())
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        dopt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        dopt.step()
+    assert torch.equal(flat(ddp.module), flat(net)) and same_everywhere(flat(net))

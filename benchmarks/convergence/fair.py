@@ -23,8 +23,9 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
 - ``lm-fair-hook``: hvd_slim with no keyword through its DDP hook (``--method slim-hook``:
   DDP's own buckets, ``SlimState(optimizer=AdamW)``) at every seed, against ``lm-fair``'s
   ``DistributedOptimizer`` on the same seeds and data, and ``DistributedOptimizer`` with its
-  flat buffer in DDP's order (the model's reversed) instead of by name, and with another seed
-  for its exploration and ties (the spread of a change that changes nothing statistically);
+  flat buffer in the model's order reversed (about DDP's rebuilt buckets') or in the model's
+  own (the hook's in one bucket) instead of by name, and with another seed for its exploration
+  and ties (the spread of a change that changes nothing statistically);
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -89,8 +90,12 @@ HOOK = (("default, DDP hook", "slim-hook", None, {}),
         ("default, DDP hook, one bucket", "slim-hook", None,
          {"slim": {"ddp_bucket_cap_mb": 64.0}}),
         # DistributedOptimizer with its flat buffer in DDP's order (the model's reversed), not
-        # by name: whether the order is what the hook loses (training.py's reversed_names)
+        # by name: whether the order is what the hook loses (training.py's ordered_names)
         ("default, DDP's parameter order", "slim", None, {"slim": {"name_order": "reverse"}}),
+        # ... and in the model's order, which is the hook's in one bucket (DDP's first bucket
+        # holds the parameters so; bitwise the hook there, over the same transport:
+        # tests/torchrun/test_ddp_torchrun.py)
+        ("default, the model's parameter order", "slim", None, {"slim": {"name_order": "model"}}),
         # the spread of a change of bits that changes nothing statistically: another seed for
         # the replicas' shared generator (exploration, ties), everything else the default's
         ("default, exploration seed 1", "slim", None, {"slim": {"seed": 1}}))

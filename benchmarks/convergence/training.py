@@ -68,8 +68,9 @@ def wrap_optimizer(method: str, hvd: ModuleType, opt: torch.optim.Optimizer, mod
         return hvd.DistributedOptimizer(opt, named_parameters=named, density=1.0, **finite)
     if method == "slim":
         kwargs = dict(finite, **(slim_kwargs or {}))
-        if kwargs.pop("name_order", None) == "reverse":
-            named = reversed_names(named)
+        order = kwargs.pop("name_order", None)
+        if order in ("reverse", "model"):
+            named = ordered_names(named, reverse=order == "reverse")
         if density is not None:
             kwargs["density"] = density
         outer = kwargs.pop("outer_sgd", None)
@@ -88,12 +89,14 @@ def wrap_optimizer(method: str, hvd: ModuleType, opt: torch.optim.Optimizer, mod
     return TopKOptimizer(opt, named, 0.02 if density is None else density, hvd)
 
 
-def reversed_names(named: List[Any]) -> List[Any]:
+def ordered_names(named: List[Any], reverse: bool = False) -> List[Any]:
     """``named`` renamed so that hvd_slim's name order (it sorts by name) is the model's order
-    reversed, as DDP's buckets hold the parameters (the order gradients become ready): the
-    study's probe of whether the flat buffer's order is what the DDP hook loses."""
+    (as DDP's first bucket holds the parameters, and with them the hook's exchange in one
+    bucket), or that reversed (about the order gradients become ready, as DDP's rebuilt
+    buckets hold them): the study's probe of whether the flat buffer's order is what the DDP
+    hook loses."""
     n = len(named)
-    return [(f"{n - 1 - i:05d}.{name}", p) for i, (name, p) in enumerate(named)]
+    return [(f"{n - 1 - i if reverse else i:05d}.{name}", p) for i, (name, p) in enumerate(named)]
 
 
 def make_inner(name: str, model: nn.Module, lr: float, momentum: float, nesterov: bool = False,

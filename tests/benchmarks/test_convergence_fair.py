@@ -40,6 +40,7 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "local_steps=8, senders and settle": [0], "default, DDP hook": [0, 1, 2],
                   "default, DDP hook, one bucket": [0, 1, 2],
                   "default, DDP's parameter order": [0, 1, 2],
+                  "default, the model's parameter order": [0, 1, 2],
                   "default, exploration seed 1": [0, 1, 2]}
     assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
                    "bf16 default": [0]}
@@ -130,12 +131,14 @@ def test_a_subset_beyond_the_corpus_sees_every_window_then_a_seeded_draw_again()
     assert tasks.load_dataset("pystdlib", n + 500, data_seed=4)[0].indices[n:] != again
 
 
-def test_ddps_parameter_order_reaches_the_optimizer_by_name():
+@pytest.mark.parametrize("reverse", [True, False], ids=["reversed", "the model's"])
+def test_ddps_parameter_order_reaches_the_optimizer_by_name(reverse):
     """The study's probe of the flat buffer's order: renamed so that hvd_slim's name order
-    (it sorts by name) is the model's order reversed, the same tensors."""
+    (it sorts by name) is the model's order, or that reversed, the same tensors."""
     import torch
-    from benchmarks.convergence.training import reversed_names
+    from benchmarks.convergence.training import ordered_names
     named = [(f"layer{i}.weight", torch.zeros(1)) for i in (0, 1, 10, 2)]
-    renamed = reversed_names(named)
-    assert [p for _, p in sorted(renamed)] == [p for _, p in reversed(named)]
+    renamed = ordered_names(named, reverse=reverse)
+    want = list(reversed(named)) if reverse else named
+    assert [p for _, p in sorted(renamed, key=lambda np: np[0])] == [p for _, p in want]
     assert all(new.endswith(old) for (new, _), (old, _) in zip(renamed, named))

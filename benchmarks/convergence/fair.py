@@ -181,12 +181,13 @@ def summarise(runs: List[Dict[str, Any]], case: str = CASE
     dense = {r["seed"]: r for r in by.get("dense", [])}
     out: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
     for variant, rs in by.items():
-        ends, refs, ratios, pushed, where = [], [], [], [], []
+        ends, paired, refs, ratios, pushed, where = [], [], [], [], [], []
         for r in rs:
             last = r["records"][-1]
             ends.append(float(last["val_bpb"]))
             d = dense.get(r["seed"])
             if d is not None:
+                paired.append(float(last["val_bpb"]))
                 target = float(d["records"][-1]["val_bpb"])
                 mine, theirs = steps_to(_curve(r), target), steps_to(_curve(d), target)
                 refs.append(float(d["records"][-1]["val_bpb"]))
@@ -195,7 +196,10 @@ def summarise(runs: List[Dict[str, Any]], case: str = CASE
                 at = steps_to(_curve(d), float(last["val_bpb"]))
                 where.append(None if at is None else at / _curve(d)[-1][0])
             pushed.append(last["bytes_pushed"] / max(last["dense_bytes"], 1.0))
+        # The gap to dense pairs seeds: only those with a dense run count in it.
         out[variant] = {"seeds": len(rs), "end": statistics.fmean(ends),
+                        "paired_seeds": len(paired),
+                        "paired_end": statistics.fmean(paired) if paired else float("nan"),
                         "dense": statistics.fmean(refs) if refs else float("nan"),
                         "steps_ratio": ratios, "dense_at": where,
                         "push_ratio": 1.0 / statistics.fmean(pushed),
@@ -211,7 +215,7 @@ def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
            "/ dense's | dense had this loss at | dense/pushed bytes, whole run | target |",
            "|---|---:|---:|---:|---:|---:|---:|---|"]
     for variant, r in rows.items():
-        gap = r["end"] / r["dense"] - 1
+        gap = r["paired_end"] / r["dense"] - 1
         steps = r["steps_ratio"]
         reached = [s for s in steps if s is not None]
         cell = ("never" if not reached else f"{statistics.fmean(reached):.2f}x"
@@ -237,7 +241,9 @@ def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
         at = [a for a in r["dense_at"] if a is not None]
         at_cell = f"{100 * statistics.fmean(at):.0f}% of its steps" if at and \
             len(at) == len(r["dense_at"]) else "its end"
-        out.append(f"| {variant} | {r['seeds']} | {r['end']:.4f} | {100 * gap:+.2f}% | {cell} "
+        seeds = str(r["seeds"]) if r.get("paired_seeds", r["seeds"]) == r["seeds"] else \
+            f"{r['seeds']} ({r['paired_seeds']} with dense)"
+        out.append(f"| {variant} | {seeds} | {r['end']:.4f} | {100 * gap:+.2f}% | {cell} "
                    f"| {at_cell} | {r['push_ratio']:.1f}x | {verdict} |")
     return "\n".join(out) + "\n"
 

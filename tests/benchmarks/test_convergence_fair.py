@@ -81,6 +81,18 @@ def test_the_table_gives_the_gap_the_steps_ratio_and_the_bytes():
     assert "steps missed" in text and "bytes met: 50x" in text
 
 
+def test_the_gap_to_dense_counts_only_the_seeds_with_a_dense_run():
+    """A variant run on more seeds than dense is compared on the seeds they share: seed 1's
+    end (without dense) is in its mean but not in its gap."""
+    runs = [_run("dense", 0, [(100, 3.0), (200, 2.0)], 1000.0),
+            _run("default", 0, [(100, 3.0), (200, 2.04)], 20.0),
+            _run("default", 1, [(100, 3.0), (200, 2.5)], 20.0)]
+    rows = fair.summarise(runs)
+    assert rows["default"]["end"] == pytest.approx(2.27)
+    assert rows["default"]["paired_end"] == pytest.approx(2.04)
+    assert "| default | 2 (1 with dense) | 2.2700 | +2.00% |" in fair.table(rows)
+
+
 def test_the_report_compares_each_optimizer_with_its_own_dense(tmp_path):
     runs = [_run("dense", 0, [(100, 3.0), (200, 2.0)], 1000.0),
             _run("default", 0, [(100, 3.0), (200, 2.02)], 20.0),

@@ -8,11 +8,13 @@ of its parameters retire: what this rank holds of theirs (its residual, and on a
 shard's residual) is split by parameter and joins those parameters' gradients in the new
 buckets, so no value is lost or sent twice.
 
-**Parameters are named by position.** DDP shows the hook tensors, not names. A parameter's key is
+**Parameters are keyed by position.** DDP shows the hook tensors, not names. A parameter's key is
 its position in the first backward pass the state sees (bucket by bucket, in DDP's first
 layout, which a fresh DDP model of the same module always repeats). Checkpoints store these keys,
 so a resumed state finds each saved exchange's bucket in the fresh model, or splits it by
-parameter when DDP lays it out otherwise.
+parameter when DDP lays it out otherwise. Where ``SlimState.register`` gave the parameters'
+names, an exchange's stand-ins carry them and its layout orders them by name, as
+``DistributedOptimizer``'s does; a saved exchange keeps the names it was laid out by.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class Bucket:
     numels: Tuple[int, ...]        # theirs, in the exchange's order
     dense: frozenset               # the keys the exchange sends dense (an exact average)
     key_of: Dict[str, int]         # a stand-in's name in the exchange's layout -> its key
+    names: Tuple[str, ...] = ()    # the stand-ins' names (in ``keys``' order), saved with it
     # For each layout DDP has given these parameters (its first, and its rebuilt one): where
     # each stand-in's part begins in that layout's flat buffer, in the exchange's order.
     layouts: Dict[Keys, Tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -95,6 +98,10 @@ class BucketExchanges:
         self._transport_for = transport_for
         self.loss_scale = LossScale() if loss_scale is None else loss_scale
         self.live: Dict[frozenset, Bucket] = {}   # by the parameters a bucket carries
+        # id(parameter) -> its name in the model (SlimState.register gives them): the stand-ins
+        # are named so, and the exchange lays them out by name, as DistributedOptimizer does.
+        self.names: Dict[int, str] = {}
+        self._key_names: Dict[int, str] = {}      # key -> that name
         self.saved: List[dict] = []            # loaded exchanges waiting for their bucket
         self.carry: Dict[int, torch.Tensor] = {}   # by key: held values waiting for a bucket
         # id(parameter) -> (a weak reference to it, its key)
@@ -124,6 +131,8 @@ class BucketExchanges:
                                      f"per model")
                 k, self._next_key = self._next_key, self._next_key + 1
                 self._keys[id(p)] = (weakref.ref(p), k)
+                if id(p) in self.names:
+                    self._key_names[k] = self.names[id(p)]
             out.append(k)
         return tuple(out)
 
@@ -138,7 +147,7 @@ class BucketExchanges:
         if saved is not None:
             self.saved.remove(saved)
             b = self._new(int(saved.get("index", index)), buffer, tuple(saved["keys"]),
-                          tuple(saved["numels"]))
+                          tuple(saved["numels"]), _saved_names(saved, index))
             b.exchange.load_state_dict(saved["exchange"])   # validated completely first
             self.live[frozenset(keys)] = b
             return b
@@ -150,7 +159,8 @@ class BucketExchanges:
             old = self._new(int(entry.get("index", -1)),
                             torch.zeros(sum(entry["numels"]), dtype=buffer.dtype,
                                         device=buffer.device),
-                            tuple(entry["keys"]), tuple(entry["numels"]))
+                            tuple(entry["keys"]), tuple(entry["numels"]),
+                            _saved_names(entry, int(entry.get("index", -1))))
             old.exchange.load_state_dict(entry["exchange"])
             self._retire(old)
         b = self.live[frozenset(keys)] = self._new(index, buffer, keys, numels)
@@ -172,21 +182,31 @@ class BucketExchanges:
             offset += n
 
     def _new(self, index: int, buffer: torch.Tensor, keys: Keys,
-             numels: Tuple[int, ...]) -> Bucket:
+             numels: Tuple[int, ...], names: Optional[Sequence[str]] = None) -> Bucket:
         # The stand-ins' values are never read (magnitude_weight is refused): they share the
-        # bucket's storage, so the exchange keeps no second copy of the gradients. Their names
-        # sort in the bucket's order (the layout orders by name).
+        # bucket's storage, so the exchange keeps no second copy of the gradients. They carry
+        # the parameters' own names where register() gave them, so the layout (it orders by
+        # name) is DistributedOptimizer's; else names that sort in the bucket's order. A saved
+        # exchange brings its own, so it is laid out as it was.
         flat, stand_ins, offset = buffer.detach(), [], 0
         for n in numels:
             stand_ins.append(torch.nn.Parameter(flat[offset:offset + n], requires_grad=False))
             offset += n
-        layout = Layout([(_name(index, i), s) for i, s in enumerate(stand_ins)], self.config,
-                        lambda dt: dt, loss_scale=self.loss_scale)
-        key_of = {_name(index, i): k for i, k in enumerate(keys)}
+        if names is None:
+            names = [self._key_names[k] for k in keys] \
+                if all(k in self._key_names for k in keys) else \
+                [_name(index, i) for i in range(len(keys))]
+        names = tuple(str(n) for n in names)
+        if len(names) != len(keys) or len(set(names)) != len(names):
+            raise ValueError(f"hvd_slim.ddp: the names of bucket {index}'s parameters in the "
+                             f"checkpoint are not one each: {list(names)[:5]}...")
+        layout = Layout(list(zip(names, stand_ins)), self.config, lambda dt: dt,
+                        loss_scale=self.loss_scale)
+        key_of = dict(zip(names, keys))
         dense = frozenset(key_of[sg.name] for lb in layout.buckets if lb.kind != SPARSE
                           for sg in lb.segments)
         return Bucket(build_exchange(layout, self.config, self._transport_for(buffer.device)),
-                      stand_ins, index, keys, numels, dense, key_of)
+                      stand_ins, index, keys, numels, dense, key_of, names=names)
 
     def _retire(self, b: Bucket) -> None:
         """Split what ``b``'s exchange holds on this rank by parameter, to join their next
@@ -226,7 +246,8 @@ class BucketExchanges:
         """Every exchange's state (live and still saved), with its parameters' keys; what
         retired ones held; their figures."""
         live = [{"index": b.index, "keys": list(b.keys), "numels": list(b.numels),
-                 "exchange": b.exchange.state_dict()} for b in self.live.values()]
+                 "names": list(b.names), "exchange": b.exchange.state_dict()}
+                for b in self.live.values()]
         return live + list(self.saved), dict(self.carry), dict(self.retired)
 
     def load(self, buckets: List[dict], carry: Dict[Any, torch.Tensor],
@@ -234,9 +255,18 @@ class BucketExchanges:
         """Start over from :meth:`state`'s parts (checked by the caller): the exchanges wait for
         their buckets, and keys are given afresh by the first backward pass."""
         self.live, self._keys, self.keys_final, self._next_key = {}, {}, False, 0
+        self._key_names = {}
         self.saved = [dict(s) for s in buckets]
         self.carry = {int(k): v for k, v in carry.items()}
         self.retired = {f: retired.get(f, 0) for f in ExchangeStats.FIELDS}
+
+
+def _saved_names(saved: dict, index: int) -> List[str]:
+    """The names a saved exchange was laid out by: its own, or (saved before exchanges kept
+    them, 7 December) the positional ones every exchange had then."""
+    names = saved.get("names")
+    return list(names) if names is not None else \
+        [_name(int(saved.get("index", index)), i) for i in range(len(saved["keys"]))]
 
 
 def _name(index: int, position: int) -> str:

@@ -84,6 +84,7 @@ class SlimState:
         # set_grad_scaler): exchange/loss_scale.py.
         self._loss_scale = LossScale()
         self._buckets = BucketExchanges(self.config, self._transport_for, self._loss_scale)
+        self._names: Dict[int, str] = {}       # id(parameter) -> name, from register()
         self._pass = BackwardPass()            # the buckets of the pass in flight
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
         self.iteration = 0                     # backward passes that reached the hook
@@ -130,6 +131,7 @@ class SlimState:
         self.config, self._adam = config, adam
         self._loss_scale.scaler = None   # Adam takes the scale out before the exchange
         self._buckets = BucketExchanges(config, self._transport_for, self._loss_scale)
+        self._buckets.names = self._names
         return self
 
     def set_grad_scaler(self, scaler: Any) -> "SlimState":
@@ -174,7 +176,9 @@ class SlimState:
         """Register :func:`hvd_slim.ddp.slim_hook` with this state on ``ddp_model``, as
         ``ddp_model.register_comm_hook(state, slim_hook)`` does, after checking what the hook
         alone cannot see: that the model is DDP's, that this state serves no other model, and
-        that its process group has the DDP model's ranks.
+        that its process group has the DDP model's ranks. It also gives the state the
+        parameters' names, so each exchange lays them out by name as ``DistributedOptimizer``
+        does (registered directly, the hook lays them out in DDP's bucket order).
 
         Args:
             ddp_model: A ``torch.nn.parallel.DistributedDataParallel`` model.
@@ -212,6 +216,10 @@ class SlimState:
                              f"process_group None for DDP's default group")
         ddp_model.register_comm_hook(self, slim_hook)
         self._model = weakref.ref(ddp_model)
+        # The exchanges lay the parameters out by name, as DistributedOptimizer does: in one
+        # bucket the hook then trains bit for bit as DistributedOptimizer's default.
+        self._names = {id(p): n for n, p in ddp_model.module.named_parameters()}
+        self._buckets.names = self._names
         return self
 
     # --- the transport ----------------------------------------------------------------------

@@ -156,22 +156,39 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(hvd: Any, tell: bo
     assert state.comm_stats()["skipped_steps"] == 1
 
 
-def test_a_checkpoint_resumes_bitwise(hvd: Any) -> None:
+@pytest.mark.parametrize("how", ["direct", "register", "old"])
+def test_a_checkpoint_resumes_bitwise(hvd: Any, how: str) -> None:
+    """Saved mid-run and resumed in a fresh model, the run is the unbroken one: registered
+    directly (the exchange in DDP's order), with register() (by name), and a checkpoint of
+    before the exchanges kept their names (laid out in DDP's order then), resumed with
+    register(): its exchanges keep the order they were saved in."""
     kw = dict(density=0.02, min_compress_numel=100)
-    full, full_opt = model(SlimState(**kw))
+
+    def hooked(state: Any, named: bool) -> Any:
+        ddp, opt = model()
+        if named:
+            state.register(ddp)
+        else:
+            ddp.register_comm_hook(state, slim_hook)
+        return ddp, opt
+
+    full, full_opt = hooked(SlimState(**kw), how == "register")
     train(full, full_opt, range(8))
 
     state = SlimState(**kw)
-    ddp, opt = model(state)
+    ddp, opt = hooked(state, how == "register")
     train(ddp, opt, range(4))
     saved = io.BytesIO()
+    slim = state.state_dict()
+    if how == "old":
+        slim["buckets"] = [{k: v for k, v in b.items() if k != "names"} for b in slim["buckets"]]
     torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
-                "slim": state.state_dict()}, saved)
+                "slim": slim}, saved)
     saved.seek(0)
     ckpt = torch.load(saved, weights_only=True)
     again = SlimState(**kw)
     again.load_state_dict(ckpt["slim"])
-    resumed, resumed_opt = model(again)
+    resumed, resumed_opt = hooked(again, how != "direct")
     resumed.module.load_state_dict(ckpt["model"])
     resumed_opt.load_state_dict(ckpt["opt"])
     train(resumed, resumed_opt, range(4, 8))
@@ -189,17 +206,16 @@ def test_a_second_model_on_one_state_is_refused(hvd: Any) -> None:
 
 def test_register_checks_the_model_and_the_state(hvd: Any) -> None:
     """SlimState.register refuses what the hook cannot see at its buckets: something other than
-    a DDP model, and a state already serving another model; what it registers trains as
-    register_comm_hook's does, bit for bit."""
+    a DDP model, and a state already serving another model. What it registers trains (by
+    name, as DistributedOptimizer: test_in_one_bucket_the_hook_is_distributed_optimizer)."""
     state = SlimState(density=0.02, min_compress_numel=100)
     with pytest.raises(TypeError, match="must be a torch.nn.parallel.DistributedDataParallel"):
         state.register(Net())
     first, opt = model()
+    start = flat(first.module)
     assert state.register(first) is state
     train(first, opt, range(3))
-    direct, opt2 = model(SlimState(density=0.02, min_compress_numel=100))
-    train(direct, opt2, range(3))
-    assert torch.equal(flat(first.module), flat(direct.module))
+    assert not torch.equal(flat(first.module), start)
     assert same_everywhere(flat(first.module))
     second, _ = model()
     with pytest.raises(RuntimeError, match="already serves another DDP model"):
@@ -293,15 +309,16 @@ def test_adamw_under_a_changing_grad_scaler_is_adamw_without_one(hvd: Any) -> No
     assert torch.equal(scaled, run(False)) and same_everywhere(scaled)
 
 
+@pytest.mark.parametrize("how", ["register", "direct"])
 @pytest.mark.parametrize("adam", [False, True], ids=["sgd", "adamw"])
-def test_in_one_bucket_the_hook_is_distributed_optimizer_in_ddps_order(hvd: Any,
-                                                                      adam: bool) -> None:
-    """Real DDP, every parameter in one bucket: the hook's exchange takes the parameters in
-    the order of DDP's first bucket (the model's), and trains bit for bit as
-    ``DistributedOptimizer`` over the same Gloo transport with its flat buffer in that order,
-    through the warm-up into steady slicing (40 steps at 0.05). So what the hook ends with,
-    against ``DistributedOptimizer``'s default (parameters by name), is the order's
-    (docs/ddp.md, "Measured")."""
+def test_in_one_bucket_the_hook_is_distributed_optimizer(hvd: Any, adam: bool,
+                                                         how: str) -> None:
+    """Real DDP, every parameter in one bucket: the hook trains bit for bit as
+    ``DistributedOptimizer`` over the same Gloo transport, through the warm-up into steady
+    slicing (40 steps at 0.05). Registered with ``state.register(ddp)``, the exchange lays the
+    parameters out by name, as ``DistributedOptimizer`` does by default; registered directly
+    (``register_comm_hook``), it has no names and takes them in DDP's first bucket's order,
+    the model's: ``DistributedOptimizer`` with names that sort so is its twin then."""
     kw = dict(density=0.05, min_compress_numel=100)
 
     def inner(params: Any) -> torch.optim.Optimizer:
@@ -310,13 +327,16 @@ def test_in_one_bucket_the_hook_is_distributed_optimizer_in_ddps_order(hvd: Any,
 
     ddp = DDP(Net(), bucket_cap_mb=64)
     opt = inner(ddp.parameters())
-    SlimState(optimizer=opt if adam else None, **kw).register(ddp)
+    state = SlimState(optimizer=opt if adam else None, **kw)
+    if how == "register":
+        state.register(ddp)
+    else:
+        ddp.register_comm_hook(state, slim_hook)
     train(ddp, opt, range(40))
-    assert ddp.module.fc1.weight.grad is not None
 
     net = Net()
-    # Names that sort in the model's order: DistributedOptimizer lays its buffer out by name.
-    named = [(f"p{i:03d}", p) for i, p in enumerate(net.parameters())]
+    named = list(net.named_parameters()) if how == "register" else \
+        [(f"p{i:03d}", p) for i, p in enumerate(net.parameters())]   # the model's order
     extra = {} if adam else {"momentum_correction": False}
     dopt = hvd.DistributedOptimizer(inner(net.parameters()), named_parameters=named, **kw,
                                     **extra)
@@ -352,14 +372,14 @@ def test_adamw_leaves_a_locally_unused_parameters_moments_as_distributed_optimiz
     """find_unused_parameters=True and a parameter only rank 0 uses, on odd steps: each rank's
     Adam steps on its own gradients, and a parameter this rank did not use has none (torch's
     Adam passes such a parameter by), so its moments neither decay nor count a step, and it
-    sends no update. The hook in one bucket then trains bit for bit as DistributedOptimizer in
-    DDP's order, and replicas stay identical."""
+    sends no update. The hook in one bucket then trains bit for bit as DistributedOptimizer,
+    and replicas stay identical."""
     kw = dict(density=0.05, min_compress_numel=100)
     ddp = DDP(Branchy(), bucket_cap_mb=64, find_unused_parameters=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.1)
     SlimState(optimizer=opt, **kw).register(ddp)
     net = Branchy()
-    named = [(f"p{i:03d}", p) for i, p in enumerate(net.parameters())]
+    named = list(net.named_parameters())   # register() lays the exchange out by name
     dopt = hvd.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=0.01,
                                                       weight_decay=0.1),
                                     named_parameters=named, **kw)

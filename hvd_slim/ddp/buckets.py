@@ -101,7 +101,6 @@ class BucketExchanges:
         # id(parameter) -> its name in the model (SlimState.register gives them): the stand-ins
         # are named so, and the exchange lays them out by name, as DistributedOptimizer does.
         self.names: Dict[int, str] = {}
-        self._key_names: Dict[int, str] = {}      # key -> that name
         self.saved: List[dict] = []            # loaded exchanges waiting for their bucket
         self.carry: Dict[int, torch.Tensor] = {}   # by key: held values waiting for a bucket
         # id(parameter) -> (a weak reference to it, its key)
@@ -131,8 +130,6 @@ class BucketExchanges:
                                      f"per model")
                 k, self._next_key = self._next_key, self._next_key + 1
                 self._keys[id(p)] = (weakref.ref(p), k)
-                if id(p) in self.names:
-                    self._key_names[k] = self.names[id(p)]
             out.append(k)
         return tuple(out)
 
@@ -193,8 +190,9 @@ class BucketExchanges:
             stand_ins.append(torch.nn.Parameter(flat[offset:offset + n], requires_grad=False))
             offset += n
         if names is None:
-            names = [self._key_names[k] for k in keys] \
-                if all(k in self._key_names for k in keys) else \
+            named = {k: self.names[pid] for pid, (_, k) in self._keys.items()
+                     if pid in self.names}
+            names = [named[k] for k in keys] if all(k in named for k in keys) else \
                 [_name(index, i) for i in range(len(keys))]
         names = tuple(str(n) for n in names)
         if len(names) != len(keys) or len(set(names)) != len(names):
@@ -255,7 +253,6 @@ class BucketExchanges:
         """Start over from :meth:`state`'s parts (checked by the caller): the exchanges wait for
         their buckets, and keys are given afresh by the first backward pass."""
         self.live, self._keys, self.keys_final, self._next_key = {}, {}, False, 0
-        self._key_names = {}
         self.saved = [dict(s) for s in buckets]
         self.carry = {int(k): v for k, v in carry.items()}
         self.retired = {f: retired.get(f, 0) for f in ExchangeStats.FIELDS}

@@ -84,7 +84,6 @@ class SlimState:
         # set_grad_scaler): exchange/loss_scale.py.
         self._loss_scale = LossScale()
         self._buckets = BucketExchanges(self.config, self._transport_for, self._loss_scale)
-        self._names: Dict[int, str] = {}       # id(parameter) -> name, from register()
         self._pass = BackwardPass()            # the buckets of the pass in flight
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
         self.iteration = 0                     # backward passes that reached the hook
@@ -130,8 +129,9 @@ class SlimState:
         adam = HookAdam(optimizer)
         self.config, self._adam = config, adam
         self._loss_scale.scaler = None   # Adam takes the scale out before the exchange
+        names = self._buckets.names   # what register() gave, if it came first
         self._buckets = BucketExchanges(config, self._transport_for, self._loss_scale)
-        self._buckets.names = self._names
+        self._buckets.names = names
         return self
 
     def set_grad_scaler(self, scaler: Any) -> "SlimState":
@@ -218,8 +218,7 @@ class SlimState:
         self._model = weakref.ref(ddp_model)
         # The exchanges lay the parameters out by name, as DistributedOptimizer does: in one
         # bucket the hook then trains bit for bit as DistributedOptimizer's default.
-        self._names = {id(p): n for n, p in ddp_model.module.named_parameters()}
-        self._buckets.names = self._names
+        self._buckets.names = {id(p): n for n, p in ddp_model.module.named_parameters()}
         return self
 
     # --- the transport ----------------------------------------------------------------------

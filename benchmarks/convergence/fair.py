@@ -182,7 +182,7 @@ def summarise(runs: List[Dict[str, Any]], case: str = CASE
     dense = {r["seed"]: r for r in by.get("dense", [])}
     out: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
     for variant, rs in by.items():
-        ends, paired, refs, ratios, pushed, where = [], [], [], [], [], []
+        ends, paired, refs, ratios, pushed, where, gaps = [], [], [], [], [], [], []
         for r in rs:
             last = r["records"][-1]
             ends.append(float(last["val_bpb"]))
@@ -192,6 +192,7 @@ def summarise(runs: List[Dict[str, Any]], case: str = CASE
                 target = float(d["records"][-1]["val_bpb"])
                 mine, theirs = steps_to(_curve(r), target), steps_to(_curve(d), target)
                 refs.append(float(d["records"][-1]["val_bpb"]))
+                gaps.append(float(last["val_bpb"]) / target - 1)
                 ratios.append(None if mine is None else mine / theirs)
                 # where dense stood when it had this run's final loss: a share of its steps
                 at = steps_to(_curve(d), float(last["val_bpb"]))
@@ -202,6 +203,9 @@ def summarise(runs: List[Dict[str, Any]], case: str = CASE
                         "paired_seeds": len(paired),
                         "paired_end": statistics.fmean(paired) if paired else float("nan"),
                         "dense": statistics.fmean(refs) if refs else float("nan"),
+                        # the spread of the per-seed gaps: one standard error of their mean
+                        "gap_se": statistics.stdev(gaps) / len(gaps) ** 0.5
+                        if len(gaps) > 1 else None,
                         "steps_ratio": ratios, "dense_at": where,
                         "push_ratio": 1.0 / statistics.fmean(pushed),
                         "load": statistics.fmean(r.get("loadavg", [float("nan")])[0]
@@ -244,7 +248,9 @@ def table(rows: "OrderedDict[str, Dict[str, Any]]") -> str:
             len(at) == len(r["dense_at"]) else "its end"
         seeds = str(r["seeds"]) if r.get("paired_seeds", r["seeds"]) == r["seeds"] else \
             f"{r['seeds']} ({r['paired_seeds']} with dense)"
-        out.append(f"| {variant} | {seeds} | {r['end']:.4f} | {100 * gap:+.2f}% | {cell} "
+        se = r.get("gap_se")
+        spread = f" ± {100 * se:.2f}" if se and variant != "dense" else ""
+        out.append(f"| {variant} | {seeds} | {r['end']:.4f} | {100 * gap:+.2f}%{spread} | {cell} "
                    f"| {at_cell} | {r['push_ratio']:.1f}x | {verdict} |")
     return "\n".join(out) + "\n"
 
@@ -259,6 +265,9 @@ def report(runs: List[Dict[str, Any]], out: str) -> str:
         loads = [r["load"] for r in rows.values() if r["load"] == r["load"]]
         parts.append(f"## Language model at a fair horizon (20 bytes per parameter, 4 ranks), "
                      f"{inner}\n\n" + table(rows)
+                     + "\nThe gap is the seeds' mean against dense's on the same seeds; ± is one "
+                       "standard error of the per-seed gaps' mean, where two or more seeds "
+                       "have dense.\n"
                      + (f"\nMachine load (1-minute average at each run's start): "
                         f"{min(loads):.1f} to {max(loads):.1f}.\n" if loads else ""))
     if not parts:

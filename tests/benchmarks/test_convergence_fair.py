@@ -92,6 +92,21 @@ def test_the_gap_to_dense_counts_only_the_seeds_with_a_dense_run():
     assert "| default | 2 (1 with dense) | 2.2700 | +2.00% |" in fair.table(rows)
 
 
+def test_the_gap_carries_one_standard_error_of_the_per_seed_gaps():
+    """Seeds 0-2 end 1%, 3% and 2% above their dense runs: the gaps' mean's standard error is
+    their standard deviation (1 point) over the root of 3."""
+    runs = []
+    for seed, (d, v) in enumerate([(2.0, 2.02), (2.0, 2.06), (2.0, 2.04)]):
+        runs += [_run("dense", seed, [(100, 3.0), (200, d)], 1000.0),
+                 _run("default", seed, [(100, 3.0), (200, v)], 20.0)]
+    rows = fair.summarise(runs)
+    assert rows["default"]["gap_se"] == pytest.approx(0.01 / 3 ** 0.5)
+    assert rows["dense"]["gap_se"] == 0.0
+    text = fair.table(rows)
+    assert "| default | 3 | 2.0400 | +2.00% ± 0.58 |" in text
+    assert "| dense | 3 | 2.0000 | +0.00% |" in text   # no spread against itself
+
+
 def test_the_report_compares_each_optimizer_with_its_own_dense(tmp_path):
     runs = [_run("dense", 0, [(100, 3.0), (200, 2.0)], 1000.0),
             _run("default", 0, [(100, 3.0), (200, 2.02)], 20.0),

@@ -26,6 +26,9 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   flat buffer in the model's order reversed (about DDP's rebuilt buckets') or in the model's
   own (the hook's in one bucket) instead of by name, and with another seed for its exploration
   and ties (the spread of a change that changes nothing statistically);
+- ``lm-fair-parts``: what the defaults' gap is made of: the update exchange nearly exact (half
+  the coordinates a step at 32 bits, the server's exact sum on their union), so what is left is
+  each rank's own Adam moments and a step or two of staleness, at every seed;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -100,6 +103,12 @@ HOOK = (("default, DDP hook", "slim-hook", None, {}),
         # the spread of a change of bits that changes nothing statistically: another seed for
         # the replicas' shared generator (exploration, ties), everything else the default's
         ("default, exploration seed 1", "slim", None, {"slim": {"seed": 1}}))
+# What the gap is made of (``lm-fair-parts``, every seed): the update exchange with half the
+# coordinates a step at 32 bits and the exact union pull, where every coordinate travels about
+# every other step, unrounded: its gap is what each rank's own Adam moments cost (with the
+# average's second moment estimated, optim/inner/adam_update.py) plus a little staleness
+PARTS = (("update exchange nearly exact (0.5 at 32 bits, pull union)", "slim", 0.5,
+          {"slim": {"value_bits": 32, "pull": "union"}}),)
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that
@@ -123,12 +132,12 @@ TARGETS = {"gap": 0.02, "bytes": 40.0, "steps": 1.25}
 
 
 def configs(group: str) -> List[Config]:
-    """The runs of ``lm-fair``, ``lm-fair-sgd``, ``lm-fair-longer`` and ``lm-fair-hook`` (every
-    seed; SGD's peers the first seed only) or ``lm-fair-peers``, ``lm-fair-bf16`` and ``lm-fair-local`` (the first
-    seed only)."""
+    """The runs of ``lm-fair``, ``lm-fair-sgd``, ``lm-fair-longer``, ``lm-fair-hook`` and
+    ``lm-fair-parts`` (every seed; SGD's peers the first seed only) or ``lm-fair-peers``,
+    ``lm-fair-bf16`` and ``lm-fair-local`` (the first seed only)."""
     rows = {"lm-fair-peers": PEERS, "lm-fair-sgd": MAIN + SGD_PEERS,
             "lm-fair-local": LOCAL, "lm-fair-longer": LONGER_ROWS,
-            "lm-fair-hook": HOOK}.get(group, MAIN)
+            "lm-fair-hook": HOOK, "lm-fair-parts": PARTS}.get(group, MAIN)
     case, base = {"lm-fair-sgd": (SGD_CASE, dict(LM_FAIR, **SGD)),
                   "lm-fair-bf16": (BF16_CASE, dict(LM_FAIR, param_dtype="bfloat16"))}.get(
                       group, (CASE, LM_FAIR))
@@ -145,7 +154,7 @@ def configs(group: str) -> List[Config]:
 
 
 GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd", "lm-fair-bf16", "lm-fair-local",
-          "lm-fair-longer", "lm-fair-hook")
+          "lm-fair-longer", "lm-fair-hook", "lm-fair-parts")
 CASES = {CASE: "AdamW", SGD_CASE: "SGD with Nesterov momentum",
          BF16_CASE: "AdamW, bfloat16 parameters"}
 

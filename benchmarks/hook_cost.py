@@ -20,7 +20,6 @@ hook's over ``do``'s. Timing on a busy machine says little: run it quiet (the lo
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,7 +34,7 @@ from hvd_slim.ddp import SlimState
 from hvd_slim.ddp.group import group_transport
 
 from .models import SHAPES, SyntheticGrads
-from .step_cost import _timed
+from .step_cost import _timed, probe_parser
 
 SERIES = ("backward", "sgd", "do", "hook", "hook_1b", "hook_1bv")
 
@@ -108,12 +107,7 @@ def _report(r: Dict[str, Any], out: Callable[[str], None]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="resnet18", choices=sorted(SHAPES))
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per series and repeat")
-    ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--json", help="also write the figures here")
-    args = ap.parse_args()
+    args = probe_parser(__doc__, steps=6, repeats=4).parse_args()
     r = measure(args.model, args.steps, args.repeats)
     _report(r, print)
     if args.json:

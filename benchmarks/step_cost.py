@@ -116,13 +116,19 @@ def measure(model: str, steps: int, repeats: int) -> Dict[str, Any]:
             "phases_s": phases, "medians_s": med}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def probe_parser(doc: str, steps: int, repeats: int) -> argparse.ArgumentParser:
+    """The one-process probes' command line (this one's, benchmarks/hook_cost.py's): the shapes,
+    the timed steps per series and repeat, the repeats, and where the JSON goes."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--model", default="resnet18", choices=sorted(SHAPES))
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per series and repeat")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=steps, help="timed steps per series and repeat")
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--json", help="also write the figures here")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = probe_parser(__doc__, steps=20, repeats=3).parse_args()
     r = measure(args.model, args.steps, args.repeats)
     print(f"{r['model']}: {r['tensors']} tensors, {r['numel']:,} parameters, one process, "
           f"medians of {r['steps']} x {r['repeats']} interleaved steps, load "

@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20, help="functions to list")
     ap.add_argument("--ranks", type=int, default=1, help="simulated ranks (rank 0 serves)")
     ap.add_argument("--profile-rank", type=int, default=0, help="the rank profiled")
+    ap.add_argument("--sort", choices=("own", "cum"), default="own",
+                    help="list by own time, or by cumulative time (what a call and its callees "
+                         "take)")
     args = ap.parse_args()
     if not 0 <= args.profile_rank < args.ranks:
         ap.error(f"--profile-rank {args.profile_rank} is not a rank of --ranks {args.ranks}")
@@ -60,9 +63,10 @@ def main() -> None:
         print(f"{args.model}, density {args.density:g}, rank {rank} of {args.ranks}, a thread "
               f"each: "
               f"{per_step * 1e3:.1f} ms per step (backward + exchange + optimizer step), "
-              f"{args.steps} steps under cProfile; own time per step:")
+              f"{args.steps} steps under cProfile; {args.sort} time per step:")
         stats = pstats.Stats(prof)
-        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.top]
+        col = 2 if args.sort == "own" else 3
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][col])[:args.top]
         for (path, line, name), (_, calls, own, cum, _) in rows:
             where = f"{path.rsplit('/', 2)[-1]}:{line}" if line else "(builtin)"
             print(f"  {own / args.steps * 1e3:7.2f} ms own  {cum / args.steps * 1e3:7.2f} ms cum  "

@@ -28,7 +28,8 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   and ties (the spread of a change that changes nothing statistically);
 - ``lm-fair-parts``: what the defaults' gap is made of: the update exchange nearly exact (half
   the coordinates a step at 32 bits, the server's exact sum on their union), so what is left is
-  each rank's own Adam moments and a step or two of staleness, at every seed;
+  each rank's own Adam moments and a step or two of staleness; and a denser push (0.08, the
+  pull 4x it), at every seed;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -107,8 +108,11 @@ HOOK = (("default, DDP hook", "slim-hook", None, {}),
 # coordinates a step at 32 bits and the exact union pull, where every coordinate travels about
 # every other step, unrounded: its gap is what each rank's own Adam moments cost (with the
 # average's second moment estimated, optim/inner/adam_update.py) plus a little staleness
+# A denser push at every seed: 0.08 at the defaults' 2 bits, the pull 4x it (0.32); run once
+# (seed 0, ``lm-fair-peers``' "0.08") with the 2x pull of then, one seed said little.
 PARTS = (("update exchange nearly exact (0.5 at 32 bits, pull union)", "slim", 0.5,
-          {"slim": {"value_bits": 32, "pull": "union"}}),)
+          {"slim": {"value_bits": 32, "pull": "union"}}),
+         ("0.08, pull 4x", "slim", 0.08, {}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that

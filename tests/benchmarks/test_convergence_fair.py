@@ -41,7 +41,8 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "default, DDP's parameter order": [0, 1, 2],
                   "default, the model's parameter order": [0, 1, 2],
                   "default, exploration seed 1": [0, 1, 2],
-                  "update exchange nearly exact (0.5 at 32 bits, pull union)": [0, 1, 2]}
+                  "update exchange nearly exact (0.5 at 32 bits, pull union)": [0, 1, 2],
+                  "0.08, pull 4x": [0, 1, 2]}
     assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
                    "bf16 default": [0]}
     # the defaults pass no Slim-DP keyword at all, through DistributedOptimizer or the DDP hook

@@ -33,8 +33,28 @@ from .lm import ByteLM, load_corpus, lm_loss, validation_windows
 SMALL = 4096   # tensors under this many elements are averaged dense (hvd_slim's default)
 
 
-def quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """What a receiver decodes of ``x`` sent at ``bits`` (hvd_slim's value codings)."""
+def two_bit_scale(x: torch.Tensor, rule: str) -> float:
+    """The 2-bit coding's scale ``s`` (levels +-0.5 s and +-1.5 s, nearest, clipped at 1.5 s):
+    "max" (hvd_slim's: the largest magnitude lands on 1.5 s, nothing is clipped), "mean" (the
+    values' mean magnitude, EF-signSGD's), or "mse" (of a geometric grid below "max", the one
+    with the least squared error)."""
+    amax = float(x.abs().max())
+    if rule == "max":
+        return amax / 1.5
+    if rule == "mean":
+        return float(x.abs().mean())
+    best, out = None, amax / 1.5
+    for j in range(16):
+        sc = amax / 1.5 * 2.0 ** (-j / 4)
+        err = float(((torch.floor(x / sc).clamp_(-2, 1) + 0.5) * sc - x).pow(2).sum())
+        if best is None or err < best:
+            best, out = err, sc
+    return out
+
+
+def quantize(x: torch.Tensor, bits: int, rule: str = "max") -> torch.Tensor:
+    """What a receiver decodes of ``x`` sent at ``bits`` (hvd_slim's value codings; ``rule``:
+    the 2-bit scale's, :func:`two_bit_scale`)."""
     if bits >= 32 or x.numel() == 0:
         return x.clone()
     amax = float(x.abs().max())
@@ -46,7 +66,7 @@ def quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
         e = math.ceil(math.log2(amax / 448.0)) if amax > 0 else 0
         return (x * 2.0 ** -e).to(torch.float8_e4m3fn).to(x.dtype) * 2.0 ** e
     top = {4: 7.0, 2: 1.5}[bits]
-    s = amax / top
+    s = amax / top if bits == 4 else two_bit_scale(x, rule)
     if bits == 4:
         return torch.round(x / s).clamp_(-7, 7) * s
     return (torch.floor(x / s).clamp_(-2, 1) + 0.5) * s
@@ -204,7 +224,7 @@ class Probe:
                         taken = torch.zeros(self.d, dtype=torch.bool)
                         taken[idx] = True
                         extra = torch.unique(extra[~taken[extra]])
-                        ev = quantize(r[extra], a.explore_bits)
+                        ev = quantize(r[extra], a.explore_bits, a.scale)
                         r[extra] -= ev
                         agg[extra] += ev
                         count[extra] += 1
@@ -212,7 +232,7 @@ class Probe:
                         ke = 0
                     else:
                         idx = torch.unique(torch.cat([idx, extra]))
-                vals = quantize(r[idx], a.bits)
+                vals = quantize(r[idx], a.bits, a.scale)
                 r[idx] -= vals
                 if a.mask and a.scheme == "update":   # momentum masking where sent
                     self.m[i][idx] *= 1 - a.mask
@@ -238,7 +258,7 @@ class Probe:
                     extra = torch.randint(0, self.d, (round(a.pull_explore * idx.numel()),),
                                           generator=self.gen)
                     idx = torch.unique(torch.cat([idx, extra]))
-                vals = quantize(e[idx], a.pull_bits or a.bits)
+                vals = quantize(e[idx], a.pull_bits or a.bits, a.scale)
                 e[idx] -= vals
                 delivered = torch.zeros(self.d)
                 delivered[idx] = vals
@@ -301,6 +321,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     ap.add_argument("--evals", type=int, default=4)
     ap.add_argument("--val-windows", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scale", choices=("max", "mean", "mse"), default="max",
+                    help="the 2-bit coding's scale rule (two_bit_scale)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
@@ -22,6 +23,9 @@ from .engine_rounds import (ALLREDUCE, BARRIER, EXCHANGES, FLUSH, FUSE_BYTES, FU
 from .process_sets import Group
 
 _handles = itertools.count(1)
+# The first second look's pause (Round.second_look), doubling at each: LOOKS looks wait about
+# a second in all before a barrier against a call with no barrier behind it is a mismatch.
+LOOK_PAUSE = 0.001
 
 
 @dataclass
@@ -208,13 +212,25 @@ class Engine:
         api, batch, error = job.group.api, [job], None
         try:
             with api.watch(job.seconds, job.label):
-                row = header(job.sig, [j.sig for j in fusable], behind)
-                rnd = self.round(job.group, row, job.label)
-                while rnd.catch_up():
-                    if job.sig.kind != BARRIER:
-                        self._barrier_first(job)
-                        return   # still pending: it runs after the barrier
-                    rnd = self.round(job.group, row, job.label)
+                looks = 0
+                rnd = self.round(job.group, header(job.sig, [j.sig for j in fusable], behind),
+                                 job.label)
+                while job.sig.kind != JOIN:   # a joining rank meets the others' rounds below
+                    if rnd.catch_up():
+                        if job.sig.kind != BARRIER:
+                            self._barrier_first(job)
+                            return   # still pending: it runs after the barrier
+                    elif rnd.second_look():
+                        # This rank's caller may be about to queue the barrier (a pending rank's
+                        # header can go out first): look at the queue again, a little later.
+                        looks += 1
+                        time.sleep(LOOK_PAUSE * 2 ** (looks - 1))
+                        with self._cv:
+                            behind = self._barrier_behind(job) is not None
+                    else:
+                        break
+                    rnd = self.round(job.group, header(job.sig, [j.sig for j in fusable], behind,
+                                                       looks), job.label)
                 if job.sig.kind == JOIN:
                     job.result = self._serve_joined(job, rnd)
                 elif not rnd.agreed():
@@ -259,8 +275,8 @@ class Engine:
         rank to join and the ids of the optimizers served meanwhile."""
         api = job.group.api
         while getattr(rnd, "last_joined", None) is None:
-            if rnd.catch_up():
-                pass   # the others reorder their queues and meet again
+            if rnd.catch_up() or rnd.second_look():
+                pass   # the others reorder their queues (or look again) and meet again
             elif not rnd.agreed():
                 explain(api, rnd, job.sig, job.label)   # collective; the others raise it
             elif rnd.kind() == ALLREDUCE and rnd.zeros() is not None:

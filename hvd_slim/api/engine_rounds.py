@@ -39,12 +39,18 @@ FUSE_MAX = 16                # the most allreduces one message carries
 FUSE_BYTES = 64 << 20        # and the most bytes (Horovod's default fusion threshold)
 # Columns: 0 magic|kind, 1 crc of the call, 2 crc of the dtype, 3 ndim, 4 crc of the compared
 # shape, 5 op or root, 6 work dtype code, 7-8 pre/postscale bits, 9 fusable count, 10 dim 0,
-# 11 whether a barrier is queued behind, then FUSE_MAX prefix checksums and FUSE_MAX cumulative
-# element counts.
+# 11 whether a barrier is queued behind (bit 0) and the second looks this rank has taken at the
+# call (the bits above: Round.second_look), then FUSE_MAX prefix checksums and FUSE_MAX
+# cumulative element counts.
 _COMPARED = 9
 _COUNT, _DIM0, _BEHIND, _PREFIX = 9, 10, 11, 12
 _NUMEL = _PREFIX + FUSE_MAX
 WIDTH = _NUMEL + FUSE_MAX
+# A barrier meets a call still pending on another rank whose header did not say a barrier is
+# queued behind it: perhaps only not yet (its header went out before its caller queued the
+# barrier, a barrier called right after an async call). The ranks meet again this many times,
+# the pending rank looking at its queue afresh each time, before the mismatch stands.
+LOOKS = 10
 # Dtypes a joined rank may have to build zeros of (an allreduce's reduced dtype), by code.
 WORK_DTYPES = [None, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                torch.float32, torch.float64]
@@ -102,14 +108,18 @@ class Sig:
             f" {k}={v}" for k, v in self.extra.items())
 
 
-def header(first: Sig, fusable: Sequence[Sig] = (), barrier_behind: bool = False) -> np.ndarray:
+def header(first: Sig, fusable: Sequence[Sig] = (), barrier_behind: bool = False,
+           looks: int = 0) -> np.ndarray:
     """This rank's row for a call with signature ``first``, followed in its queue by the
     allreduces ``fusable`` that could share its message and, if ``barrier_behind``, by a
-    barrier on the same group."""
+    barrier on the same group; ``looks``: the second looks this rank has taken at the call
+    (:meth:`Round.second_look`)."""
+    if not 0 <= looks <= LOOKS:
+        raise ValueError(f"looks must be in [0, {LOOKS}], got {looks}")
     row = np.zeros(WIDTH, dtype=np.int64)
     row[:_COMPARED] = first.columns()
     row[_DIM0] = first.shape[0] if first.shape else 0
-    row[_BEHIND] = int(barrier_behind)
+    row[_BEHIND] = int(barrier_behind) | (looks << 1)
     sigs = [first, *fusable][:FUSE_MAX] if first.kind == ALLREDUCE else [first]
     row[_COUNT] = len(sigs)
     chain, total = 0, 0
@@ -150,7 +160,17 @@ class Round:
         calls still pending (Horovod matches calls by name, so a barrier overtakes them)."""
         rows = self.rows[self.active]
         barrier = rows[:, 0] == MAGIC | BARRIER
-        return bool(barrier.any() and not barrier.all() and (rows[~barrier, _BEHIND] == 1).all())
+        return bool(barrier.any() and not barrier.all() and (rows[~barrier, _BEHIND] & 1).all())
+
+    def second_look(self) -> bool:
+        """Whether the ranks meet again rather than raise a mismatch (ask after
+        :meth:`catch_up`): some ranks wait in a barrier, the others are at calls still pending
+        and have not all said a barrier is queued behind, and no rank has looked :data:`LOOKS`
+        times yet. Every rank decides alike from the rows (the most looks any rank reports)."""
+        rows = self.rows[self.active]
+        barrier = rows[:, 0] == MAGIC | BARRIER
+        return bool(barrier.any() and not barrier.all()
+                    and int((rows[:, _BEHIND] >> 1).max()) < LOOKS)
 
     def fused(self) -> int:
         """How many allreduces the next message carries: the longest prefix every active rank
@@ -187,7 +207,7 @@ def exchange(api: Any, row: np.ndarray, what: str) -> Round:
     for r, got in enumerate(rows):
         kind = int(got[0]) & 0xFF
         if int(got[0]) & ~0xFF != MAGIC or kind not in _KIND_NAMES or not 0 <= got[_DIM0] < 2 ** 48 \
-                or not 0 < got[_COUNT] <= FUSE_MAX or got[_BEHIND] not in (0, 1) \
+                or not 0 < got[_COUNT] <= FUSE_MAX or not 0 <= got[_BEHIND] < 2 * (LOOKS + 1) \
                 or (got[_NUMEL:] < 0).any():
             raise TransportError(f"rank {me}: {what}: rank {r} sent {got[:4].tolist()}... where "
                                  f"an hvd_slim call header belongs; the ranks' collectives are out "

@@ -167,6 +167,22 @@ def test_a_barrier_overtakes_calls_still_pending(hvd):
     hvd.barrier()
 
 
+def test_a_barrier_queued_after_the_pending_calls_header_went_out_still_overtakes_it(hvd):
+    """Rank 0's engine starts its async allreduce's round before rank 0 queues the barrier
+    (forced here by a pause), so its header says no barrier is behind: the ranks look again
+    (Round.second_look) instead of raising a mismatch, and the barrier overtakes the call."""
+    n, r = hvd.size(), hvd.rank()
+    t = torch.ones(2)
+    if r == 0:
+        handle = hvd.allreduce_async(t, name="late", op=hvd.Sum)
+        time.sleep(0.05)
+    hvd.barrier()
+    if r != 0:
+        handle = hvd.allreduce_async(t, name="late", op=hvd.Sum)
+    assert hvd.synchronize(handle).tolist() == [n] * 2
+    hvd.barrier()
+
+
 # ---- join ------------------------------------------------------------------------------------
 
 def test_join_with_uneven_steps_per_rank(hvd):

@@ -65,10 +65,12 @@ def quantize(x: torch.Tensor, bits: int, rule: str = "max") -> torch.Tensor:
     if bits == 8:
         e = math.ceil(math.log2(amax / 448.0)) if amax > 0 else 0
         return (x * 2.0 ** -e).to(torch.float8_e4m3fn).to(x.dtype) * 2.0 ** e
-    top = {4: 7.0, 2: 1.5}[bits]
-    s = amax / top if bits == 4 else two_bit_scale(x, rule)
     if bits == 4:
+        s = amax / 7.0
         return torch.round(x / s).clamp_(-7, 7) * s
+    if bits != 2:
+        raise ValueError(f"bits must be 2, 4, 8, 16 or at least 32, got {bits}")
+    s = two_bit_scale(x, rule)
     return (torch.floor(x / s).clamp_(-2, 1) + 0.5) * s
 
 

@@ -212,9 +212,8 @@ class Engine:
         api, batch, error = job.group.api, [job], None
         try:
             with api.watch(job.seconds, job.label):
-                looks = 0
-                rnd = self.round(job.group, header(job.sig, [j.sig for j in fusable], behind),
-                                 job.label)
+                looks, sigs = 0, [j.sig for j in fusable]
+                rnd = self.round(job.group, header(job.sig, sigs, behind), job.label)
                 while job.sig.kind != JOIN:   # a joining rank meets the others' rounds below
                     if rnd.catch_up():
                         if job.sig.kind != BARRIER:
@@ -229,8 +228,7 @@ class Engine:
                             behind = self._barrier_behind(job) is not None
                     else:
                         break
-                    rnd = self.round(job.group, header(job.sig, [j.sig for j in fusable], behind,
-                                                       looks), job.label)
+                    rnd = self.round(job.group, header(job.sig, sigs, behind, looks), job.label)
                 if job.sig.kind == JOIN:
                     job.result = self._serve_joined(job, rnd)
                 elif not rnd.agreed():

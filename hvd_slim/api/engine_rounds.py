@@ -158,19 +158,23 @@ class Round:
         """Whether the ranks that are not in a barrier should run the barrier they have queued
         first: some ranks wait in a barrier while every other one has a barrier queued behind
         calls still pending (Horovod matches calls by name, so a barrier overtakes them)."""
-        rows = self.rows[self.active]
-        barrier = rows[:, 0] == MAGIC | BARRIER
-        return bool(barrier.any() and not barrier.all() and (rows[~barrier, _BEHIND] & 1).all())
+        split = self._barrier_split()
+        return split is not None and bool((split[0][~split[1], _BEHIND] & 1).all())
 
     def second_look(self) -> bool:
         """Whether the ranks meet again rather than raise a mismatch (ask after
         :meth:`catch_up`): some ranks wait in a barrier, the others are at calls still pending
         and have not all said a barrier is queued behind, and no rank has looked :data:`LOOKS`
         times yet. Every rank decides alike from the rows (the most looks any rank reports)."""
+        split = self._barrier_split()
+        return split is not None and int((split[0][:, _BEHIND] >> 1).max()) < LOOKS
+
+    def _barrier_split(self) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """The active ranks' rows and which of them wait in a barrier, where some do and the
+        others do not (what :meth:`catch_up` and :meth:`second_look` read); else None."""
         rows = self.rows[self.active]
         barrier = rows[:, 0] == MAGIC | BARRIER
-        return bool(barrier.any() and not barrier.all()
-                    and int((rows[:, _BEHIND] >> 1).max()) < LOOKS)
+        return (rows, barrier) if barrier.any() and not barrier.all() else None
 
     def fused(self) -> int:
         """How many allreduces the next message carries: the longest prefix every active rank

@@ -143,9 +143,7 @@ class BucketExchanges:
                       dict(zip(s["keys"], s["numels"])) == sizes), None)
         if saved is not None:
             self.saved.remove(saved)
-            b = self._new(int(saved.get("index", index)), buffer, tuple(saved["keys"]),
-                          tuple(saved["numels"]), _saved_names(saved, index))
-            b.exchange.load_state_dict(saved["exchange"])   # validated completely first
+            b = self._from_saved(saved, index, buffer)
             self.live[frozenset(keys)] = b
             return b
         for k, old in [(k, b) for k, b in self.live.items() if mine.intersection(k)]:
@@ -153,13 +151,8 @@ class BucketExchanges:
             self._retire(old)
         for entry in [s for s in self.saved if mine.intersection(s["keys"])]:
             self.saved.remove(entry)
-            old = self._new(int(entry.get("index", -1)),
-                            torch.zeros(sum(entry["numels"]), dtype=buffer.dtype,
-                                        device=buffer.device),
-                            tuple(entry["keys"]), tuple(entry["numels"]),
-                            _saved_names(entry, int(entry.get("index", -1))))
-            old.exchange.load_state_dict(entry["exchange"])
-            self._retire(old)
+            self._retire(self._from_saved(entry, -1, torch.zeros(
+                sum(entry["numels"]), dtype=buffer.dtype, device=buffer.device)))
         b = self.live[frozenset(keys)] = self._new(index, buffer, keys, numels)
         return b
 
@@ -177,6 +170,18 @@ class BucketExchanges:
                 buffer[offset:offset + n].add_(held.to(buffer.dtype).to(buffer.device),
                                                alpha=scale)
             offset += n
+
+    def _from_saved(self, saved: dict, index: int, buffer: torch.Tensor) -> Bucket:
+        """A saved exchange made again over ``buffer``, laid out by the names it was saved
+        with, and given its state (validated completely first); ``index``: DDP's bucket
+        index, where the save has none."""
+        at = int(saved.get("index", index))
+        names = saved.get("names")
+        if names is None:   # saved before exchanges kept names (7 December): the positional ones
+            names = [_name(at, i) for i in range(len(saved["keys"]))]
+        b = self._new(at, buffer, tuple(saved["keys"]), tuple(saved["numels"]), names)
+        b.exchange.load_state_dict(saved["exchange"])
+        return b
 
     def _new(self, index: int, buffer: torch.Tensor, keys: Keys,
              numels: Tuple[int, ...], names: Optional[Sequence[str]] = None) -> Bucket:
@@ -256,14 +261,6 @@ class BucketExchanges:
         self.saved = [dict(s) for s in buckets]
         self.carry = {int(k): v for k, v in carry.items()}
         self.retired = {f: retired.get(f, 0) for f in ExchangeStats.FIELDS}
-
-
-def _saved_names(saved: dict, index: int) -> List[str]:
-    """The names a saved exchange was laid out by: its own, or (saved before exchanges kept
-    them, 7 December) the positional ones every exchange had then."""
-    names = saved.get("names")
-    return list(names) if names is not None else \
-        [_name(int(saved.get("index", index)), i) for i in range(len(saved["keys"]))]
 
 
 def _name(index: int, position: int) -> str:

@@ -140,8 +140,8 @@ class Puller:
                     # index_copy_, not ``part[idx] =``: 1.3-1.5x faster on a CPU; the
                     # coordinates are distinct (the wire's increasing indices, exploration
                     # drawn outside the core)
-                    part.index_copy_(0, idx, got_values.to(part.dtype) if scale == 1.0 else
-                                     got_values.to(part.dtype) * scale)
+                    got_values = got_values.to(part.dtype)
+                    part.index_copy_(0, idx, got_values if scale == 1.0 else got_values * scale)
             values[b.index] = (flat, True)
         return values
 

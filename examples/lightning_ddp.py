@@ -18,9 +18,9 @@ the bytes pushed against a dense allreduce, and whether the replicas ended ident
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
+from typing import Any, List
 
 import lightning.pytorch as pl
 import torch
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
+from examples.ddp_train import gathered_replicas, leave_together
 from hvd_slim.ddp import SlimState, slim_hook
 
 
@@ -86,7 +87,7 @@ class AdamThroughHook(pl.Callback):
             self.state.set_grad_scaler(scaler)
 
 
-def main() -> None:
+def main() -> List[Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
@@ -106,20 +107,25 @@ def main() -> None:
     model = Classifier(args.optimizer)
     trainer.fit(model, DataLoader(teacher_data(), batch_size=32, shuffle=True))
 
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+    identical, gathered = gathered_replicas(model)
     st = state.comm_stats()
     figures = {"ranks": dist.get_world_size(), "steps": st["steps"], "loss": model.last_loss,
                "optimizer": args.optimizer, "adam_exchange": state.config.adam_exchange,
-               "replicas_identical": len(set(every)) == 1,
+               "replicas_identical": identical,
                "fewer_pushed": st["dense_bytes"] / max(1, st["bytes_pushed"])}
     if trainer.global_rank == 0:
         print(json.dumps(figures))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(figures, f)
+    # Lightning leaves the process group up. Freed at exit, a Gloo worker can still be
+    # releasing the last collective's tensors while the interpreter finalises, and the thread
+    # aborts the process ("terminate called without an active exception"; docs/ddp.md,
+    # "Teardown"): every rank leaves together and the group goes while Python still runs.
+    done = leave_together()
+    dist.destroy_process_group()
+    return gathered + [done]   # outlive the group (leave_together)
 
 
 if __name__ == "__main__":
-    main()
+    kept = main()   # freed only after the process group

@@ -28,8 +28,9 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   and ties (the spread of a change that changes nothing statistically);
 - ``lm-fair-parts``: what the defaults' gap is made of: the update exchange nearly exact (half
   the coordinates a step at 32 bits, the server's exact sum on their union), so what is left is
-  each rank's own Adam moments and a step or two of staleness; and a denser push (0.08, the
-  pull 4x it), at every seed;
+  each rank's own Adam moments and a step or two of staleness; a denser push (0.08, the
+  pull 4x it); the defaults' push with the exact union pull; and the same coordinates at 32
+  bits, at every seed;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -112,7 +113,13 @@ HOOK = (("default, DDP hook", "slim-hook", None, {}),
 # (seed 0, ``lm-fair-peers``' "0.08") with the 2x pull of then, one seed said little.
 PARTS = (("update exchange nearly exact (0.5 at 32 bits, pull union)", "slim", 0.5,
           {"slim": {"value_bits": 32, "pull": "union"}}),
-         ("0.08, pull 4x", "slim", 0.08, {}))
+         ("0.08, pull 4x", "slim", 0.08, {}),
+         # Bisecting the defaults' compression (7 December): their push with the exact union
+         # pull (what the server's slice costs), then that push's coordinates at 32 bits (what
+         # the 2-bit values cost; against the row above, what density does)
+         ("the defaults' push, pull union", "slim", None, {"slim": {"pull": "union"}}),
+         ("0.05 at 32 bits, pull union", "slim", None,
+          {"slim": {"value_bits": 32, "pull": "union"}}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that

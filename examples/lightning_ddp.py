@@ -3,6 +3,8 @@
     torchrun --nproc-per-node 2 -m examples.lightning_ddp
     torchrun --nproc-per-node 2 -m examples.lightning_ddp --optimizer adamw
 
+Lightning registers the hook itself, so the state takes the model's ``named_parameters``, as
+``DistributedOptimizer`` does: each bucket is then laid out by name, not in DDP's order.
 Lightning (2.6) registers a ``DDPStrategy``'s communication hook on CUDA devices only, and
 silently drops it on the CPU. :class:`HookOnCPU` registers it there itself, once the strategy has
 wrapped the model: pass it in ``callbacks`` when training on CPUs (Gloo).
@@ -94,7 +96,10 @@ def main() -> List[Any]:
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
     args = ap.parse_args()
     pl.seed_everything(0, verbose=False)
-    state = SlimState(density=0.01)
+    model = Classifier(args.optimizer)
+    # Lightning registers the hook itself, so the state is given the names register() would
+    # give: each exchange lays its bucket out by name, as DistributedOptimizer does.
+    state = SlimState(density=0.01, named_parameters=model.named_parameters())
     strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=slim_hook,
                            process_group_backend="gloo")
     # Under torchrun, Lightning takes the processes it started: as many devices as it has here.
@@ -104,7 +109,6 @@ def main() -> List[Any]:
                          enable_model_summary=False,
                          callbacks=[HookOnCPU(state, slim_hook)] + (
                              [AdamThroughHook(state)] if args.optimizer == "adamw" else []))
-    model = Classifier(args.optimizer)
     trainer.fit(model, DataLoader(teacher_data(), batch_size=32, shuffle=True))
 
     identical, gathered = gathered_replicas(model)

@@ -12,9 +12,10 @@ buckets, so no value is lost or sent twice.
 its position in the first backward pass the state sees (bucket by bucket, in DDP's first
 layout, which a fresh DDP model of the same module always repeats). Checkpoints store these keys,
 so a resumed state finds each saved exchange's bucket in the fresh model, or splits it by
-parameter when DDP lays it out otherwise. Where ``SlimState.register`` gave the parameters'
-names, an exchange's stand-ins carry them and its layout orders them by name, as
-``DistributedOptimizer``'s does; a saved exchange keeps the names it was laid out by.
+parameter when DDP lays it out otherwise. Where the state was given the parameters' names
+(``SlimState(named_parameters=...)``, or ``register()``), an exchange's stand-ins carry them
+and its layout orders them by name, as ``DistributedOptimizer``'s does; a saved exchange keeps
+the names it was laid out by.
 """
 from __future__ import annotations
 
@@ -194,11 +195,18 @@ class BucketExchanges:
         for n in numels:
             stand_ins.append(torch.nn.Parameter(flat[offset:offset + n], requires_grad=False))
             offset += n
-        if names is None:
+        if names is None and self.names:
             named = {k: self.names[pid] for pid, (_, k) in self._keys.items()
                      if pid in self.names}
-            names = [named[k] for k in keys] if all(k in named for k in keys) else \
-                [_name(index, i) for i in range(len(keys))]
+            missing = [numels[i] for i, k in enumerate(keys) if k not in named]
+            if missing:
+                raise ValueError(f"hvd_slim.ddp: bucket {index} holds {len(missing)} parameters "
+                                 f"that named_parameters does not name (of {missing[:5]} "
+                                 f"elements); pass named_parameters=model.named_parameters() "
+                                 f"of the model DDP wraps")
+            names = [named[k] for k in keys]
+        elif names is None:
+            names = [_name(index, i) for i in range(len(keys))]
         names = tuple(str(n) for n in names)
         if len(names) != len(keys) or len(set(names)) != len(names):
             raise ValueError(f"hvd_slim.ddp: the names of bucket {index}'s parameters in the "

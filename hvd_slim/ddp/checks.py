@@ -40,7 +40,7 @@ def check_keywords(keywords: Mapping[str, Any], config: Optional[SlimConfig] = N
     unknown = sorted(set(keywords) - HOOK_KEYWORDS)
     if unknown:
         raise TypeError(f"SlimState() got unexpected keyword(s) {', '.join(unknown)}; it takes "
-                        f"process_group and the Slim-DP keywords of "
+                        f"process_group, optimizer, named_parameters and the Slim-DP keywords of "
                         f"hvd_slim.DistributedOptimizer (docs/keywords.md)")
     if config is None:
         return

@@ -15,7 +15,7 @@ resumes bitwise.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from ..config.env import resolve_config
 from ..exchange.describe import config_difference
 from ..exchange.stats import ExchangeStats
 from ..exchange.loss_scale import LossScale, checked_scaler, loss_scale
+from ..optim.wrapping import checked_named
 from ..transport.base import Transport
 from .adam import HookAdam
 from .buckets import BucketExchanges
@@ -53,6 +54,14 @@ class SlimState:
             None: gradients travel, for any optimizer). Given, each rank's Adam update travels
             and ``optimizer.step()`` applies what was delivered (docs/ddp.md, "Adam"). A
             framework that makes the optimizer later gives it with :meth:`set_optimizer`.
+        named_parameters: ``(name, parameter)`` tuples, usually ``model.named_parameters()``
+            of the model DDP wraps (default None). Each exchange then lays its bucket out by
+            name, as ``DistributedOptimizer`` does, where DDP's bucket order would otherwise
+            fix it; at the fair horizon that order cost AdamW about half a point
+            (docs/ddp.md). :meth:`register` gives the names itself: pass them where a framework
+            registers the hook (Lightning's ``DDPStrategy(ddp_comm_hook=...)``). Every
+            parameter DDP reduces must be named; every rank must name them alike (the
+            handshake names a rank that differs).
         **keywords: The Slim-DP keywords of ``hvd_slim.DistributedOptimizer`` (``density``,
             ``value_bits``, ``pull_value_bits``, ``servers``, ``nonfinite``, ``timeout``, the
             warm-up's, ...), each read from ``HVD_SLIM_<NAME>`` when not passed. What needs
@@ -67,9 +76,11 @@ class SlimState:
     """
 
     def __init__(self, process_group: Any = None, optimizer: Any = None,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                  **keywords: Any) -> None:
         transport = keywords.pop("transport", None)
         check_keywords(keywords)
+        named = None if named_parameters is None else checked_named(named_parameters)
         self._keywords = dict(keywords)
         self.config: SlimConfig = self._configure(update=optimizer is not None)
         self._adam = None if optimizer is None else HookAdam(optimizer)
@@ -84,6 +95,9 @@ class SlimState:
         # set_grad_scaler): exchange/loss_scale.py.
         self._loss_scale = LossScale()
         self._buckets = BucketExchanges(self.config, self._transport_for, self._loss_scale)
+        if named is not None:
+            self._buckets.names = {id(p): n for n, p in named}
+        self._named_given = named is not None   # register() then keeps the user's names
         self._pass = BackwardPass()            # the buckets of the pass in flight
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
         self.iteration = 0                     # backward passes that reached the hook
@@ -218,7 +232,8 @@ class SlimState:
         self._model = weakref.ref(ddp_model)
         # The exchanges lay the parameters out by name, as DistributedOptimizer does: in one
         # bucket the hook then trains bit for bit as DistributedOptimizer's default.
-        self._buckets.names = {id(p): n for n, p in ddp_model.module.named_parameters()}
+        if not self._named_given:
+            self._buckets.names = {id(p): n for n, p in ddp_model.module.named_parameters()}
         return self
 
     # --- the transport ----------------------------------------------------------------------

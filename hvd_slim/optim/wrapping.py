@@ -37,6 +37,28 @@ class SlimSettings:
         return self.transport is not None
 
 
+def checked_named(named_parameters: Iterable) -> List[Tuple[str, torch.Tensor]]:
+    """Horovod's checks of ``named_parameters``: ``(name, tensor)`` tuples with unique string
+    names. Returns them as a list."""
+    named = list(named_parameters)
+    bad = [x for x in named if not (isinstance(x, tuple) and len(x) == 2)]
+    if bad:
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         f"usually produced by model.named_parameters(); got {type(bad[0])}")
+    seen, dups = set(), set()
+    for name, p in named:
+        if not isinstance(name, str):
+            raise ValueError(f"named_parameters: names must be strings, got {name!r}")
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"named_parameters: {name!r} names a {type(p).__name__}, not a "
+                             f"tensor; pass model.named_parameters()")
+        (dups if name in seen else seen).add(name)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(sorted(dups)))
+    return named
+
+
 def named_parameter_list(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable]) -> List[Tuple[str, torch.Tensor]]:
     """Horovod's checks: tuples, unique names, every optimizer parameter named. Returns the
@@ -45,20 +67,7 @@ def named_parameter_list(optimizer: torch.optim.Optimizer,
     if named_parameters is None:
         return [(f"noname.{gi}.{i}", p) for gi, g in enumerate(optimizer.param_groups)
                 for i, p in enumerate(g["params"])]
-    named = list(named_parameters)
-    bad = [x for x in named if not (isinstance(x, tuple) and len(x) == 2)]
-    if bad:
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                         f"usually produced by model.named_parameters(); got {type(bad[0])}")
-    seen, dups = set(), set()
-    for name, _ in named:
-        if not isinstance(name, str):
-            raise ValueError(f"named_parameters: names must be strings, got {name!r}")
-        (dups if name in seen else seen).add(name)
-    if dups:
-        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
-                         + ", ".join(sorted(dups)))
-    by_id = {id(p): n for n, p in named}
+    by_id = {id(p): n for n, p in checked_named(named_parameters)}
     unnamed = [p for p in opt_params if id(p) not in by_id]
     if unnamed:
         shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])

@@ -45,18 +45,21 @@ def through_optimizer(size, steps, adam, kw):
     return run_ranks(size, body, timeout=60)
 
 
-def through_hook(size, steps, adam, kw):
+def through_hook(size, steps, adam, kw, order=ORDER, named=False):
+    """The hook, every parameter in one bucket in ``order``; ``named``: the state is given the
+    parameters' names (``named_parameters=``)."""
     def body(rank, tr):
         ps = params()
         opt = opt_of(ps, adam)
-        state = SlimState(transport=tr, optimizer=opt if adam else None, **kw)
+        state = SlimState(transport=tr, optimizer=opt if adam else None,
+                          named_parameters=zip(NAMES, ps) if named else None, **kw)
         for t in range(steps):
             for p, g in zip(ps, grads(rank, t)):
                 p.grad = g.clone()
-            bucket = FakeBucket(0, [ps[j] for j in ORDER], True)
+            bucket = FakeBucket(0, [ps[j] for j in order], True)
             got = slim_hook(state, bucket).wait()
             offset = 0
-            for j in ORDER:   # DDP writes the future's value back into .grad
+            for j in order:   # DDP writes the future's value back into .grad
                 n = ps[j].numel()
                 ps[j].grad = got[offset:offset + n].view_as(ps[j]).clone()
                 offset += n
@@ -78,3 +81,19 @@ def test_the_hook_in_one_bucket_steps_as_distributed_optimizer(adam):
         # Sliced, and the same bytes each way.
         assert 0 < b_stats["bytes_pushed"] < b_stats["dense_bytes"] / 4
         assert b_stats["bytes_pushed"] == a_stats["bytes_pushed"]
+
+
+def test_named_parameters_lay_a_bucket_in_another_order_out_as_distributed_optimizer():
+    """DDP's buckets hold the parameters about in reverse: given their names (as a framework
+    that registers the hook itself needs), the exchange lays the bucket out by name, and the
+    hook steps bit for bit as DistributedOptimizer; by position it does not."""
+    kw = dict(density=0.05)
+    reverse = ORDER[::-1]
+    assert reverse != ORDER
+    optimizer = through_optimizer(3, 30, True, kw)
+    named = through_hook(3, 30, True, kw, order=reverse, named=True)
+    unnamed = through_hook(3, 30, True, kw, order=reverse)
+    for r in range(3):
+        for x, y in zip(optimizer[r][0], named[r][0]):
+            assert torch.equal(x, y)
+        assert not all(torch.equal(x, y) for x, y in zip(optimizer[r][0], unnamed[r][0]))

@@ -76,11 +76,18 @@ def mean_grad(size, t, j):
     return sum(grads(r, t)[j].reshape(-1) for r in range(size)) / size
 
 
-def run(size, steps, layouts=None, **kw):
+def named_state(tr, params, named, **kw):
+    """A state over ``params``; ``named``: given their names (``named_parameters=``)."""
+    return SlimState(transport=tr, named_parameters=[(n, p) for (n, _), p in zip(SHAPES, params)]
+                     if named else None, **kw)
+
+
+def run(size, steps, layouts=None, named=False, **kw):
     layouts = layouts or [BUCKETS] * steps
 
     def body(rank, tr):
-        state, params = SlimState(transport=tr, **kw), make_params()
+        params = make_params()
+        state = named_state(tr, params, named, **kw)
         return [iterate(state, params, rank, t, layouts[t]) for t in range(steps)], state
     return run_ranks(size, body, timeout=60)
 
@@ -139,22 +146,26 @@ def test_what_was_delivered_plus_what_every_rank_holds_is_everything_fed_in(layo
 REORDERED = [[1, 0], [3, 2]]
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["by-position", "named"])
 @pytest.mark.parametrize("first, later", [(BUCKETS, BUCKETS), (BUCKETS, REORDERED)],
                          ids=["same-layout", "ddp-reorders-its-buckets"])
-def test_a_resumed_state_continues_bitwise(tmp_path, first, later):
+def test_a_resumed_state_continues_bitwise(tmp_path, first, later, named):
     """Saved after 3 passes, resumed by a fresh model whose first pass has DDP's first layout
     (then its rebuilt one, here the same parameters in another order): the exchanges go on
-    in their own order, so every pass delivers what an unbroken run's did."""
+    in their own order, so every pass delivers what an unbroken run's did; laid out by
+    position or by the names given."""
     size, half = 2, 3
     layouts = [first] + [later] * (2 * half - 1)
-    full = run(size, 2 * half, layouts, density=0.05)
+    full = run(size, 2 * half, layouts, named=named, density=0.05)
 
     def body(rank, tr):
-        state, params = SlimState(transport=tr, density=0.05), make_params()
+        params = make_params()
+        state = named_state(tr, params, named, density=0.05)
         for t in range(half):
             iterate(state, params, rank, t, layouts[t])
         torch.save(state.state_dict(), tmp_path / f"s{rank}.pt")
-        again, fresh = SlimState(transport=tr, density=0.05), make_params()
+        fresh = make_params()
+        again = named_state(tr, fresh, named, density=0.05)
         again.load_state_dict(torch.load(tmp_path / f"s{rank}.pt", weights_only=True))
         out = [iterate(again, fresh, rank, t, first if t == half else later)
                for t in range(half, 2 * half)]
@@ -217,6 +228,22 @@ def test_a_rank_with_another_setting_is_named_by_the_handshake():
     assert all("'density': 0.05 on ranks 0, 2 vs. 0.1 on rank 1" in m for m in msgs), msgs
 
 
+def test_a_rank_naming_its_parameters_otherwise_is_named_by_the_handshake():
+    """Names lay a bucket out: a rank whose names differ would slice other coordinates than
+    the others', so the handshake at the exchange's first step names it."""
+    def body(rank, tr):
+        params = make_params()
+        names = [n for n, _ in SHAPES]
+        if rank == 1:
+            names[0] = "head.weight"   # sorts after fc2.bias where fc2.weight sorted before
+        state = SlimState(transport=tr, density=0.05, named_parameters=zip(names, params))
+        with pytest.raises(Exception) as info:
+            iterate(state, params, rank, 0)
+        return str(info.value)
+    for msg in run_ranks(2, body, timeout=60):
+        assert "Parameter 'fc2.weight'" in msg and "absent on rank 1" in msg, msg
+
+
 def test_nan_under_flag_reaches_every_rank():
     def body(rank, tr):
         state, params = SlimState(transport=tr, density=0.05), make_params()
@@ -257,8 +284,34 @@ def test_a_variable_is_named_and_an_unknown_keyword_refused(monkeypatch):
     monkeypatch.delenv("HVD_SLIM_LOCAL_STEPS")
     monkeypatch.setenv("HVD_SLIM_DENSITY", "0.03")
     assert SlimState().config.density == 0.03
-    with pytest.raises(TypeError, match="unexpected keyword.*named_parameters"):
-        SlimState(named_parameters=[])
+    with pytest.raises(TypeError, match="unexpected keyword.*compression"):
+        SlimState(compression=None)
+
+
+@pytest.mark.parametrize("named, match", [
+    ([("w", torch.zeros(2)), ("w", torch.zeros(3))], "must be unique. Found duplicates: w"),
+    ([torch.zeros(2)], "sequence of tuples"),
+    ([(3, torch.zeros(2))], "names must be strings"),
+    ([("w", [1.0, 2.0])], "'w' names a list, not a tensor"),
+])
+def test_bad_named_parameters_are_refused_by_name(named, match):
+    with pytest.raises(ValueError, match=match):
+        SlimState(named_parameters=named)
+
+
+def test_a_bucket_parameter_left_unnamed_is_refused_naming_the_bucket():
+    """Names given, a bucket holding a parameter they do not name cannot be laid out by name:
+    refused naming the bucket (by every rank alike: nothing was exchanged), not laid out by
+    position behind the user's back."""
+    def body(rank, tr):
+        params = make_params()
+        state = SlimState(transport=tr, density=0.1,
+                          named_parameters=[(n, p) for (n, _), p in zip(SHAPES, params)
+                                            if n != "fc1.bias"])   # fc1.bias: bucket 1
+        iterate(state, params, rank, 0)
+    with pytest.raises(Exception, match="bucket 1 holds 1 parameters that named_parameters "
+                                        "does not name"):
+        run_ranks(2, body, timeout=30)
 
 
 def test_an_exchange_failing_mid_pass_fails_every_bucket_and_loses_nothing():

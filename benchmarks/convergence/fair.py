@@ -29,8 +29,8 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
 - ``lm-fair-parts``: what the defaults' gap is made of: the update exchange nearly exact (half
   the coordinates a step at 32 bits, the server's exact sum on their union), so what is left is
   each rank's own Adam moments and a step or two of staleness; a denser push (0.08, the
-  pull 4x it); the defaults' push with the exact union pull; and the same coordinates at 32
-  bits, at every seed;
+  pull 4x it); the defaults' push with the exact union pull; the same coordinates at 32
+  bits; and at 8 bits (scaled float8) with the defaults' pull, at every seed;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -119,7 +119,10 @@ PARTS = (("update exchange nearly exact (0.5 at 32 bits, pull union)", "slim", 0
          # the 2-bit values cost; against the row above, what density does)
          ("the defaults' push, pull union", "slim", None, {"slim": {"pull": "union"}}),
          ("0.05 at 32 bits, pull union", "slim", None,
-          {"slim": {"value_bits": 32, "pull": "union"}}))
+          {"slim": {"value_bits": 32, "pull": "union"}}),
+         # ... and a push that fits the byte target with finer values: scaled float8, the pull
+         # the defaults' (4x at 8 bits)
+         ("0.05 at 8 bits", "slim", None, {"slim": {"value_bits": 8}}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that

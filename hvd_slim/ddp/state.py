@@ -143,7 +143,7 @@ class SlimState:
         adam = HookAdam(optimizer)
         self.config, self._adam = config, adam
         self._loss_scale.scaler = None   # Adam takes the scale out before the exchange
-        names = self._buckets.names   # what register() gave, if it came first
+        names = self._buckets.names   # named_parameters= or register(), if given first
         self._buckets = BucketExchanges(config, self._transport_for, self._loss_scale)
         self._buckets.names = names
         return self

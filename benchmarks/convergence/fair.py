@@ -30,7 +30,8 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   the coordinates a step at 32 bits, the server's exact sum on their union), so what is left is
   each rank's own Adam moments and a step or two of staleness; a denser push (0.08, the
   pull 4x it); the defaults' push with the exact union pull; the same coordinates at 32
-  bits; and a push of 0.2 at 2 bits (the pull 4x it), at every seed;
+  bits; a push of 0.2 at 2 bits (the pull 4x it); and 0.5 at 2 bits with the union pull, at
+  every seed;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.
@@ -122,7 +123,9 @@ PARTS = (("update exchange nearly exact (0.5 at 32 bits, pull union)", "slim", 0
           {"slim": {"value_bits": 32, "pull": "union"}}),
          # ... and, since neither the pull nor the values carried it, a push 4x denser at the
          # defaults' 2 bits (the pull 4x it, 0.8): where between 0.05 and 0.5 density pays
-         ("0.2, pull 4x", "slim", 0.2, {}))
+         ("0.2, pull 4x", "slim", 0.2, {}),
+         # ... which bought nothing: the nearly exact row's density at the defaults' 2 bits
+         ("0.5 at 2 bits, pull union", "slim", 0.5, {"slim": {"pull": "union"}}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its
 # schedule. So the defaults run again, longer, with the schedule over the longer run: where that

@@ -43,7 +43,8 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "default, exploration seed 1": [0, 1, 2],
                   "update exchange nearly exact (0.5 at 32 bits, pull union)": [0, 1, 2],
                   "0.08, pull 4x": [0, 1, 2], "the defaults' push, pull union": [0, 1, 2],
-                  "0.05 at 32 bits, pull union": [0, 1, 2], "0.2, pull 4x": [0, 1, 2]}
+                  "0.05 at 32 bits, pull union": [0, 1, 2], "0.2, pull 4x": [0, 1, 2],
+                  "0.5 at 2 bits, pull union": [0, 1, 2]}
     assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
                    "bf16 default": [0]}
     # the bisection's rows change only what each names
@@ -51,6 +52,7 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
     assert parts["the defaults' push, pull union"] == (None, {"pull": "union"})
     assert parts["0.05 at 32 bits, pull union"] == (None, {"value_bits": 32, "pull": "union"})
     assert parts["0.2, pull 4x"] == (0.2, {})
+    assert parts["0.5 at 2 bits, pull union"] == (0.5, {"pull": "union"})
     # the defaults pass no Slim-DP keyword at all, through DistributedOptimizer or the DDP hook
     assert [s for s in plan if s["variant"] == "default"][0]["slim"] == {}
     hook = [s for s in plan if s["variant"] == "default, DDP hook"][0]

@@ -99,9 +99,10 @@ class BucketExchanges:
         self._transport_for = transport_for
         self.loss_scale = LossScale() if loss_scale is None else loss_scale
         self.live: Dict[frozenset, Bucket] = {}   # by the parameters a bucket carries
-        # id(parameter) -> its name in the model (SlimState.register gives them): the stand-ins
-        # are named so, and the exchange lays them out by name, as DistributedOptimizer does.
-        self.names: Dict[int, str] = {}
+        # id(parameter) -> its name in the model (SlimState's named_parameters= or register()),
+        # None where none were given: the stand-ins are named so, and the exchange lays them
+        # out by name, as DistributedOptimizer does; given, every parameter must have one.
+        self.names: Optional[Dict[int, str]] = None
         self.saved: List[dict] = []            # loaded exchanges waiting for their bucket
         self.carry: Dict[int, torch.Tensor] = {}   # by key: held values waiting for a bucket
         # id(parameter) -> (a weak reference to it, its key)
@@ -195,7 +196,7 @@ class BucketExchanges:
         for n in numels:
             stand_ins.append(torch.nn.Parameter(flat[offset:offset + n], requires_grad=False))
             offset += n
-        if names is None and self.names:
+        if names is None and self.names is not None:
             named = {k: self.names[pid] for pid, (_, k) in self._keys.items()
                      if pid in self.names}
             missing = [numels[i] for i, k in enumerate(keys) if k not in named]

@@ -95,9 +95,8 @@ class SlimState:
         # set_grad_scaler): exchange/loss_scale.py.
         self._loss_scale = LossScale()
         self._buckets = BucketExchanges(self.config, self._transport_for, self._loss_scale)
-        if named is not None:
+        if named is not None:   # register() then keeps them
             self._buckets.names = {id(p): n for n, p in named}
-        self._named_given = named is not None   # register() then keeps the user's names
         self._pass = BackwardPass()            # the buckets of the pass in flight
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
         self.iteration = 0                     # backward passes that reached the hook
@@ -232,7 +231,7 @@ class SlimState:
         self._model = weakref.ref(ddp_model)
         # The exchanges lay the parameters out by name, as DistributedOptimizer does: in one
         # bucket the hook then trains bit for bit as DistributedOptimizer's default.
-        if not self._named_given:
+        if self._buckets.names is None:   # else named_parameters= gave them
             self._buckets.names = {id(p): n for n, p in ddp_model.module.named_parameters()}
         return self
 

@@ -314,6 +314,17 @@ def test_a_bucket_parameter_left_unnamed_is_refused_naming_the_bucket():
         run_ranks(2, body, timeout=30)
 
 
+def test_an_empty_named_parameters_names_nothing_and_is_refused_at_the_first_bucket():
+    """``named_parameters=[]`` is names given, none of them: refused as Horovod refuses it,
+    not laid out by position as if no names were given."""
+    def body(rank, tr):
+        state = SlimState(transport=tr, density=0.1, named_parameters=[])
+        iterate(state, make_params(), rank, 0)
+    with pytest.raises(Exception, match="bucket 0 holds 2 parameters that named_parameters "
+                                        "does not name"):
+        run_ranks(2, body, timeout=30)
+
+
 def test_an_exchange_failing_mid_pass_fails_every_bucket_and_loses_nothing():
     """Bucket 1's exchange raises on every rank (on the communication thread): every bucket's
     future carries the error, and what the pass fed in for the compressed weights waits in the

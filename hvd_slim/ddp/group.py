@@ -43,5 +43,5 @@ def group_transport(group: Any, device: torch.device) -> Tuple[TorchDistTranspor
     frames = torch.device("cpu") if backend == "gloo" else \
         torch.device("cuda", torch.cuda.current_device())
     return TorchDistTransport(group, backend, frames, rank, dist.get_world_size(group), tmo,
-                              (lambda: dist.destroy_process_group(group)) if private else None
+                              (lambda: torch_world.destroy_group(group)) if private else None
                               ), private

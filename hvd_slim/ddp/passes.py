@@ -61,6 +61,13 @@ class Starter:
         """Every started exchange has been waited for: the next pass starts afresh."""
         self._failed = False
 
+    def close(self) -> None:
+        """End the communication thread once it is idle (not waited for: at exit a pass may
+        have been left in flight)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
 
 @dataclass
 class InFlight:
@@ -153,6 +160,17 @@ class BackwardPass:
         self.buckets, self.failed, self.fresh = [], None, True
         if self._starter is not None:
             self._starter.end_pass()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a pass has begun and not ended (its last bucket not yet come)."""
+        return bool(self.buckets) or not self.fresh
+
+    def close(self) -> None:
+        """Forget a pass left in flight and end the communication thread."""
+        self.end()
+        if self._starter is not None:
+            self._starter.close()
 
 
 def _absorb(b: Bucket, pending: Any) -> None:

@@ -98,6 +98,11 @@ class SlimState:
         if named is not None:   # register() then keeps them
             self._buckets.names = {id(p): n for n, p in named}
         self._pass = BackwardPass()            # the buckets of the pass in flight
+        # What the state owns besides its data (from the first bucket), released by close(),
+        # when the state is collected, or at exit while Python still runs (the finalizer's).
+        self._owned = _Owned(self._pass)
+        self._release: Optional[weakref.finalize] = None
+        self._closed = False
         self._skipped = 0                      # passes every rank skipped (NaN/Inf)
         self.iteration = 0                     # backward passes that reached the hook
         self._model: Optional[Any] = None      # a weak reference to the model register() saw
@@ -238,9 +243,31 @@ class SlimState:
     # --- the transport ----------------------------------------------------------------------
     def _transport_for(self, device: torch.device) -> Transport:
         """The exchange's transport (made at the first bucket, for its gradients' device)."""
-        if self._transport is None:
-            self._transport, self._private = group_transport(self.process_group, device)
+        if self._release is None:   # the first bucket: a thread, and maybe a group, to release
+            if self._transport is None:
+                self._transport, self._private = group_transport(self.process_group, device)
+                self._owned.transport = self._transport
+            self._release = weakref.finalize(self, self._owned.release)
         return self._transport
+
+    def close(self) -> None:
+        """Release what the state holds besides its data: its communication thread, and the
+        private process group it made at the first bucket (a ``process_group`` given is the
+        caller's, and stays). Python does it at exit for a state not closed, before the
+        interpreter's teardown, where torch's Gloo threads can abort a process that leaves
+        its groups to it (docs/ddp.md, "Teardown"). A closed state still gives
+        :meth:`comm_stats` and :meth:`state_dict`; a backward pass through its hook fails
+        naming ``close()``. Calling it again does nothing.
+
+        Raises:
+            RuntimeError: a backward pass is in flight: close the state after backward.
+        """
+        if self._pass.in_flight:
+            raise RuntimeError("hvd_slim.ddp: SlimState.close() during a backward pass (its "
+                               "buckets are in flight); close the state after backward returns")
+        self._closed = True
+        if self._release is not None:
+            self._release()   # a finalizer runs at most once
 
     # --- one backward pass ------------------------------------------------------------------
     def reduce(self, index: int, buffer: torch.Tensor, params: Sequence[torch.Tensor],
@@ -258,6 +285,10 @@ class SlimState:
         fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future()
         flight = self._pass
         try:
+            if self._closed:
+                raise RuntimeError("hvd_slim.ddp: this SlimState was closed (SlimState.close()"
+                                   "); to train on, make a new SlimState and load this one's "
+                                   "state_dict() into it")
             if flight.fresh and self._adam is not None:
                 self._adam.new_pass(loss_scale(self._scaler))
             flight.fresh = False
@@ -371,6 +402,21 @@ class SlimState:
             self._adam.load_state_dict(state.get("adam"))   # refused before anything changes
         self._buckets.load(buckets, carry, state.get("retired", {}))
         self.iteration, self._skipped = it, int(state.get("skipped", 0))
+
+
+class _Owned:
+    """What a :class:`SlimState` owns besides its data: the communication thread of its
+    backward passes, and the transport it made (a private group, destroyed when it closes).
+    Apart from the state, so that the state's finalizer can hold it."""
+
+    def __init__(self, backward: BackwardPass) -> None:
+        self.backward = backward
+        self.transport: Optional[Transport] = None   # made by the state, at the first bucket
+
+    def release(self) -> None:
+        self.backward.close()
+        if self.transport is not None:
+            self.transport.close()
 
 
 def _group_ranks(group: Any) -> Optional[List[int]]:

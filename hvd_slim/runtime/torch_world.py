@@ -185,7 +185,7 @@ class TorchWorld(Placement):
             if made:
                 made[0].close()
             for g in (exchange_group, api_group):
-                _destroy(g)
+                destroy_group(g)
         return SetGroups(TorchCollectives(api_group, me, n, self.store, f"set{set_id}"),
                          make_transport, release)
 
@@ -196,12 +196,14 @@ class TorchWorld(Placement):
         self.closed = True
         abort.forget_launcher_world()
         for g in reversed(self.groups):
-            _destroy(g)
+            destroy_group(g)
         if self.owns_default and dist.is_initialized():
-            _destroy(None)
+            destroy_group(None)
 
 
-def _destroy(group: Any) -> None:
+def destroy_group(group: Any) -> None:
+    """Destroy ``group`` (None: the default one, and every other with it), and nothing when
+    it is gone already: a script's ``destroy_process_group()`` takes every group."""
     try:
         dist.destroy_process_group(group)
     except Exception:  # noqa: BLE001 - teardown must go on (the group may be gone already)

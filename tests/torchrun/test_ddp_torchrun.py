@@ -234,6 +234,34 @@ def test_a_process_group_of_another_size_is_refused(hvd: Any) -> None:
         state.register(ddp)
 
 
+def gone(group: Any) -> bool:
+    """Whether ``group`` was destroyed (torch forgets its ranks then)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return True
+    return False
+
+
+def test_close_destroys_the_private_group_and_leaves_a_given_one(hvd: Any) -> None:
+    """SlimState.close() destroys the private group made at the first bucket; a group the
+    caller gave stays usable. Both states keep their data, and the models stay identical."""
+    private = SlimState(density=0.02, min_compress_numel=100)
+    given_group = dist.new_group()
+    given = SlimState(process_group=given_group, density=0.02, min_compress_numel=100)
+    for state in (private, given):
+        ddp, opt = model(state)
+        train(ddp, opt, range(2))
+        assert same_everywhere(flat(ddp.module))
+    made = private._transport.group
+    assert not gone(made) and made is not given_group
+    private.close()
+    given.close()
+    assert gone(made) and not gone(given_group)
+    dist.barrier(group=given_group)
+    assert private.state_dict()["iteration"] == given.state_dict()["iteration"] == 2
+
+
 def test_adamw_through_the_hook_keeps_replicas_identical_and_resumes(hvd: Any) -> None:
     """SlimState(optimizer=AdamW): each rank's update travels and opt.step() applies what was
     delivered; with an LR scheduler made afterwards, and a checkpoint mid-run."""

@@ -376,3 +376,78 @@ def test_a_checkpoint_of_another_format_is_refused_by_its_version():
     with pytest.raises(ValueError, match="unknown SlimState format version 7"):
         state.load_state_dict({"version": 7})
     assert state.iteration == 0 and not state._buckets.saved
+
+
+def test_close_ends_the_thread_keeps_the_data_and_refuses_later_passes():
+    """close() between passes: the communication thread ends, a transport the state did not
+    make is left open, comm_stats() and state_dict() still answer (unchanged), a second close
+    does nothing, and the next pass fails on every bucket naming close(). Mid-pass it is
+    refused, and the pass goes on."""
+    def body(rank, tr):
+        closed = []
+        tr.close = lambda: closed.append(True)
+        state, params = SlimState(transport=tr, density=0.05), make_params()
+        iterate(state, params, rank, 0)
+        for p, g in zip(params, grads(rank, 1)):   # the first bucket of a pass...
+            p.grad = g
+        first = slim_hook(state, FakeBucket(0, [params[j] for j in BUCKETS[0]], False))
+        with pytest.raises(RuntimeError, match="during a backward pass"):
+            state.close()
+        last = slim_hook(state, FakeBucket(1, [params[j] for j in BUCKETS[1]], True))
+        delivered = [first.wait(), last.wait()]   # ... which ends as usual
+        pool = state._pass._starter._pool
+        before, stats = state.state_dict(), state.comm_stats()
+        state.close()
+        state.close()
+        after, same_stats = state.state_dict(), state.comm_stats() == stats
+        same = all(torch.equal(a, b) for a, b in zip(held_tensors(before), held_tensors(after)))
+        with pytest.raises(RuntimeError, match=r"was closed \(SlimState.close\(\)\)"):
+            iterate(state, params, rank, 2)
+        return (pool._shutdown, state._pass.threaded, closed, same, same_stats,
+                all(d.isfinite().all() for d in delivered))
+    assert run_ranks(2, body, timeout=60) == [(True, False, [], True, True, True)] * 2
+
+
+def held_tensors(state):
+    """Every tensor of a SlimState.state_dict(), in a fixed order."""
+    out = []
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+    walk(state)
+    return out
+
+
+def test_the_transport_the_state_made_is_closed_once_by_close_or_when_collected(monkeypatch):
+    """What the state made at its first bucket (torch.distributed's private group, here a
+    simulated transport in its place) it closes: at close() once, or when it is collected
+    unclosed (as at exit, through the same finalizer)."""
+    import gc
+
+    import hvd_slim.ddp.state as state_module
+
+    def body(rank, tr):
+        closed = []
+        tr.close = lambda: closed.append(True)
+        monkeypatch.setattr(state_module, "group_transport", lambda group, device: (tr, True))
+        counts = []
+        for explicit in (True, False):
+            state, params = SlimState(density=0.05), make_params()
+            iterate(state, params, rank, 0)
+            counts.append(len(closed))
+            if explicit:
+                state.close()
+                state.close()
+            del state
+            gc.collect()
+            counts.append(len(closed))
+        return counts
+    # one rank at a time patches the module: two ranks would patch it with each other's transport
+    assert run_ranks(1, body, timeout=60) == [[0, 1, 1, 2]]

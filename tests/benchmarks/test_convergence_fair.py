@@ -37,7 +37,8 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "local_steps=8": [0],
                   "local_steps=8 dense": [0], "local_steps=8 no decay": [0],
                   "local_steps=8 0.05": [0], "local_steps=8 0.05 no decay": [0],
-                  "local_steps=8, senders and settle": [0], "default, DDP hook": [0, 1, 2],
+                  "local_steps=8, senders and settle": [0, 1, 2], "local_steps=4": [0, 1, 2],
+                  "default, DDP hook": [0, 1, 2],
                   "default, DDP's parameter order": [0, 1, 2],
                   "default, the model's parameter order": [0, 1, 2],
                   "default, exploration seed 1": [0, 1, 2],
@@ -53,6 +54,9 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
     assert parts["0.05 at 32 bits, pull union"] == (None, {"value_bits": 32, "pull": "union"})
     assert parts["0.2, pull 4x"] == (0.2, {})
     assert parts["0.5 at 2 bits, pull union"] == (0.5, {"pull": "union"})
+    # local steps at their own defaults: only H is given
+    assert parts["local_steps=8, senders and settle"] == (None, {"local_steps": 8})
+    assert parts["local_steps=4"] == (None, {"local_steps": 4})
     # the defaults pass no Slim-DP keyword at all, through DistributedOptimizer or the DDP hook
     assert [s for s in plan if s["variant"] == "default"][0]["slim"] == {}
     hook = [s for s in plan if s["variant"] == "default, DDP hook"][0]

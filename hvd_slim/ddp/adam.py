@@ -113,7 +113,7 @@ class HookAdam:
             g = buffer[offset:offset + n].to(torch.float32, copy=True)
             if self.scale != 1.0:   # a power of two: exact
                 g.div_(self.scale)
-            rank_update(g, p, group, _decoupled(self.opt, group), tuple(mom[:3]), nxt,
+            rank_update(g, [p], group, _decoupled(self.opt, group), tuple(mom[:3]), nxt,
                         mom[3] + 1, size)
             buffer[offset:offset + n].copy_(g)
             self._next[k] = nxt
@@ -157,16 +157,18 @@ class HookAdam:
         gradient in ``p.grad``), as ``DistributedOptimizer``'s update exchange does."""
         stepped = []
         for group in self.opt.param_groups:
-            decoupled = _decoupled(self.opt, group)
+            ps, deltas = [], []
             for p in group["params"]:
                 delta = self._delivered.pop(id(p), None)
                 if delta is not None:
                     if not CHANGED_AFTER_BACKWARD.given and p.grad is not None and \
                             altered(p.grad, delta, self.scale):
                         CHANGED_AFTER_BACKWARD()
-                    step_by(p, delta, group, decoupled)
+                    ps.append(p)
+                    deltas.append(delta)
                     stepped.append((p, p.grad))
                     p.grad = None   # stepped already: the wrapped step must pass it by
+            step_by(ps, deltas, group, _decoupled(self.opt, group))
         try:
             type(self.opt).step(self.opt)
         finally:

@@ -245,16 +245,19 @@ class Layout:
     # --- flat views ------------------------------------------------------------------------
     @staticmethod
     def read_grads(bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
-        """Copy each parameter's gradient into ``out`` (zeros where a parameter got none)."""
+        """Copy each parameter's gradient into ``out`` (zeros where a parameter got none), in
+        one ``_foreach_copy_``: a launch per step, not per tensor, on a GPU."""
+        dsts, srcs = [], []
         for s in bucket.segments:
             dst = out[s.offset:s.offset + s.numel]
             g = s.param.grad
             if g is None:
                 dst.zero_()
             else:
-                if g.is_sparse:
-                    g = g.to_dense()
-                dst.copy_(g.reshape(-1))
+                dsts.append(dst)
+                srcs.append((g.to_dense() if g.is_sparse else g).reshape(-1))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
         return out
 
     @staticmethod
@@ -291,7 +294,9 @@ class Layout:
     @staticmethod
     def write_grads(bucket: Bucket, flat: torch.Tensor,
                     only: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
-        """Write ``flat`` into each parameter's ``.grad`` (in place when it exists)."""
+        """Write ``flat`` into each parameter's ``.grad`` (in place when it exists: one
+        ``_foreach_copy_`` for all of those)."""
+        dsts, srcs = [], []
         for s in bucket.segments:
             p = s.param
             if only is not None and not only(p):
@@ -302,4 +307,7 @@ class Layout:
             elif p.grad is None or p.grad.shape != p.shape:
                 p.grad = src.to(device=p.device, dtype=p.dtype, copy=True)
             else:
-                p.grad.copy_(src)
+                dsts.append(p.grad)
+                srcs.append(src)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)

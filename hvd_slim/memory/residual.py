@@ -10,7 +10,7 @@ non-finite value and nothing changes. ``update`` forgets sent coordinates of the
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,6 +45,11 @@ class ResidualMemory:
         # The proposed velocity of the step in flight (momentum only); swapped in by commit.
         self._next_velocity: Optional[torch.Tensor] = (
             torch.zeros(numel, dtype=dtype, device=device) if self.momentum > 0 else None)
+        # Gradients in separate tensors are first copied into the proposal's buffer with one
+        # _foreach_copy_, so a step launches a fixed number of kernels whatever the number of
+        # tensors: on a GPU, where a launch costs more than a pass over memory. On a CPU the
+        # extra pass costs more than a call per tensor, and each part is folded where it lies.
+        self.stage = torch.device(device).type != "cpu"
 
     @property
     def numel(self) -> int:
@@ -65,7 +70,9 @@ class ResidualMemory:
         """:meth:`propose` for a gradient given in pieces ``(offset, numel, grad or None)``
         (None: zero), with ``a`` written into ``out``: the gradients are read where they lie
         (each parameter's ``.grad``), never gathered into a flat copy first. ``parts`` cover
-        the buffer; a part's grad may alias ``out`` at the same place."""
+        the buffer; a part's grad may alias ``out`` at the same place. Parts whose gradients
+        lie end to end in memory (views of one flat buffer) are folded as one."""
+        parts = joined(parts, out, self.stage)
         r, u, m, beta = self.residual, self.velocity, self.momentum, self.decay
         if u is None:
             for off, n, g in parts:
@@ -196,3 +203,35 @@ class ResidualMemory:
                 raise ValueError(f"checkpoint {key} has shape {tuple(src.shape)}, expected "
                                  f"{tuple(buf.shape)}: the model or min_compress_numel differs")
             buf.copy_(src)
+
+
+def joined(parts: Sequence[Tuple[int, int, Optional[torch.Tensor]]], out: torch.Tensor,
+           stage: bool) -> List[Tuple[int, int, Optional[torch.Tensor]]]:
+    """``parts`` (``(offset, numel, grad or None)``, in order, end to end in ``out``) with each
+    run of gradients that lie end to end in memory made one part, a view across them (no copy).
+    ``stage``: when every part has a gradient, they are all copied into ``out`` with one
+    ``_foreach_copy_`` and become one part aliasing it. Either way the arithmetic that
+    follows reads the same values, element by element, so its bits do not change; a missing
+    gradient keeps the parts apart (its zeros are not written: -0.0 + 0.0 is +0.0)."""
+    if stage and len(parts) > 1 and all(g is not None for _, _, g in parts):
+        torch._foreach_copy_([out[off:off + n] for off, n, _ in parts],
+                             [g.reshape(-1) for _, _, g in parts])
+        return [(0, out.numel(), out)]
+    merged: List[Tuple[int, int, Optional[torch.Tensor]]] = []
+    for off, n, g in parts:
+        if merged and g is not None and _follows(merged[-1], g, off):
+            off0, n0, g0 = merged[-1]
+            merged[-1] = (off0, n0 + n, g0.reshape(-1).as_strided(
+                (n0 + n,), (1,), g0.storage_offset()))
+        else:
+            merged.append((off, n, g))
+    return merged
+
+
+def _follows(prev: Tuple[int, int, Optional[torch.Tensor]], g: torch.Tensor, off: int) -> bool:
+    """Whether ``g`` (at ``off`` in the buffer) continues ``prev``'s gradient in memory."""
+    off0, n0, g0 = prev
+    return (g0 is not None and off == off0 + n0 and g.is_contiguous() and g0.is_contiguous()
+            and g.dtype == g0.dtype and g.device == g0.device
+            and g.untyped_storage().data_ptr() == g0.untyped_storage().data_ptr()
+            and g.data_ptr() == g0.data_ptr() + n0 * g0.element_size())

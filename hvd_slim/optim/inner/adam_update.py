@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -110,37 +110,46 @@ class AdamUpdate:
         gradient's dtype), computing the next moments aside; a parameter without a gradient
         is left alone. ``scale``: a GradScaler's loss scale still in the gradients (Horovod's
         AMP order exchanges before ``unscale_``), taken out first, so the moments are of the
-        true gradient whatever the scale does."""
+        true gradient whatever the scale does.
+
+        The arithmetic runs once per run of neighbouring parameters that share a param group
+        and an Adam step (usually the whole bucket), on the flat buffers, and the gradients
+        move in and out in one ``_foreach_copy_`` each: the kernels a step launches do not
+        grow with the number of tensors. Elementwise, the bits are those of one parameter at a
+        time."""
         groups = self.opt.param_groups
         stepped = []
         self._scale = scale
         for bi, segs in enumerate(self.segments):
             m, v, w, g32 = self.m[bi], self.v[bi], self.w[bi], self._scratch[bi]
             mn, vn, wn = self._m_next[bi], self._v_next[bi], self._w_next[bi]
-            flags = []
-            for j, (s, gi) in enumerate(segs):
-                p, lo, hi = s.param, s.offset, s.offset + s.numel
-                grad = p.grad
-                if grad is None:
-                    mn[lo:hi].copy_(m[lo:hi])
-                    vn[lo:hi].copy_(v[lo:hi])
-                    wn[lo:hi].copy_(w[lo:hi])
-                    flags.append(False)
-                    continue
-                if grad.is_sparse:
+            grads = [s.param.grad for s, _ in segs]
+            for (s, _), grad in zip(segs, grads):
+                if grad is not None and grad.is_sparse:
                     raise ValueError(f"hvd_slim: parameter {s.name!r} has a sparse gradient, "
                                      "which adam_exchange='update' does not serve; pass "
                                      "adam_exchange='gradient'")
-                gv = g32[lo:hi].view(p.shape)
-                gv.copy_(grad)
-                if scale != 1.0:
-                    gv.div_(scale)
+            flags = [g is not None for g in grads]
+            views = [g32[s.offset:s.offset + s.numel].view(s.param.shape)
+                     for (s, _), hit in zip(segs, flags) if hit]
+            got = [g for g in grads if g is not None]
+            if got:
+                torch._foreach_copy_(views, got)
+            for lo, hi, first, last in _runs(segs, flags, self.steps[bi]):
                 sl = slice(lo, hi)
-                rank_update(g32[sl], p, groups[gi], _decoupled(self.opt, groups[gi]),
-                            (m[sl], v[sl], w[sl]), (mn[sl], vn[sl], wn[sl]),
-                            self.steps[bi][j] + 1, self.size)
-                grad.copy_(gv)
-                flags.append(True)
+                if not flags[first]:   # no gradient: the moments stay as they were
+                    mn[sl].copy_(m[sl])
+                    vn[sl].copy_(v[sl])
+                    wn[sl].copy_(w[sl])
+                    continue
+                if scale != 1.0:
+                    g32[sl].div_(scale)
+                gi = segs[first][1]
+                rank_update(g32[sl], [s.param for s, _ in segs[first:last]], groups[gi],
+                            _decoupled(self.opt, groups[gi]), (m[sl], v[sl], w[sl]),
+                            (mn[sl], vn[sl], wn[sl]), self.steps[bi][first] + 1, self.size)
+            if got:
+                torch._foreach_copy_(got, views)
             stepped.append(flags)
         self._stepped = stepped
         self._snapshot = None
@@ -178,22 +187,27 @@ class AdamUpdate:
     def apply(self, only: Optional[set] = None, decay: bool = True) -> None:
         """Step the compressed parameters by the delivered update in ``p.grad`` (or the
         snapshot): ``p -= update``, after AdamW's decoupled decay ``p *= 1 - lr * wd``
-        (``decay``; a flush delivers residuals only). ``only``: the parameter ids to step."""
+        (``decay``; a flush delivers residuals only). ``only``: the parameter ids to step.
+        One ``_foreach`` call per param group and operation."""
         groups = self.opt.param_groups
         snap, self._snapshot = self._snapshot, None
         changed = False
+        by_group: Dict[int, Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]] = {}
         for bi, segs in enumerate(self.segments):
             for s, gi in segs:
                 p = s.param
                 if only is not None and id(p) not in only:
                     continue
-                group = groups[gi]
                 delta = p.grad
                 if snap is not None:
                     delta = snap[bi][s.offset:s.offset + s.numel].view(p.shape)
                     if p.grad is not None and not changed and not CHANGED_AFTER_SYNC.given:
                         changed = altered(p.grad, delta, self._scale)
-                step_by(p, delta, group, _decoupled(self.opt, group), decay)
+                ps, ds = by_group.setdefault(gi, ([], []))
+                ps.append(p)
+                ds.append(delta)
+        for gi, (ps, ds) in by_group.items():
+            step_by(ps, ds, groups[gi], _decoupled(self.opt, groups[gi]), decay)
         if changed:
             CHANGED_AFTER_SYNC()
 
@@ -241,20 +255,22 @@ class AdamUpdate:
 
 
 @torch.no_grad()
-def rank_update(g: torch.Tensor, p: torch.Tensor, group: Dict[str, Any], decoupled: bool,
-                moments: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor, ...], t: int,
-                n: int) -> None:
-    """This rank's Adam update of one parameter ``p``, written over ``g`` (its gradient in, flat
-    float32), and its next moments into ``out`` from ``moments``: Adam's ``m`` and ``v`` of this
-    rank's gradient and ``w``, the slow mean of ``m_hat^2`` (module docstring), at Adam step
-    ``t`` of ``n`` ranks."""
+def rank_update(g: torch.Tensor, params: Sequence[torch.Tensor], group: Dict[str, Any],
+                decoupled: bool, moments: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor, ...],
+                t: int, n: int) -> None:
+    """This rank's Adam update of ``params`` (one param group, all at Adam step ``t``, laid
+    end to end in ``g``), written over ``g`` (their gradients in, flat float32), and their next
+    moments into ``out`` from ``moments``: Adam's ``m`` and ``v`` of this rank's gradient and
+    ``w``, the slow mean of ``m_hat^2`` (module docstring), at ``n`` ranks. Elementwise: the
+    bits of each parameter are those of updating it alone."""
     (m, v, w), (mn, vn, wn) = moments, out
     b1, b2 = group["betas"]
     lr, eps, wd = _scalar(group["lr"]), group["eps"], group["weight_decay"]
     if group.get("maximize", False):
         g.neg_()
-    if wd and not decoupled:
-        g.add_(p.detach().reshape(-1), alpha=wd)
+    if wd and not decoupled:   # Adam's L2 decay joins the gradient
+        parts = list(g.split([p.numel() for p in params]))
+        torch._foreach_add_(parts, [p.detach().reshape(-1) for p in params], alpha=wd)
     torch.lerp(m, g, 1 - b1, out=mn)
     torch.mul(v, b2, out=vn).addcmul_(g, g, value=1 - b2)
     bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
@@ -270,14 +286,35 @@ def rank_update(g: torch.Tensor, p: torch.Tensor, group: Dict[str, Any], decoupl
 
 
 @torch.no_grad()
-def step_by(p: torch.Tensor, delta: Optional[torch.Tensor], group: Dict[str, Any], decoupled: bool,
-            decay: bool = True) -> None:
-    """Step ``p`` by a delivered update: AdamW's decoupled decay ``p *= 1 - lr * wd`` first
-    (``decay``), then ``p -= delta``."""
-    if decay and group["weight_decay"] and decoupled:
-        p.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
-    if delta is not None:   # None: no gradient here, the decay alone (as before this helper)
-        p.sub_(delta.to(p.dtype))
+def step_by(params: Sequence[torch.Tensor], deltas: Sequence[Optional[torch.Tensor]],
+            group: Dict[str, Any], decoupled: bool, decay: bool = True) -> None:
+    """Step ``params`` (one param group) by their delivered updates: AdamW's decoupled decay
+    ``p *= 1 - lr * wd`` first (``decay``; every one of them), then ``p -= delta`` where a
+    delta was delivered (None: the decay alone). One ``_foreach`` call for each."""
+    params = list(params)
+    if decay and group["weight_decay"] and decoupled and params:
+        torch._foreach_mul_(params, 1 - _scalar(group["lr"]) * group["weight_decay"])
+    moved = [(p, d.to(p.dtype)) for p, d in zip(params, deltas) if d is not None]
+    if moved:
+        torch._foreach_sub_([p for p, _ in moved], [d for _, d in moved])
+
+
+def _runs(segs: Sequence[Tuple[Any, int]], flags: Sequence[bool], steps: Sequence[int]
+          ) -> List[Tuple[int, int, int, int]]:
+    """``(lo, hi, first, last)``: the bucket's coordinates ``[lo, hi)`` and segments
+    ``[first, last)`` of each run of neighbouring segments alike in param group, in having a
+    gradient (``flags``) and in Adam step (``steps``), so one set of hyperparameters serves a
+    run."""
+    out: List[Tuple[int, int, int, int]] = []
+    prev = None
+    for j, (s, gi) in enumerate(segs):
+        key = (gi, flags[j], steps[j])
+        if key == prev:
+            out[-1] = (out[-1][0], s.offset + s.numel, out[-1][2], j + 1)
+        else:
+            out.append((s.offset, s.offset + s.numel, j, j + 1))
+        prev = key
+    return out
 
 
 def altered(grad: torch.Tensor, delivered: torch.Tensor, scale: float) -> bool:

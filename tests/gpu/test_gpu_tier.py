@@ -1,6 +1,7 @@
 """The GPU tier: tests/gpu/check_gpu.py on CUDA parameters under mpirun, over NCCL and over
 MPI/Gloo (2 ranks, sharing the GPUs round-robin, so one GPU serves both), and three simulated ranks
-on one GPU in one process. Skipped without a GPU. Run it alone with ``bash tests/gpu/run.sh``
+on one GPU in one process, and the CUDA launches of a steady step at 9 and 90 tensors. Skipped
+without a GPU. Run it alone with ``bash tests/gpu/run.sh``
 (under 5 minutes).
 
 NCCL itself refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected",
@@ -124,3 +125,28 @@ def test_the_device_path_keeps_payloads_on_one_gpu():
     # The handshake of step 0 is host-built (32-byte control messages) and read on the host.
     big = [(op, n) for op, n in seen if n > limit]
     assert limit < payload and not big, f"payload-sized host copies: {big[:5]}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("inner", ["sgd momentum", "adamw"])
+def test_a_steady_step_launches_as_many_kernels_for_90_tensors_as_for_9(inner):
+    """The local-work issue's GPU target: CUDA kernel launches (and copies) of one steady step,
+    counted by torch's profiler, do not grow with the number of tensors."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hvd_slim.transport import FakeCluster
+    from tests.step_ops import make_optimizer, steady
+
+    def launches(tensors: int) -> int:
+        opt, ps = make_optimizer(tensors, inner, FakeCluster(1).transport(0), device="cuda")
+        steady(opt, ps)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            opt.step()
+            torch.cuda.synchronize()
+        return sum(e.count for e in prof.key_averages()
+                   if e.key.startswith(("cudaLaunchKernel", "cudaMemcpy", "cuLaunchKernel")))
+
+    few, many = launches(9), launches(90)
+    print(f"[gpu tier] {inner}: {few} launches a step at 9 tensors, {many} at 90")
+    assert 0 < few and many <= few + 20

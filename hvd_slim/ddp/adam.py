@@ -20,11 +20,11 @@ when it commits, dropped when every rank skipped it.
 from __future__ import annotations
 
 import types
-from typing import AbstractSet, Any, Dict, List, Optional, Sequence
+from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..optim.inner.adam_update import WarnOnce, _decoupled, altered, rank_update, step_by
+from ..optim.inner.adam_update import WarnOnce, _decoupled, altered, rank_updates, step_by
 from .checks import refuse_old_format
 
 
@@ -89,6 +89,13 @@ class HookAdam:
         (:meth:`new_pass`) is taken out first, so the moments are of the true gradient; the
         dense ones keep it, for the scaler's ``unscale_``. A parameter without a gradient
         (unused by this rank's backward) is passed by, as torch's Adam passes it by."""
+        # One float32 copy of the whole bucket (the dense parts unused), and the arithmetic for
+        # every parameter alike in param group and Adam step at once (rank_updates): the
+        # launches of a pass do not grow with the number of tensors.
+        g_all = buffer.to(torch.float32, copy=True)
+        if self.scale != 1.0:   # a power of two: exact
+            g_all.div_(self.scale)
+        runs: Dict[Tuple[int, int], Tuple[List[Any], ...]] = {}
         offset = 0
         for k, p in zip(keys, params):
             n = p.numel()
@@ -104,20 +111,24 @@ class HookAdam:
                 raise ValueError(f"SlimState(optimizer=...): a parameter of shape "
                                  f"{tuple(p.shape)} in DDP's buckets is not in the optimizer; "
                                  f"give SlimState the optimizer of the whole DDP model")
-            group = self.opt.param_groups[gi]
             mom = self.moments.get(k)
             if mom is None:
                 mom = self.moments[k] = [torch.zeros(n, dtype=torch.float32, device=p.device)
                                          for _ in range(3)] + [0]
             nxt = self._spare.pop(k, None) or tuple(torch.empty_like(mom[0]) for _ in range(3))
-            g = buffer[offset:offset + n].to(torch.float32, copy=True)
-            if self.scale != 1.0:   # a power of two: exact
-                g.div_(self.scale)
-            rank_update(g, [p], group, _decoupled(self.opt, group), tuple(mom[:3]), nxt,
-                        mom[3] + 1, size)
-            buffer[offset:offset + n].copy_(g)
+            run = runs.setdefault((gi, mom[3]), tuple([] for _ in range(9)))
+            for dst, x in zip(run, (g_all[offset:offset + n], buffer[offset:offset + n], p,
+                                    mom[0], mom[1], mom[2], nxt[0], nxt[1], nxt[2])):
+                dst.append(x)
             self._next[k] = nxt
             offset += n
+        for (gi, step), (gs, _, ps, ms, vs, ws, mns, vns, wns) in runs.items():
+            group = self.opt.param_groups[gi]
+            rank_updates(gs, ps, group, _decoupled(self.opt, group), (ms, vs, ws),
+                         (mns, vns, wns), step + 1, size)
+        if runs:
+            torch._foreach_copy_([x for run in runs.values() for x in run[1]],
+                                 [x for run in runs.values() for x in run[0]])
 
     def settle(self, keep: bool) -> None:
         """The pass ended: ``keep`` the new moments (committed, or failed with the updates in
@@ -136,12 +147,12 @@ class HookAdam:
         """What the pass delivered for ``params`` (bucket order, with their ``keys``), for
         :func:`_step`: the updates; the average gradient of a parameter in ``dense`` reaches
         it as DDP's own, in ``p.grad``."""
+        kept = result.detach().clone()   # one copy; each parameter's update a view of it
         offset = 0
         for p, k in zip(params, keys):
             n = p.numel()
             if k not in dense:
-                self._delivered[id(p)] = result[offset:offset + n].detach().clone().view(
-                    p.shape)
+                self._delivered[id(p)] = kept[offset:offset + n].view(p.shape)
             offset += n
 
     def new_pass(self, scale: float = 1.0) -> None:
@@ -161,8 +172,10 @@ class HookAdam:
             for p in group["params"]:
                 delta = self._delivered.pop(id(p), None)
                 if delta is not None:
-                    if not CHANGED_AFTER_BACKWARD.given and p.grad is not None and \
-                            altered(p.grad, delta, self.scale):
+                    # One parameter is read (a clip or an unscale_ changes them all): a check
+                    # per step, not per tensor.
+                    if not stepped and not CHANGED_AFTER_BACKWARD.given and \
+                            p.grad is not None and altered(p.grad, delta, self.scale):
                         CHANGED_AFTER_BACKWARD()
                     ps.append(p)
                     deltas.append(delta)

@@ -72,11 +72,16 @@ class Bucket:
 
     def deliver(self, flat: torch.Tensor, starts: Tuple[int, ...]) -> torch.Tensor:
         """Write the settled update into ``flat``, each parameter's part where the bucket's
-        layout has it (a part the exchange updated in place is not copied), and return it."""
+        layout has it (a part the exchange updated in place is not copied; the others in one
+        ``_foreach_copy_``), and return it."""
+        dsts, srcs = [], []
         for s, n, at in zip(self.stand_ins, self.numels, starts):
             dst, src = flat[at:at + n], s.grad.reshape(-1)
             if src.data_ptr() != dst.data_ptr():
-                dst.copy_(src)
+                dsts.append(dst)
+                srcs.append(src)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
         return flat
 
 

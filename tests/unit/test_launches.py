@@ -42,3 +42,50 @@ def test_staging_the_gradients_gives_the_bits_of_folding_them_where_they_lie(inn
         return out
     for unstaged, staged in run_ranks(2, body, timeout=120):
         assert torch.equal(unstaged, staged)
+
+
+def _hook_ops(tensors: int, inner: str) -> Dict[str, int]:
+    """A DDP hook's pass (one bucket holding every parameter) and the optimizer's step (under
+    AdamW, the step the hook takes over) at ``tensors`` parameters: the operators of a steady
+    one."""
+    from hvd_slim.ddp import SlimState, slim_hook
+    from tests.unit.test_ddp_state import FakeBucket
+
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(600 if i % 3 else 40, generator=gen))
+          for i in range(tensors)]
+    opt = OPTIMIZERS[inner](ps)
+    state = SlimState(transport=FakeCluster(1).transport(0),
+                      optimizer=opt if inner == "adamw" else None, density=0.05,
+                      min_compress_numel=100)
+
+    def one_pass(t: int) -> None:
+        g = torch.Generator().manual_seed(t)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        got = slim_hook(state, FakeBucket(0, ps, True)).wait()
+        offset = 0
+        for p in ps:   # DDP copies the bucket back into .grad
+            p.grad.copy_(got[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        opt.step()
+
+    for t in range(state.config.warmup_steps + 2):
+        one_pass(t)
+    with Dispatched() as seen:
+        one_pass(999)
+    return dict(seen.ops)
+
+
+@pytest.mark.parametrize("inner", ["sgd momentum", "adamw"])
+def test_the_hooks_pass_dispatches_as_many_operators_for_90_tensors_as_for_9(inner):
+    """The hook's pass, and with SlimState(optimizer=AdamW) each rank's Adam update and the
+    step taken over, run as _foreach operations (what the test's own backward stand-in does
+    per tensor, randn and DDP's copy back, is left out)."""
+    few, many = _hook_ops(9, inner), _hook_ops(90, inner)
+    ours = {op: (few.get(op, 0), n) for op, n in many.items() if n > few.get(op, 0) + 2
+            and op not in ("aten.randn", "aten.copy_")}
+    assert not ours, f"operators that grow with the number of tensors: {ours}"
+    assert many.get("aten.copy_", 0) - few.get("aten.copy_", 0) <= 81 + 2   # DDP's copies back
+    assert sum(many.values()) - many["aten.randn"] - many["aten.copy_"] <= \
+        sum(few.values()) - few["aten.randn"] - few["aten.copy_"] + 20

@@ -191,7 +191,7 @@ class AdamUpdate:
         One ``_foreach`` call per param group and operation."""
         groups = self.opt.param_groups
         snap, self._snapshot = self._snapshot, None
-        changed = False
+        changed = checked = False
         by_group: Dict[int, Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]] = {}
         for bi, segs in enumerate(self.segments):
             for s, gi in segs:
@@ -201,8 +201,10 @@ class AdamUpdate:
                 delta = p.grad
                 if snap is not None:
                     delta = snap[bi][s.offset:s.offset + s.numel].view(p.shape)
-                    if p.grad is not None and not changed and not CHANGED_AFTER_SYNC.given:
-                        changed = altered(p.grad, delta, self._scale)
+                    # One parameter is read (a clip or an unscale_ changes them all): a check
+                    # per step, not per tensor.
+                    if p.grad is not None and not checked and not CHANGED_AFTER_SYNC.given:
+                        changed, checked = altered(p.grad, delta, self._scale), True
                 ps, ds = by_group.setdefault(gi, ([], []))
                 ps.append(p)
                 ds.append(delta)
@@ -283,6 +285,44 @@ def rank_update(g: torch.Tensor, params: Sequence[torch.Tensor], group: Dict[str
     # u = lr * m_hat / (sqrt(est) + eps), written over the estimate.
     denom = est.sqrt_().add_(eps)
     torch.div(mn, denom, out=denom).mul_(lr / bc1)
+
+
+@torch.no_grad()
+def rank_updates(gs: List[torch.Tensor], params: Sequence[torch.Tensor], group: Dict[str, Any],
+                 decoupled: bool, moments: Tuple[List[torch.Tensor], ...],
+                 out: Tuple[List[torch.Tensor], ...], t: int, n: int) -> None:
+    """:func:`rank_update` for parameters each in tensors of its own (one param group, all at
+    Adam step ``t``): ``gs`` their flat float32 gradients, ``moments`` and ``out`` lists of
+    ``m``, ``v`` and ``w``. The same arithmetic, operation by operation, in torch's
+    ``_foreach`` ops: a launch per operation, not per tensor."""
+    if not gs:
+        return
+    (ms, vs, ws), (mns, vns, wns) = moments, out
+    b1, b2 = group["betas"]
+    lr, eps, wd = _scalar(group["lr"]), group["eps"], group["weight_decay"]
+    if group.get("maximize", False):
+        torch._foreach_neg_(gs)
+    if wd and not decoupled:
+        torch._foreach_add_(gs, [p.detach().reshape(-1) for p in params], alpha=wd)
+    torch._foreach_copy_(mns, ms)
+    torch._foreach_lerp_(mns, gs, 1 - b1)
+    torch._foreach_copy_(vns, vs)
+    torch._foreach_mul_(vns, b2)
+    torch._foreach_addcmul_(vns, gs, gs, value=1 - b2)
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    torch._foreach_copy_(gs, mns)   # m_hat, in g
+    torch._foreach_div_(gs, bc1)
+    torch._foreach_copy_(wns, ws)
+    torch._foreach_mul_(wns, b2)
+    torch._foreach_addcmul_(wns, gs, gs, value=1 - b2)
+    torch._foreach_copy_(gs, wns)   # the estimated second moment, in g
+    torch._foreach_mul_(gs, (1 - 1 / n) / bc2)
+    torch._foreach_add_(gs, vns, alpha=1 / (n * bc2))
+    torch._foreach_sqrt_(gs)
+    torch._foreach_add_(gs, eps)
+    updates = torch._foreach_div(mns, gs)
+    torch._foreach_mul_(updates, lr / bc1)
+    torch._foreach_copy_(gs, updates)
 
 
 @torch.no_grad()

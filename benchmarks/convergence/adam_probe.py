@@ -68,8 +68,10 @@ def quantize(x: torch.Tensor, bits: int, rule: str = "max") -> torch.Tensor:
     if bits == 4:
         s = amax / 7.0
         return torch.round(x / s).clamp_(-7, 7) * s
+    if bits == 1:   # the sign at the values' mean magnitude (EF-signSGD's, 1-bit Adam's)
+        return torch.where(x >= 0, 1.0, -1.0).to(x.dtype) * float(x.abs().mean())
     if bits != 2:
-        raise ValueError(f"bits must be 2, 4, 8, 16 or at least 32, got {bits}")
+        raise ValueError(f"bits must be 1, 2, 4, 8, 16 or at least 32, got {bits}")
     s = two_bit_scale(x, rule)
     return (torch.floor(x / s).clamp_(-2, 1) + 0.5) * s
 
@@ -213,6 +215,8 @@ class Probe:
             shared = None
             if a.shared == "leader" and dens < 1.0:   # one rank's top-k, taken by every rank
                 shared = self.sel(props[t % n], dens)
+            elif a.shared == "random" and dens < 1.0:   # a seeded draw every rank makes alike
+                shared = torch.randperm(self.d, generator=self.gen)[:max(1, round(dens * self.d))]
             elif a.shared == "sum" and dens < 1.0:    # oracle: the top-k of the summed residual
                 shared = self.sel(sum(props), dens)
             for i, r in enumerate(props):
@@ -240,8 +244,10 @@ class Probe:
                     self.m[i][idx] *= 1 - a.mask
                 agg[idx] += vals
                 count[idx] += 1
-                self.bits_push += (k + ke) * min(a.bits, 32) + index_bits(self.d, k) \
-                    if dens < 1.0 else 32 * self.d
+                free = a.shared == "random"   # the receiver draws the same coordinates
+                self.bits_push += (k + ke) * min(a.bits, 32) + \
+                    (0 if free else index_bits(self.d, k)) if dens < 1.0 else \
+                    min(a.bits, 32) * self.d
             if a.sender_mean:
                 agg /= count.clamp(min=1)
             else:
@@ -249,8 +255,8 @@ class Probe:
             if a.pull == "union" or dens >= 1.0:
                 delivered = agg
                 nz = int((count > 0).sum())
-                self.bits_pull += nz * 32 + index_bits(self.d, nz) if dens < 1.0 \
-                    else 32 * self.d
+                self.bits_pull += nz * 32 + (0 if a.shared == "random" else index_bits(
+                    self.d, nz)) if dens < 1.0 else 32 * self.d
             else:
                 e = self.server
                 e.mul_(a.server_decay).add_(agg)
@@ -309,9 +315,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     ap.add_argument("--pull-explore", type=float, default=0.0,
                     help="the server's explored share of its slice")
     ap.add_argument("--sender-mean", action="store_true")
-    ap.add_argument("--shared", choices=("none", "leader", "sum"), default="none",
+    ap.add_argument("--shared", choices=("none", "leader", "sum", "random"), default="none",
                     help="every worker sends the same coordinates: a rotating leader's top-k, "
-                         "or (oracle) the top-k of the summed residuals")
+                         "(oracle) the top-k of the summed residuals, or a seeded random draw "
+                         "(its indices free)")
     ap.add_argument("--v-correct", action="store_true",
                     help="estimate the average gradient's second moment locally (update)")
     ap.add_argument("--oracle-v", action="store_true",

@@ -20,7 +20,7 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   run, at every seed: the steps target's measurement;
 - ``lm-fair-local``: ``local_steps=8`` at its defaults of then, and DiLoCo's dense rounds at
   H = 8, the first seed only;
-- ``lm-fair-local-seeds``: ``local_steps=8`` and ``local_steps=4`` at today's defaults, at every
+- ``lm-fair-local-seeds``: ``local_steps`` of 8, 4 and 2 at the local-steps defaults, at every
   seed;
 - ``lm-fair-hook``: hvd_slim with no keyword through its DDP hook (``--method slim-hook``:
   DDP's own buckets, ``SlimState(optimizer=AdamW)``) at every seed, against ``lm-fair``'s
@@ -94,7 +94,9 @@ LOCAL = (("local_steps=8", "slim", None, {"slim": {"local_steps": 8}}),
 # "local_steps=8" above ran at the defaults before), which ended +1.3% on seed 0 at 2,400x fewer
 # pushed bytes, near the defaults' +2.0% at 45x; and H = 4, half the local drift at twice the bytes
 LOCAL_SEEDS = (("local_steps=8, senders and settle", "slim", None, {"slim": {"local_steps": 8}}),
-               ("local_steps=4", "slim", None, {"slim": {"local_steps": 4}}))
+               ("local_steps=4", "slim", None, {"slim": {"local_steps": 4}}),
+               # ... H = 4 ended +0.2% at 1,199x, H = 8 +3.2%: and H = 2
+               ("local_steps=2", "slim", None, {"slim": {"local_steps": 2}}))
 # The DDP hook at the defaults (``lm-fair-hook``, every seed)
 # SlimState.register() lays each bucket out by name since 7 December; the records of the hook
 # in DDP's order (DDP's two buckets, and one bucket: the model's order) were relabelled so

@@ -38,6 +38,7 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "local_steps=8 dense": [0], "local_steps=8 no decay": [0],
                   "local_steps=8 0.05": [0], "local_steps=8 0.05 no decay": [0],
                   "local_steps=8, senders and settle": [0, 1, 2], "local_steps=4": [0, 1, 2],
+                  "local_steps=2": [0, 1, 2],
                   "default, DDP hook": [0, 1, 2],
                   "default, DDP's parameter order": [0, 1, 2],
                   "default, the model's parameter order": [0, 1, 2],

@@ -243,21 +243,22 @@ def markdown(res: Dict[str, Any]) -> str:
              f"load average {res['loadavg_start'][0]:.2f} at start, {res['loadavg_end'][0]:.2f} at "
              f"end; before each job other processes kept at most {_busiest(res):.0%} of the "
              f"CPUs busy; {res['started']}", "",
-             "| peer | median s/step | p10-p90 s | x dense time | x compute | comm s/step "
-             "| sent/rank/step | recv/rank/step | busiest NIC out/in per step "
+             "| peer | median s/step | mean s/step | p10-p90 s | x dense time | x compute "
+             "| comm s/step | sent/rank/step | recv/rank/step | busiest NIC out/in per step "
              "| x fewer bytes than dense | select ms/step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     floor = res["peers"].get("floor", {})
     for name, p in res["peers"].items():
         if p["status"] != "ok":
-            lines.append(f"| {name} | {p['status']}: {p['error'][:80]} | | | | | | | | | |")
+            lines.append(f"| {name} | {p['status']}: {p['error'][:80]} | | | | | | | | | | |")
             continue
         mark = "" if p["basis"].get("wire") == "counted" else " *"
         nic = p.get("nic_bytes_per_step")
         nic_s = f"{_fmt_b(nic['busiest_tx'])} / {_fmt_b(nic['busiest_rx'])}" if nic else "-"
         x_compute = p["median_s"] / floor["median_s"] if floor.get("status") == "ok" else None
         lines.append(
-            f"| {name} | {p['median_s']:.4f} | {p['p10_s']:.3f}-{p['p90_s']:.3f} | "
+            f"| {name} | {p['median_s']:.4f} | {_f(p.get('mean_s'), '.4f')} | "
+            f"{p['p10_s']:.3f}-{p['p90_s']:.3f} | "
             f"{_f(p.get('time_vs_dense'), '.3f')} | {_f(x_compute, '.2f')} | "
             f"{_f(p.get('comm_s'), '.4f')} | "
             f"{_fmt_b(p['bytes_sent_per_step'])}{mark} | {_fmt_b(p['bytes_recv_per_step'])}{mark} | "
@@ -265,7 +266,9 @@ def markdown(res: Dict[str, Any]) -> str:
             f"{p['select_ms_per_step']:.1f} |")
     lines += ["", "`*` derived (ring allreduce 2(N-1)/N x the counted buffer bytes; ring allgather "
               "(N-1) x payload); others counted. comm = median - floor median; x compute = "
-              "median / floor median (floor: the same step with no communication). Busiest NIC: "
+              "median / floor median (floor: the same step with no communication); the mean is "
+              "what a step costs under local_steps, whose median is a step with no exchange. "
+              "Busiest NIC: "
               "the kernel's byte counters of the host NIC that sent (received) most.", ""]
     lines += phases.table(res)
     if res["targets"]:

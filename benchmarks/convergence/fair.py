@@ -21,7 +21,7 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
 - ``lm-fair-local``: ``local_steps=8`` at its defaults of then, and DiLoCo's dense rounds at
   H = 8, the first seed only;
 - ``lm-fair-local-seeds``: ``local_steps`` of 8, 4 and 2 at the local-steps defaults, at every
-  seed;
+  seed; ``lm-fair-sgd-local``: ``local_steps=4`` under ``lm-fair-sgd``'s SGD, at every seed;
 - ``lm-fair-hook``: hvd_slim with no keyword through its DDP hook (``--method slim-hook``:
   DDP's own buckets, ``SlimState(optimizer=AdamW)``) at every seed, against ``lm-fair``'s
   ``DistributedOptimizer`` on the same seeds and data, and ``DistributedOptimizer`` with its
@@ -149,6 +149,9 @@ LONGER_ROWS = ((LONGER, "slim", None, {"train_subset": 89491,
                                         "lr_warmup_steps": STEPS * 5 // 4 // 20}))
 # SGD's gradient exchange with the update exchange's lever: a pull 4x the push (0.08)
 SGD_PEERS = (("pull 4x", "slim", None, {"slim": {"pull_density": 0.08}}),)
+# Local steps under SGD at every seed (``lm-fair-sgd-local``): H = 4 ended level with dense under
+# AdamW at 1,199x; whether it carries over to Nesterov SGD
+SGD_LOCAL = (("local_steps=4", "slim", None, {"slim": {"local_steps": 4}}),)
 # (the default with the server's ties taken from a per-step start, selection/explore.py's
 # tie_start, ran here once, seed 1, where the lowest indices had won every tie: it is the
 # default since; the record keeps its label)
@@ -161,9 +164,11 @@ def configs(group: str) -> List[Config]:
     ``lm-fair-bf16`` and ``lm-fair-local`` (the first seed only)."""
     rows = {"lm-fair-peers": PEERS, "lm-fair-sgd": MAIN + SGD_PEERS,
             "lm-fair-local": LOCAL, "lm-fair-local-seeds": LOCAL_SEEDS,
+            "lm-fair-sgd-local": SGD_LOCAL,
             "lm-fair-longer": LONGER_ROWS,
             "lm-fair-hook": HOOK, "lm-fair-parts": PARTS}.get(group, MAIN)
     case, base = {"lm-fair-sgd": (SGD_CASE, dict(LM_FAIR, **SGD)),
+                  "lm-fair-sgd-local": (SGD_CASE, dict(LM_FAIR, **SGD)),
                   "lm-fair-bf16": (BF16_CASE, dict(LM_FAIR, param_dtype="bfloat16"))}.get(
                       group, (CASE, LM_FAIR))
     out = []
@@ -178,8 +183,9 @@ def configs(group: str) -> List[Config]:
     return out
 
 
-GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd", "lm-fair-bf16", "lm-fair-local",
-          "lm-fair-local-seeds", "lm-fair-longer", "lm-fair-hook", "lm-fair-parts")
+GROUPS = ("lm-fair", "lm-fair-peers", "lm-fair-sgd", "lm-fair-sgd-local", "lm-fair-bf16",
+          "lm-fair-local", "lm-fair-local-seeds", "lm-fair-longer", "lm-fair-hook",
+          "lm-fair-parts")
 CASES = {CASE: "AdamW", SGD_CASE: "SGD with Nesterov momentum",
          BF16_CASE: "AdamW, bfloat16 parameters"}
 

@@ -48,7 +48,7 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "0.05 at 32 bits, pull union": [0, 1, 2], "0.2, pull 4x": [0, 1, 2],
                   "0.5 at 2 bits, pull union": [0, 1, 2]}
     assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
-                   "bf16 default": [0]}
+                   "bf16 default": [0], "local_steps=4": [0, 1, 2]}
     # the bisection's rows change only what each names
     parts = {s["variant"]: (s["density"], s["slim"]) for s in plan if s["seed"] == 0}
     assert parts["the defaults' push, pull union"] == (None, {"pull": "union"})

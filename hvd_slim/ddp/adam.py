@@ -95,7 +95,8 @@ class HookAdam:
         g_all = buffer.to(torch.float32, copy=True)
         if self.scale != 1.0:   # a power of two: exact
             g_all.div_(self.scale)
-        runs: Dict[Tuple[int, int], Tuple[List[Any], ...]] = {}
+        # (param group, Adam step) -> (gradient, its place in the bucket, p, moments, next)
+        runs: Dict[Tuple[int, int], List[Tuple[Any, ...]]] = {}
         offset = 0
         for k, p in zip(keys, params):
             n = p.numel()
@@ -116,19 +117,17 @@ class HookAdam:
                 mom = self.moments[k] = [torch.zeros(n, dtype=torch.float32, device=p.device)
                                          for _ in range(3)] + [0]
             nxt = self._spare.pop(k, None) or tuple(torch.empty_like(mom[0]) for _ in range(3))
-            run = runs.setdefault((gi, mom[3]), tuple([] for _ in range(9)))
-            for dst, x in zip(run, (g_all[offset:offset + n], buffer[offset:offset + n], p,
-                                    mom[0], mom[1], mom[2], nxt[0], nxt[1], nxt[2])):
-                dst.append(x)
+            runs.setdefault((gi, mom[3]), []).append(
+                (g_all[offset:offset + n], buffer[offset:offset + n], p, mom, nxt))
             self._next[k] = nxt
             offset += n
-        for (gi, step), (gs, _, ps, ms, vs, ws, mns, vns, wns) in runs.items():
+        for (gi, step), run in runs.items():
+            gs, places, ps, moms, nxts = (list(x) for x in zip(*run))
             group = self.opt.param_groups[gi]
-            rank_updates(gs, ps, group, _decoupled(self.opt, group), (ms, vs, ws),
-                         (mns, vns, wns), step + 1, size)
-        if runs:
-            torch._foreach_copy_([x for run in runs.values() for x in run[1]],
-                                 [x for run in runs.values() for x in run[0]])
+            rank_updates(gs, ps, group, _decoupled(self.opt, group),
+                         tuple([m[i] for m in moms] for i in range(3)),
+                         tuple([x[i] for x in nxts] for i in range(3)), step + 1, size)
+            torch._foreach_copy_(places, gs)
 
     def settle(self, keep: bool) -> None:
         """The pass ended: ``keep`` the new moments (committed, or failed with the updates in

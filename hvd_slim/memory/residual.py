@@ -68,10 +68,11 @@ class ResidualMemory:
     def propose_parts(self, parts: Sequence[Tuple[int, int, Optional[torch.Tensor]]],
                       out: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """:meth:`propose` for a gradient given in pieces ``(offset, numel, grad or None)``
-        (None: zero), with ``a`` written into ``out``: the gradients are read where they lie
-        (each parameter's ``.grad``), never gathered into a flat copy first. ``parts`` cover
-        the buffer; a part's grad may alias ``out`` at the same place. Parts whose gradients
-        lie end to end in memory (views of one flat buffer) are folded as one."""
+        (None: zero), with ``a`` written into ``out``: on a CPU the gradients are read where
+        they lie (each parameter's ``.grad``), never gathered into a flat copy first; with
+        ``stage`` (a GPU) they are, in one launch (:func:`joined`). ``parts`` cover the buffer;
+        a part's grad may alias ``out`` at the same place. Parts whose gradients lie end to end
+        in memory (views of one flat buffer) are folded as one."""
         parts = joined(parts, out, self.stage)
         r, u, m, beta = self.residual, self.velocity, self.momentum, self.decay
         if u is None:

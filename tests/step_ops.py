@@ -36,13 +36,19 @@ class Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def make_params(tensors: int, device: Any = "cpu") -> List[torch.nn.Parameter]:
+    """``tensors`` seeded parameters: two in three compressed at ``min_compress_numel=100``,
+    the rest small enough to be sent dense."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(600 if i % 3 else 40, generator=gen).to(device))
+            for i in range(tensors)]
+
+
 def make_optimizer(tensors: int, inner: str, transport: Any, device: Any = "cpu",
                    stage: Any = None, **kw: Any) -> Tuple[Any, List[torch.nn.Parameter]]:
-    """``DistributedOptimizer`` over ``tensors`` parameters, two in three compressed and the
-    rest small enough to be sent dense; ``stage``: the memory's (None: the device's own)."""
-    gen = torch.Generator().manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(600 if i % 3 else 40, generator=gen).to(device))
-          for i in range(tensors)]
+    """``DistributedOptimizer`` over :func:`make_params`; ``stage``: the memory's (None: the
+    device's own)."""
+    ps = make_params(tensors, device)
     opt = hvd_slim.DistributedOptimizer(
         OPTIMIZERS[inner](ps), named_parameters=[(f"p{i:03d}", p) for i, p in enumerate(ps)],
         transport=transport, density=0.05, min_compress_numel=100, **kw)

@@ -12,6 +12,7 @@ import torch
 from hvd_slim.config import ConfigError
 from hvd_slim.ddp import SlimState, slim_hook
 from hvd_slim.transport import run_ranks
+from test_elastic import same as same_state   # every tensor of two state dicts, bit for bit
 
 # DDP-style buckets (the last parameters first), each with a weight large enough to be compressed
 # and a bias sent dense (under min_compress_numel, as DistributedOptimizer sends it); then a
@@ -400,29 +401,12 @@ def test_close_ends_the_thread_keeps_the_data_and_refuses_later_passes():
         state.close()
         state.close()
         after, same_stats = state.state_dict(), state.comm_stats() == stats
-        same = all(torch.equal(a, b) for a, b in zip(held_tensors(before), held_tensors(after)))
+        same = same_state(before, after)
         with pytest.raises(RuntimeError, match=r"was closed \(SlimState.close\(\)\)"):
             iterate(state, params, rank, 2)
         return (pool._shutdown, state._pass.threaded, closed, same, same_stats,
                 all(d.isfinite().all() for d in delivered))
     assert run_ranks(2, body, timeout=60) == [(True, False, [], True, True, True)] * 2
-
-
-def held_tensors(state):
-    """Every tensor of a SlimState.state_dict(), in a fixed order."""
-    out = []
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, dict):
-            for k in sorted(x, key=str):
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-    walk(state)
-    return out
 
 
 def test_the_transport_the_state_made_is_closed_once_by_close_or_when_collected(monkeypatch):

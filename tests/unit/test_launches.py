@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hvd_slim.transport import FakeCluster, run_ranks
-from tests.step_ops import OPTIMIZERS, Dispatched, make_optimizer, steady, take_step
+from tests.step_ops import (OPTIMIZERS, Dispatched, make_optimizer, make_params, steady,
+                             take_step)
 
 
 def _steady_ops(tensors: int, inner: str) -> Dict[str, int]:
@@ -51,9 +52,7 @@ def _hook_ops(tensors: int, inner: str) -> Dict[str, int]:
     from hvd_slim.ddp import SlimState, slim_hook
     from tests.unit.test_ddp_state import FakeBucket
 
-    gen = torch.Generator().manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(600 if i % 3 else 40, generator=gen))
-          for i in range(tensors)]
+    ps = make_params(tensors)
     opt = OPTIMIZERS[inner](ps)
     state = SlimState(transport=FakeCluster(1).transport(0),
                       optimizer=opt if inner == "adamw" else None, density=0.05,

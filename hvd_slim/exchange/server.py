@@ -283,8 +283,9 @@ class Server:
             v, b.k_pull_core, ties=tie_start((self.cfg.seed, step, b.index)),
             short=not pb.slice_bits and not propagate, nonfinite_first=propagate)
         if core.numel() < min(b.k_pull_core, b.numel):
-            coded, exp, delivered = quantize(v.index_select(0, core), pb.slice_dtype, 0)
-            plan.forget.append((mem, core, delivered, None))
+            sent = v.index_select(0, core)
+            coded, exp, delivered = quantize(sent, pb.slice_dtype, 0)
+            plan.forget.append((mem, core, delivered, _left(mem, core, sent, delivered)))
             return self._checked(b, coded, delivered, core, plan, wm.M_SHORT, core, exp)
         sel = slice_indices(b.numel, core, b.k_pull_explore, seed=self.cfg.seed,
                             role=ROLE_PULL, rank=self.rank, step=step, bucket=b.index,
@@ -294,9 +295,7 @@ class Server:
         # index_select: 3-4x faster than v[sel] on a CPU (no advanced-indexing machinery)
         sent = v.index_select(0, sel)
         coded, exp, delivered = quantize(sent, pb.slice_dtype, pb.slice_bits)
-        # What stays at sel, from the values gathered to send: one scatter at the commit.
-        plan.forget.append((mem, sel, delivered, sent.sub_(delivered)
-                            if delivered is not None and mem.takes_left(sel.numel()) else None))
+        plan.forget.append((mem, sel, delivered, _left(mem, sel, sent, delivered)))
         return self._checked(b, coded, delivered, sel, plan, wm.M_SLICE, core, exp)
 
     def _sent(self, b: Bucket, values: torch.Tensor, sel: Optional[torch.Tensor], plan: "_Plan",
@@ -328,6 +327,16 @@ class Server:
         for i, m in self.memory.items():
             m.load_state_dict(state["memory"][i])
             self.selector[i].load_state_dict(state["selector"][i])
+
+
+def _left(mem: ResidualMemory, sel: torch.Tensor, sent: torch.Tensor,
+          delivered: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """What stays at ``sel`` once ``delivered`` of the values gathered there (``sent``, reused)
+    goes: the commit writes it with one scatter instead of an indexed subtraction, where the
+    memory takes it (:meth:`ResidualMemory.takes_left`)."""
+    if delivered is None or not mem.takes_left(sel.numel()):
+        return None
+    return sent.sub_(delivered)
 
 
 class _Plan:

@@ -51,11 +51,8 @@ class Scores(Protocol[A]):
     def sample_max_below(self, thr: float) -> Optional[float]:
         """The largest sample value below ``thr``, or None when there is none."""
 
-    def at(self, idx: A) -> A:
-        """The scores at ``idx``."""
-
-    def at_least(self, thr: float) -> A:
-        """Ascending indices whose score is >= ``thr``."""
+    def at_least(self, thr: float) -> Tuple[A, A]:
+        """Ascending indices whose score is >= ``thr``, and the scores there."""
 
     def order_stats(self, vals: A, j: int, jw: Optional[int]) -> Tuple[Any, Optional[float]]:
         """(the ``j``-th smallest of ``vals``, in whatever form :meth:`keep_top` takes, and the
@@ -72,8 +69,9 @@ class Scores(Protocol[A]):
         as many of those equal to it as fit, in index order from the ``ties mod count``-th,
         wrapping around."""
 
-    def positives(self) -> A:
-        """Ascending indices of the scores > 0 (NaN stays out), in one pass."""
+    def positives(self) -> Tuple[A, A]:
+        """Ascending indices of the scores > 0 (NaN stays out), and the scores there, in one
+        pass."""
 
     def any_negative(self) -> bool:
         """Whether any score is < 0 (never, with ``magnitude``)."""

@@ -168,11 +168,11 @@ class CoreSelector:
         if thr is None:
             thr = self._estimate(s, want)
 
-        passes, cand = 0, None
+        passes, cand, vals = 0, None, None
         for mult in (4.0, 16.0, 0.0):
             if thr <= 0:
                 break
-            cand = s.at_least(thr)
+            cand, vals = s.at_least(thr)
             passes += 1
             if len(cand) >= k:
                 break
@@ -191,7 +191,7 @@ class CoreSelector:
             self.last_passes += 1
             return self._select_from_zero(s, k, want, short)
         self.last_candidates = len(cand)
-        return self._exact(s, cand, k, want, floor=thr, ties=ties)
+        return self._exact(s, cand, vals, k, want, floor=thr, ties=ties)
 
     def _estimate(self, s: Scores[Any], want: float) -> float:
         """A threshold that about ``want`` of ``n`` entries reach, from the sample (0.0: all)."""
@@ -203,11 +203,11 @@ class CoreSelector:
             return 0.0
         return s.sample_order(m - r)
 
-    def _exact(self, s: Scores[A], cand: A, k: int, want: int,
+    def _exact(self, s: Scores[A], cand: A, vals: A, k: int, want: int,
                floor: Optional[float] = None, ties: int = 0) -> A:
-        """Exactly ``k`` of ``cand`` (ascending indices), and the threshold for the next call
-        (the ``want``-th largest candidate, else one estimated afresh). ``floor``: a value every
-        candidate reaches, when there is one.
+        """Exactly ``k`` of ``cand`` (ascending indices, with their scores ``vals``), and the
+        threshold for the next call (the ``want``-th largest candidate, else one estimated
+        afresh). ``floor``: a value every candidate reaches, when there is one.
 
         Candidates can tie at the floor by the tens of thousands: a server's residual sums a
         few float8 pushes, so its values sit on a coarse grid (on the benchmark's 1.1M
@@ -219,7 +219,6 @@ class CoreSelector:
         if c == k:
             self._thr = self._estimate(s, want)   # c < want: start lower next time
             return cand
-        vals = s.at(cand)
         at_floor_nxt = None   # the next threshold, when the want-th candidate is the floor
         if floor is not None:
             above = s.count_above(vals, floor)
@@ -243,10 +242,10 @@ class CoreSelector:
     def _select_from_zero(self, s: Scores[A], k: int, want: int, short: bool = False) -> A:
         """Threshold zero: every positive entry is a candidate; zeros fill up by lowest index
         (with ``short``, the positive entries alone)."""
-        cand = s.positives()
+        cand, vals = s.positives()
         if len(cand) >= k:
             self.last_candidates = len(cand)
-            return self._exact(s, cand, k, want)
+            return self._exact(s, cand, vals, k, want)
         if s.any_negative():
             raise ValueError("select: score must be non-negative")
         self._thr = 0.0

@@ -56,12 +56,14 @@ class TorchScores:
         below = self.sample[self.sample < thr]
         return float(below.max()) if below.numel() else None
 
-    def at(self, idx: torch.Tensor) -> torch.Tensor:
-        return self._scored(self.s.index_select(0, idx))
+    def at_least(self, thr: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Ascending indices with score >= ``thr`` (> 0), and their scores."""
+        return self._hits(torch.ge, thr)
 
-    def at_least(self, thr: float) -> torch.Tensor:
-        """Ascending indices with score >= ``thr`` (> 0), in one pass over the scores."""
-        return (self._scored(self.s) >= thr).nonzero().reshape(-1)
+    def _hits(self, op: Any, thr: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        scored = self._scored(self.s)
+        idx = op(scored, thr).nonzero().reshape(-1)
+        return idx, scored.index_select(0, idx)
 
     @staticmethod
     def order_stats(vals: torch.Tensor, j: int, jw: Optional[int]
@@ -94,9 +96,10 @@ class TorchScores:
         keep[tied[:max(0, start + need - tied.numel())]] = True   # ...wrapping around
         return cand[keep]
 
-    def positives(self) -> torch.Tensor:
-        """Ascending indices with score > 0 (``|NaN| > 0`` is False: NaN stays out)."""
-        return (self._scored(self.s) > 0).nonzero().reshape(-1)
+    def positives(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Ascending indices with score > 0 (``|NaN| > 0`` is False: NaN stays out), and their
+        scores."""
+        return self._hits(torch.gt, 0.0)
 
     def any_negative(self) -> bool:
         return False if self.magnitude else bool((self.s < 0).any())

@@ -453,5 +453,7 @@ def test_the_candidate_scan_finds_every_hit_whether_blocks_hold_many_or_few():
     s = np.concatenate(parts + [rng.standard_normal(1000).astype(np.float32)])
     for magnitude in (True, False):
         scores = NumpyScores(s, magnitude)
-        want = np.flatnonzero((np.abs(s) if magnitude else s) >= 1.0)
-        assert np.array_equal(scores.at_least(1.0), want)
+        scored = np.abs(s) if magnitude else s
+        want = np.flatnonzero(scored >= 1.0)
+        idx, vals = scores.at_least(1.0)
+        assert np.array_equal(idx, want) and np.array_equal(vals, scored[want])

@@ -12,6 +12,7 @@ and whether every replica ended bitwise identical::
     torchrun --nproc-per-node 4 -m examples.ddp_train --steps 600 --hook none   # plain DDP
     torchrun --nproc-per-node 4 -m examples.ddp_train --hook slim-gradient  # no optimizer=
     torchrun --nproc-per-node 4 -m examples.ddp_train --small --steps 2500   # 20 bytes/param
+    torchrun --nproc-per-node 4 -m examples.ddp_train --hook local --local-steps 4  # rounds
     HVD_SLIM_DENSITY=0.01 torchrun --nproc-per-node 4 -m examples.ddp_train
 
 The Slim-DP settings come from ``HVD_SLIM_*`` variables or ``SlimState``'s keywords.
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from benchmarks.convergence.lm import ByteLM, Windows, load_corpus, lm_loss, validation_windows
-from hvd_slim.ddp import SlimState
+from hvd_slim.ddp import SlimState, local_optimizer
 
 
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -79,7 +80,10 @@ def main() -> List[Any]:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=8, help="windows per rank per step")
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--hook", choices=("slim", "slim-gradient", "none", "powersgd"), default="slim")
+    ap.add_argument("--hook", choices=("slim", "slim-gradient", "local", "none", "powersgd"),
+                    default="slim", help="local: rounds of --local-steps local steps "
+                    "(hvd_slim.ddp.local_optimizer), the rest per step")
+    ap.add_argument("--local-steps", type=int, default=4, help="with --hook local")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true",
                     help="the fair-horizon model: width 96, 4 blocks (0.5M parameters)")
@@ -101,6 +105,8 @@ def main() -> List[Any]:
         # The one added line (and its import). optimizer=: each rank's AdamW update travels,
         # not its gradient, and opt.step() applies what was delivered.
         state = SlimState(optimizer=opt).register(ddp)
+    elif args.hook == "local":   # rounds of local steps: the optimizer is wrapped instead
+        opt = local_optimizer(ddp, opt, local_steps=args.local_steps)
     elif args.hook == "slim-gradient":   # the hook without the optimizer: gradients travel
         state = SlimState().register(ddp)
     elif args.hook == "powersgd":
@@ -134,9 +140,10 @@ def main() -> List[Any]:
     identical, gathered = gathered_replicas(model)
     figures = {"hook": args.hook, "ranks": dist.get_world_size(), "steps": step,
                "bucket_cap_mb": args.bucket_cap_mb,
-               "val_bpb": bpb, "replicas_identical": identical, "seconds": seconds}
-    if args.hook.startswith("slim"):
-        st = state.comm_stats()
+               "val_bpb": bpb, "replicas_identical": identical, "seconds": seconds,
+               "local_steps": args.local_steps if args.hook == "local" else 1}
+    if args.hook.startswith("slim") or args.hook == "local":
+        st = (opt if args.hook == "local" else state).comm_stats()
         figures.update(bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
                        dense_bytes=st["dense_bytes"], buckets=st["buckets"],
                        fewer_pushed=st["dense_bytes"] / max(1, st["bytes_pushed"]))

@@ -10,7 +10,9 @@ from ..config import ENV_KEYWORDS, ConfigError, SlimConfig
 # HVD_SLIM_<NAME> is named with its variable.
 NEEDS_OPTIMIZER = {
     "local_steps": ("1", lambda c: c.local_steps == 1,
-                    "local steps need the optimizer (it steps alone between rounds)"),
+                    "local steps need the optimizer, which steps alone between rounds: "
+                    "hvd_slim.ddp.local_optimizer(ddp_model, optimizer, local_steps=H) wraps "
+                    "it and registers a hook that keeps gradients local"),
     "outer_delay": ("0", lambda c: c.outer_delay == 0, "it belongs to local_steps"),
     "overlap": ("1", lambda c: c.overlap == 1,
                 "DDP's buckets already overlap the exchange with backward"),

@@ -145,7 +145,7 @@ def main() -> List[Any]:
     if args.hook.startswith("slim") or args.hook == "local":
         st = (opt if args.hook == "local" else state).comm_stats()
         figures.update(bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
-                       dense_bytes=st["dense_bytes"], buckets=st["buckets"],
+                       dense_bytes=st["dense_bytes"], buckets=st.get("buckets"),
                        fewer_pushed=st["dense_bytes"] / max(1, st["bytes_pushed"]))
     if dist.get_rank() == 0:
         print(json.dumps(figures))

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 -m examples.lightning_ddp
     torchrun --nproc-per-node 2 -m examples.lightning_ddp --optimizer adamw
+    torchrun --nproc-per-node 2 -m examples.lightning_ddp --optimizer adamw --local-steps 4
 
 Lightning registers the hook itself, so the state takes the model's ``named_parameters``, as
 ``DistributedOptimizer`` does: each bucket is then laid out by name, not in DDP's order.
@@ -12,6 +13,11 @@ wrapped the model: pass it in ``callbacks`` when training on CPUs (Gloo).
 Under AdamW the state takes the optimizer, so that each rank's Adam update travels, not its
 gradient. Lightning makes the optimizer (``configure_optimizers``) after the strategy that holds
 the state, so :class:`AdamThroughHook` hands it over before the first step.
+
+With ``--local-steps H`` there is no hook state: ``configure_optimizers`` returns
+``hvd_slim.ddp.local_optimizer(strategy's DDP model, optimizer, local_steps=H)``, which
+registers the hook that keeps gradients local (Lightning wraps the model in DDP before it makes
+the optimizers), and each round's end goes through Slim-DP.
 
 The model is a small classifier on a fixed synthetic task (a random teacher network labels
 Gaussian inputs), so the script runs anywhere in seconds. Rank 0 prints the final training loss,
@@ -31,7 +37,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.ddp_train import gathered_replicas, leave_together
-from hvd_slim.ddp import SlimState, slim_hook
+from hvd_slim.ddp import SlimState, local_optimizer, slim_hook
 
 
 def teacher_data(n: int = 4096, seed: int = 0) -> TensorDataset:
@@ -42,9 +48,9 @@ def teacher_data(n: int = 4096, seed: int = 0) -> TensorDataset:
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, optimizer: str = "sgd") -> None:
+    def __init__(self, optimizer: str = "sgd", local_steps: int = 1) -> None:
         super().__init__()
-        self.optimizer_name = optimizer
+        self.optimizer_name, self.local_steps = optimizer, local_steps
         self.net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(),
                                        torch.nn.Linear(256, 8))
         self.last_loss = float("nan")
@@ -57,8 +63,13 @@ class Classifier(pl.LightningModule):
 
     def configure_optimizers(self):
         if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        if self.local_steps > 1:   # the strategy's model is DDP's by now
+            return local_optimizer(self.trainer.strategy.model, opt, density=0.01,
+                                   local_steps=self.local_steps)
+        return opt
 
 
 class HookOnCPU(pl.Callback):
@@ -93,28 +104,34 @@ def main() -> List[Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    ap.add_argument("--local-steps", type=int, default=1,
+                    help="above 1: rounds of local steps (local_optimizer), no hook state")
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
     args = ap.parse_args()
     pl.seed_everything(0, verbose=False)
-    model = Classifier(args.optimizer)
+    model = Classifier(args.optimizer, args.local_steps)
+    local = args.local_steps > 1
     # Lightning registers the hook itself, so the state is given the names register() would
     # give: each exchange lays its bucket out by name, as DistributedOptimizer does.
-    state = SlimState(density=0.01, named_parameters=model.named_parameters())
-    strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=slim_hook,
-                           process_group_backend="gloo")
+    state = None if local else SlimState(density=0.01, named_parameters=model.named_parameters())
+    strategy = DDPStrategy(process_group_backend="gloo") if local else DDPStrategy(
+        ddp_comm_state=state, ddp_comm_hook=slim_hook, process_group_backend="gloo")
+    callbacks: List[pl.Callback] = [] if local else [HookOnCPU(state, slim_hook)] + (
+        [AdamThroughHook(state)] if args.optimizer == "adamw" else [])
     # Under torchrun, Lightning takes the processes it started: as many devices as it has here.
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                          strategy=strategy, max_steps=args.steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False,
-                         callbacks=[HookOnCPU(state, slim_hook)] + (
-                             [AdamThroughHook(state)] if args.optimizer == "adamw" else []))
+                         enable_model_summary=False, callbacks=callbacks)
     trainer.fit(model, DataLoader(teacher_data(), batch_size=32, shuffle=True))
 
     identical, gathered = gathered_replicas(model)
-    st = state.comm_stats()
-    figures = {"ranks": dist.get_world_size(), "steps": st["steps"], "loss": model.last_loss,
-               "optimizer": args.optimizer, "adam_exchange": state.config.adam_exchange,
+    st = (trainer.optimizers[0] if local else state).comm_stats()
+    config = trainer.optimizers[0].slim_config if local else state.config
+    figures = {"ranks": dist.get_world_size(), "loss": model.last_loss,
+               "steps": st["local_steps_taken"] if local else st["steps"],
+               "local_steps": args.local_steps,
+               "optimizer": args.optimizer, "adam_exchange": config.adam_exchange,
                "replicas_identical": identical,
                "fewer_pushed": st["dense_bytes"] / max(1, st["bytes_pushed"])}
     if trainer.global_rank == 0:

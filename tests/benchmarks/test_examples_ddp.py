@@ -52,3 +52,25 @@ def test_the_framework_examples(module, optimizer):
     # the automatic warm-up; the rest, 2,312 of 10,760 coordinates under min_compress_numel,
     # travels dense at 32 bits, as DistributedOptimizer sends it, so about 4.5x in all.
     assert got["fewer_pushed"] > 3, got
+
+
+def test_the_plain_ddp_script_in_rounds_of_local_steps():
+    """``--hook local``: hvd_slim.ddp.local_optimizer, rounds of 4 local steps; 20 steps end a
+    round, so the replicas are the same bits; one pseudo-gradient a round travels, sliced."""
+    got = run_example("ddp_train", "--steps", "20", "--hook", "local", "--local-steps", "4")
+    assert got["replicas_identical"] and got["steps"] == 20 and got["local_steps"] == 4, got
+    assert got["fewer_pushed"] > 100 and got["val_bpb"] < 8.0, got
+
+
+@pytest.mark.parametrize("module", ["lightning_ddp", "accelerate_ddp"])
+def test_the_framework_examples_in_rounds_of_local_steps(module):
+    """Lightning (``configure_optimizers`` returns local_optimizer's) and Accelerate (the model
+    prepared first, then the wrapped optimizer) with ``--local-steps 4`` under AdamW: 40 steps,
+    ten rounds, replicas the same bits at the end, the loss down from ln 8 = 2.08."""
+    pytest.importorskip("lightning" if module == "lightning_ddp" else "accelerate")
+    got = run_example(module, "--steps", "40", "--optimizer", "adamw", "--local-steps", "4",
+                      np_=3)
+    assert got["replicas_identical"] and got["steps"] == 40 and got["ranks"] == 3, got
+    assert got["local_steps"] == 4 and got["loss"] < 1.8, got
+    # A round's end sends one slice of the pseudo-gradient for four steps' worth of allreduces.
+    assert got["fewer_pushed"] > 50, got

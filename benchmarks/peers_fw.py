@@ -43,7 +43,8 @@ class Ddp(Peer):
     warm-up off so every measured step is a steady one, as the hvd_slim peers; "slim-1b": the
     same with every parameter in one bucket, as PowerSGD's runs here; "slim-1bv": that with
     ``gradient_as_bucket_view=True``, DDP's gradients the bucket itself, so neither DDP's copy
-    into the bucket nor its copy back is made)."""
+    into the bucket nor its copy back is made; "localH": rounds of H local steps,
+    ``hvd_slim.ddp.local_optimizer`` at its defaults, the warm-up off)."""
 
     family = "ddp"
 
@@ -54,7 +55,8 @@ class Ddp(Peer):
         from torch.nn.parallel import DistributedDataParallel as DDP
         ensure_gloo(comm.Get_rank(), self.size)
         self.name = f"ddp-{hook}"
-        self.slim = hook in ("slim", "slim-1b", "slim-1bv")   # hvd_slim's hook: its counters
+        # hvd_slim's hook or optimizer: their counters
+        self.slim = hook in ("slim", "slim-1b", "slim-1bv") or hook.startswith("local")
         nbytes = sum(p.numel() * p.element_size() for _, p in work.named)
         kwargs: Dict[str, Any] = {}
         if hook.startswith("powersgd") or hook.startswith("slim-1b"):
@@ -69,6 +71,11 @@ class Ddp(Peer):
             self.module.register_comm_hook(None, default_hooks.allreduce_hook)
         elif hook == "fp16":
             self.module.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif hook.startswith("local"):
+            from hvd_slim.ddp import local_optimizer
+            self.opt = self.state = local_optimizer(self.module, self.opt,
+                                                    local_steps=int(hook[len("local"):]),
+                                                    warmup_decay_steps=0)
         elif self.slim:
             from hvd_slim.ddp import SlimState, slim_hook
             self.state = SlimState(warmup_decay_steps=0)

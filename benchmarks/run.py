@@ -43,7 +43,8 @@ def peer_names(densities: List[float], pulls: List[str]) -> List[str]:
     benchmarks.peers: importing that imports mpi4py.MPI, which initialises MPI, and a launcher
     that is an MPI singleton hands its variables to the mpirun it starts.)"""
     names = ["floor", "mpi-allreduce", "horovod", "horovod-fp16", "ddp-allreduce", "ddp-fp16",
-             "ddp-powersgd-r1", "ddp-powersgd-r4", "ddp-slim", "ddp-slim-1b", "ddp-slim-1bv"]
+             "ddp-powersgd-r1", "ddp-powersgd-r4", "ddp-slim", "ddp-slim-1b", "ddp-slim-1bv",
+             "ddp-local4"]
     names += [f"topk-ef@{d:g}" for d in densities]
     names += [f"hvd_slim-{p}@{d:g}" for d in densities for p in pulls]
     return names

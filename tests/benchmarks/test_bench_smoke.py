@@ -53,7 +53,8 @@ def result(tmp_path_factory):
 
 def test_every_peer_has_figures(result):
     names = ["floor", "mpi-allreduce", "horovod", "horovod-fp16", "ddp-allreduce", "ddp-fp16",
-             "ddp-powersgd-r1", "ddp-powersgd-r4", "ddp-slim", "ddp-slim-1b", "ddp-slim-1bv"]
+             "ddp-powersgd-r1", "ddp-powersgd-r4", "ddp-slim", "ddp-slim-1b", "ddp-slim-1bv",
+             "ddp-local4"]
     names += [f"topk-ef@{d:g}" for d in DENSITIES]
     names += [f"hvd_slim-{p}@{d:g}" for d in DENSITIES for p in ("slim", "union")]
     assert list(result["peers"]) == names
@@ -121,12 +122,17 @@ def test_ranks_per_host_off_the_switched_cluster_names_hosts_by_key_only():
 def test_every_rank_records_its_phases_in_every_measured_step(result):
     """The per-step phase seconds the model's push queue reads (rank_phase_steps_s): every
     rank, every measured step, only the server serving (hvd_slim's optimizer and its DDP hook);
-    no phases for the other peers."""
+    no phases for the other peers. In rounds of local steps (ddp-local4: warm-up 2, measured
+    3) only the round's end, the second measured step, exchanges."""
     for name, p in result["peers"].items():
-        if not name.startswith(("hvd_slim-", "ddp-slim")):
+        if not name.startswith(("hvd_slim-", "ddp-slim", "ddp-local")):
             assert "rank_phase_steps_s" not in p, name
             continue
         ranks = p["rank_phase_steps_s"]
         assert len(ranks) == 2 and all(len(r) == p["steps_measured"] for r in ranks), name
+        if name.startswith("ddp-local"):
+            assert [s["prepare"] > 0 for s in ranks[1]] == [False, True, False], name
+            assert [s["serve"] > 0 for s in ranks[0]] == [False, True, False], name
+            continue
         assert all(s["prepare"] > 0 and s["apply"] > 0 for r in ranks for s in r), name
         assert all(s["serve"] > 0 for s in ranks[0]) and all(s["serve"] == 0 for s in ranks[1])

@@ -65,7 +65,8 @@ class SlimState:
         **keywords: The Slim-DP keywords of ``hvd_slim.DistributedOptimizer`` (``density``,
             ``value_bits``, ``pull_value_bits``, ``servers``, ``nonfinite``, ``timeout``, the
             warm-up's, ...), each read from ``HVD_SLIM_<NAME>`` when not passed. What needs
-            the optimizer or the model is refused by name: ``local_steps``, ``overlap``
+            the optimizer or the model is refused by name: ``local_steps`` (rounds of local
+            steps: :func:`hvd_slim.ddp.local_optimizer` wraps the optimizer), ``overlap``
             (DDP's buckets already overlap backward), ``hierarchical``, momentum correction,
             ``adam_exchange="update"`` and ``magnitude_weight``.
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hvd_slim.config import ConfigError
+from hvd_slim.exchange import ExchangeError
 from hvd_slim.ddp import SlimState, local_hook, local_optimizer, slim_hook
 
 from tests.torchrun.test_ddp_torchrun import Net, batch, flat, same_everywhere
@@ -115,3 +116,19 @@ def test_local_hook_without_its_optimizer_fails_backward(hvd: Any) -> None:
     x, y = batch(0, dist.get_rank())
     with pytest.raises(RuntimeError, match="local_optimizer"):
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
+
+
+def test_a_rank_with_other_rounds_is_named_at_the_first_step(hvd: Any) -> None:
+    """The last rank asks for rounds of 2, the others of 3: the wrapped optimizer's handshake
+    refuses the first step on every rank with the same message, naming that rank and the
+    setting, before any rank steps."""
+    n, r = hvd.size(), hvd.rank()
+    ddp = DDP(Net())
+    opt = local_optimizer(ddp, INNER["sgd"](ddp.parameters()), local_steps=2 if r == n - 1 else H,
+                          **KW)
+    with pytest.raises(ExchangeError) as info:
+        local_step(ddp, opt, 0)
+    messages = hvd.allgather_object(str(info.value))
+    assert len(set(messages)) == 1, messages
+    assert f"rank {n - 1}" in messages[0] or f"rank(s) {n - 1}" in messages[0], messages[0]
+    assert "local_steps" in messages[0], messages[0]

@@ -16,13 +16,14 @@ round ends, and the same on every rank bitwise at each round's end.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import ConfigError
+from ..config import ENV_KEYWORDS, ConfigError
 from ..config.env import resolve_config
 from ..optim.distributed_optimizer import DistributedOptimizer
 from .group import group_transport
@@ -54,8 +55,10 @@ def local_optimizer(ddp_model: Any, optimizer: torch.optim.Optimizer,
         **keywords: The Slim-DP keywords of ``hvd_slim.DistributedOptimizer``, each read from
             ``HVD_SLIM_<NAME>`` when not passed. ``local_steps`` (or ``HVD_SLIM_LOCAL_STEPS``)
             must come to more than 1; ``outer_optimizer``, ``outer_delay`` and the exchange's
-            keywords (``density``, ``value_bits``, ...) apply as there. The parameters' names,
-            the transport and the process set are this function's own.
+            keywords (``density``, ``value_bits``, ...) apply as there, and so do Horovod's:
+            accumulating gradients over K backward passes (``no_sync()``) takes
+            ``backward_passes_per_step=K``. The parameters' names, the transport and the
+            process set are this function's own.
 
     Returns:
         The wrapped optimizer (an instance of ``optimizer``'s class, as Horovod's).
@@ -76,7 +79,11 @@ def local_optimizer(ddp_model: Any, optimizer: torch.optim.Optimizer,
     if own:
         raise TypeError(f"local_optimizer() sets {', '.join(own)} itself (the DDP model's "
                         f"parameter names and process group); leave them out")
-    config = resolve_config({k: v for k, v in keywords.items() if k != "outer_optimizer"})
+    unknown = sorted(set(keywords) - set(inspect.signature(DistributedOptimizer).parameters))
+    if unknown:
+        raise TypeError(f"local_optimizer() got unexpected keyword(s) {', '.join(unknown)}; it "
+                        f"takes hvd_slim.DistributedOptimizer's (docs/keywords.md)")
+    config = resolve_config({k: v for k, v in keywords.items() if k in ENV_KEYWORDS})
     if config.local_steps <= 1:
         raise ConfigError(f"local_optimizer: local_steps={config.local_steps}"
                           f"{config.env_note('local_steps')} leaves no local steps; give "

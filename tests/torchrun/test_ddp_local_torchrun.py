@@ -99,6 +99,8 @@ def test_what_cannot_work_is_refused_by_name(hvd: Any, monkeypatch: pytest.Monke
     with pytest.raises(TypeError, match="sets named_parameters, transport itself"):
         local_optimizer(ddp, INNER["sgd"](ddp.parameters()), local_steps=H,
                         named_parameters=[], transport="gloo")
+    with pytest.raises(TypeError, match="unexpected keyword.*densty"):
+        local_optimizer(ddp, INNER["sgd"](ddp.parameters()), local_steps=H, densty=0.1)
     with pytest.raises(ConfigError, match="local_steps"):   # SlimState points here
         SlimState(local_steps=H)
     hooked = DDP(Net())
@@ -132,3 +134,33 @@ def test_a_rank_with_other_rounds_is_named_at_the_first_step(hvd: Any) -> None:
     assert len(set(messages)) == 1, messages
     assert f"rank {n - 1}" in messages[0] or f"rank(s) {n - 1}" in messages[0], messages[0]
     assert "local_steps" in messages[0], messages[0]
+
+
+def test_no_sync_accumulation_takes_backward_passes_per_step(hvd: Any) -> None:
+    """Two backward passes a step (the first under DDP's ``no_sync()``) with
+    ``backward_passes_per_step=2``: bit for bit the bare model's DistributedOptimizer doing
+    the same two passes, through two rounds."""
+    ddp, net = DDP(Net()), Net()
+    kw = dict(KW, local_steps=H, backward_passes_per_step=2)
+    opt = local_optimizer(ddp, INNER["sgd"](ddp.parameters()), **kw)
+    ref = hvd.DistributedOptimizer(INNER["sgd"](net.parameters()),
+                                   named_parameters=net.named_parameters(), **kw)
+
+    def passes(module: torch.nn.Module, t: int) -> None:
+        for half in (0, 1):
+            x, y = batch(2 * t + half, dist.get_rank())
+            torch.nn.functional.cross_entropy(module(x), y).backward()
+
+    for t in range(2 * H):
+        opt.zero_grad()
+        with ddp.no_sync():
+            x, y = batch(2 * t, dist.get_rank())
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        x, y = batch(2 * t + 1, dist.get_rank())
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        ref.zero_grad()
+        passes(net, t)
+        ref.step()
+        assert torch.equal(flat(ddp.module), flat(net)), f"step {t}"
+    assert same_everywhere(flat(net))

@@ -17,6 +17,7 @@ round ends, and the same on every rank bitwise at each round's end.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -106,4 +107,8 @@ def local_optimizer(ddp_model: Any, optimizer: torch.optim.Optimizer,
     except BaseException:
         transport.close()
         raise
+    # The private group goes with the optimizer, or at exit while Python still runs, before
+    # the interpreter's teardown, where Gloo's threads can abort a process that leaves its
+    # groups to it (docs/ddp.md, "Teardown"). A script's destroy_process_group() takes it too.
+    weakref.finalize(opt, transport.close)
     return opt

@@ -457,3 +457,33 @@ def test_the_candidate_scan_finds_every_hit_whether_blocks_hold_many_or_few():
         want = np.flatnonzero(scored >= 1.0)
         idx, vals = scores.at_least(1.0)
         assert np.array_equal(idx, want) and np.array_equal(vals, scored[want])
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "one value", "sorted", "low end hidden",
+                                  "sample lowest"])
+def test_order_stats_of_many_candidates_are_the_full_partitions(kind):
+    """NumpyScores.order_stats partitions only the low end of many candidates, bounded from a
+    sample: the j-th and jw-th smallest must be the values a partition of them all gives, with
+    ties, one repeated value, sorted input, a low end the strided sample misses (every small
+    value off the sample's stride), and a sample holding the smallest values (the bound then
+    keeps too few, and it falls back to partitioning them all)."""
+    rng = np.random.default_rng(11)
+    n = 200_000
+    vals = {"normal": np.abs(rng.standard_normal(n)) + 1.0,
+            "ties": np.round(rng.random(n) * 8) / 8 + 1.0,
+            "one value": np.full(n, 3.0),
+            "sorted": np.sort(rng.random(n)),
+            "low end hidden": rng.random(n) + 1.0,
+            "sample lowest": rng.random(n) + 1.0}[kind].astype(np.float32)
+    stride = n // 4096
+    if kind == "sample lowest":
+        vals[stride // 2::stride] = 0.1
+    if kind == "low end hidden":
+        off = np.ones(n, bool)
+        off[stride // 2::stride] = False
+        vals[np.flatnonzero(off)[:30_000]] = 0.5   # many small values, none in the sample
+    for j, jw in ((n // 11, n // 11 - 1000), (0, None), (5, 2), (n // 3, 10)):
+        part = np.partition(vals, j)
+        want_nxt = None if jw is None else float(np.partition(part[:j], jw)[jw])
+        kth, nxt = NumpyScores.order_stats(vals, j, jw)
+        assert kth == part[j] and nxt == want_nxt, (kind, j, jw)

@@ -65,6 +65,10 @@ def test_every_peer_has_figures(result):
         assert p["status"] == "ok", (name, p)
         assert p["steps_measured"] == 3 and len(p["step_times_s"]) == 3
         assert 0 < p["p10_s"] <= p["median_s"] <= p["p90_s"]
+        # a step's cost: the median, or over whole rounds the mean (ddp-local4 runs rounds)
+        rounds = 4 if name == "ddp-local4" else 1
+        assert p["local_steps"] == rounds, name
+        assert p["step_s"] == (p["mean_s"] if rounds > 1 else p["median_s"]), name
         for key in ("bytes_sent_per_step", "bytes_recv_per_step", "select_ms_per_step",
                     "time_vs_dense", "comm_s"):
             assert p[key] is not None and p[key] >= 0, (name, key)

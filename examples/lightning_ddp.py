@@ -1,18 +1,14 @@
-"""Lightning with Slim-DP: ``DDPStrategy`` takes the hook and its state::
+"""Lightning with Slim-DP: ``hvd_slim.ddp.lightning.SlimHookCallback`` registers the hook::
 
     torchrun --nproc-per-node 2 -m examples.lightning_ddp
     torchrun --nproc-per-node 2 -m examples.lightning_ddp --optimizer adamw
     torchrun --nproc-per-node 2 -m examples.lightning_ddp --optimizer adamw --local-steps 4
 
-Lightning registers the hook itself, so the state takes the model's ``named_parameters``, as
-``DistributedOptimizer`` does: each bucket is then laid out by name, not in DDP's order.
-Lightning (2.6) registers a ``DDPStrategy``'s communication hook on CUDA devices only, and
-silently drops it on the CPU. :class:`HookOnCPU` registers it there itself, once the strategy has
-wrapped the model: pass it in ``callbacks`` when training on CPUs (Gloo).
-
-Under AdamW the state takes the optimizer, so that each rank's Adam update travels, not its
-gradient. Lightning makes the optimizer (``configure_optimizers``) after the strategy that holds
-the state, so :class:`AdamThroughHook` hands it over before the first step.
+Lightning (2.6) registers a ``DDPStrategy(ddp_comm_hook=...)`` on CUDA devices only, silently
+dropping it on the CPU, and makes the optimizer (``configure_optimizers``) after the strategy. The
+callback registers the state on the DDP model at ``on_fit_start`` (with the parameters' names,
+so each bucket is laid out by name, as ``DistributedOptimizer`` does) and, under AdamW, gives it
+the optimizer, so that each rank's Adam update travels, not its gradient.
 
 With ``--local-steps H`` there is no hook state: ``configure_optimizers`` returns
 ``hvd_slim.ddp.local_optimizer(strategy's DDP model, optimizer, local_steps=H)``, which
@@ -37,7 +33,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.ddp_train import gathered_replicas, leave_together
-from hvd_slim.ddp import SlimState, local_optimizer, slim_hook
+from hvd_slim.ddp import SlimState, local_optimizer
+from hvd_slim.ddp.lightning import SlimHookCallback
 
 
 def teacher_data(n: int = 4096, seed: int = 0) -> TensorDataset:
@@ -72,34 +69,6 @@ class Classifier(pl.LightningModule):
         return opt
 
 
-class HookOnCPU(pl.Callback):
-    """Register a communication hook where Lightning does not (off CUDA), once the strategy
-    has wrapped the model in DDP."""
-
-    def __init__(self, state: object, hook: object) -> None:
-        self.state, self.hook = state, hook
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.strategy.root_device.type != "cuda":
-            trainer.strategy.model.register_comm_hook(self.state, self.hook)
-
-
-class AdamThroughHook(pl.Callback):
-    """Give the hook's state the Adam or AdamW that ``configure_optimizers`` made, before the
-    first step: each rank's Adam update then travels (``SlimState.set_optimizer``). Under
-    ``precision="16-mixed"`` also the precision plugin's GradScaler, so that its loss scale
-    stays out of Adam's moments (``SlimState.set_grad_scaler``)."""
-
-    def __init__(self, state: SlimState) -> None:
-        self.state = state
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.state.set_optimizer(trainer.optimizers[0])
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None:
-            self.state.set_grad_scaler(scaler)
-
-
 def main() -> List[Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
@@ -111,13 +80,10 @@ def main() -> List[Any]:
     pl.seed_everything(0, verbose=False)
     model = Classifier(args.optimizer, args.local_steps)
     local = args.local_steps > 1
-    # Lightning registers the hook itself, so the state is given the names register() would
-    # give: each exchange lays its bucket out by name, as DistributedOptimizer does.
-    state = None if local else SlimState(density=0.01, named_parameters=model.named_parameters())
-    strategy = DDPStrategy(process_group_backend="gloo") if local else DDPStrategy(
-        ddp_comm_state=state, ddp_comm_hook=slim_hook, process_group_backend="gloo")
-    callbacks: List[pl.Callback] = [] if local else [HookOnCPU(state, slim_hook)] + (
-        [AdamThroughHook(state)] if args.optimizer == "adamw" else [])
+    # The added lines: the state, and the callback that registers it (and gives it AdamW).
+    state = None if local else SlimState(density=0.01)
+    strategy = DDPStrategy(process_group_backend="gloo")
+    callbacks: List[pl.Callback] = [] if local else [SlimHookCallback(state)]
     # Under torchrun, Lightning takes the processes it started: as many devices as it has here.
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                          strategy=strategy, max_steps=args.steps,

@@ -435,3 +435,14 @@ def test_the_transport_the_state_made_is_closed_once_by_close_or_when_collected(
         return counts
     # one rank at a time patches the module: two ranks would patch it with each other's transport
     assert run_ranks(1, body, timeout=60) == [[0, 1, 1, 2]]
+
+
+def test_the_lightning_callback_takes_a_slim_state_only():
+    """hvd_slim.ddp.lightning.SlimHookCallback (run whole in examples/lightning_ddp.py's
+    tests, under SGD and AdamW) refuses anything but a SlimState, naming what it got."""
+    pytest.importorskip("lightning")
+    from hvd_slim.ddp.lightning import SlimHookCallback
+    with pytest.raises(TypeError, match="must be a hvd_slim.ddp.SlimState, got dict"):
+        SlimHookCallback({})
+    state = SlimState(density=0.05)
+    assert SlimHookCallback(state).state is state

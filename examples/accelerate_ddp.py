@@ -17,7 +17,6 @@ With ``--local-steps H`` the model is prepared first and the optimizer is wrappe
 """
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any, List
 
@@ -26,18 +25,12 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from examples.ddp_train import gathered_replicas, leave_together
-from examples.lightning_ddp import teacher_data
+from examples.lightning_ddp import framework_args, teacher_data
 from hvd_slim.ddp import SlimState, local_optimizer
 
 
 def main() -> List[Any]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    ap.add_argument("--local-steps", type=int, default=1,
-                    help="above 1: rounds of local steps (local_optimizer), no hook state")
-    ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
-    args = ap.parse_args()
+    args = framework_args(__doc__)
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True)
     net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))

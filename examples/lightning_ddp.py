@@ -69,14 +69,19 @@ class Classifier(pl.LightningModule):
         return opt
 
 
-def main() -> List[Any]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def framework_args(doc: str) -> argparse.Namespace:
+    """The framework examples' command line (this one's and examples/accelerate_ddp.py's)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     ap.add_argument("--local-steps", type=int, default=1,
                     help="above 1: rounds of local steps (local_optimizer), no hook state")
     ap.add_argument("--json", default=None, help="also write the figures here (rank 0)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> List[Any]:
+    args = framework_args(__doc__)
     pl.seed_everything(0, verbose=False)
     model = Classifier(args.optimizer, args.local_steps)
     local = args.local_steps > 1

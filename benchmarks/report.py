@@ -75,10 +75,7 @@ def _peer(name: str, recs: List[Dict[str, Any]], env: Dict[str, str]) -> Dict[st
         # the mean as well: under local_steps=H the median is a step without an exchange, and
         # only the mean over whole rounds (steps a multiple of H) is what a step costs
         "median_s": statistics.median(times), "mean_s": statistics.fmean(times),
-        # what a step costs, which the ratios and targets compare: the median, or in rounds of
-        # local steps the mean (the measured steps should be a multiple of local_steps)
         "local_steps": rounds,
-        "step_s": statistics.fmean(times) if rounds > 1 else statistics.median(times),
         "p10_s": _pct(times, 10), "p90_s": _pct(times, 90),
         "iqr_s": _pct(times, 75) - _pct(times, 25), "min_s": min(times), "max_s": max(times),
         "repeat_medians_s": [statistics.median(r["step_times_s"]) for r in ok],
@@ -89,6 +86,9 @@ def _peer(name: str, recs: List[Dict[str, Any]], env: Dict[str, str]) -> Dict[st
         "hosts": ok[0].get("hosts"), "local_size": ok[0].get("local_size"),
         "step_times_s": times,
         "loadavg": [r.get("loadavg_before") for r in ok] + [ok[-1].get("loadavg_after")]}
+    # What a step costs, which the ratios and targets compare: the median, or in rounds of
+    # local steps the mean (the measured steps should be a multiple of local_steps).
+    out["step_s"] = out["mean_s"] if rounds > 1 else out["median_s"]
     if ok[0].get("rank_phase_steps_s"):
         # Per rank, every measured step of every repeat: {phase: seconds} (hvd_slim's phases,
         # comm_stats' <phase>_seconds): when each rank's CPU work ended within the step.

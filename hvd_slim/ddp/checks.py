@@ -67,3 +67,10 @@ def refuse_old_format(state: Any, field: str, old: int, what: str, then: str, no
         raise ValueError(f"hvd_slim.ddp: this {what} is format {old}, from an hvd_slim whose "
                          f"{then}; this one {now} and cannot resume it. Start the hook from a "
                          f"fresh SlimState (the model and optimizer checkpoints still load)")
+
+
+def has_comm_hook(ddp_model: Any) -> bool:
+    """Whether ``ddp_model`` (a DistributedDataParallel model) has a Python communication hook
+    registered already (DDP keeps them in ``_comm_hooks``; a built-in one is refused by DDP's
+    own registration)."""
+    return bool(getattr(ddp_model, "_comm_hooks", None))

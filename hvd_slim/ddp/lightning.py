@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from .checks import has_comm_hook
 from .state import SlimState
 
 __all__ = ["SlimHookCallback"]
@@ -52,7 +53,7 @@ class SlimHookCallback(pl.Callback):
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         ddp_model = trainer.strategy.model
-        if not getattr(ddp_model, "_comm_hooks", None):
+        if not has_comm_hook(ddp_model):
             self.state.register(ddp_model)
         opt: Any = trainer.optimizers[0] if trainer.optimizers else None
         opt = getattr(opt, "optimizer", opt)   # LightningOptimizer's wrapped torch optimizer

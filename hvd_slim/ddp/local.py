@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import ENV_KEYWORDS, ConfigError
 from ..config.env import resolve_config
 from ..optim.distributed_optimizer import DistributedOptimizer
+from .checks import has_comm_hook
 from .group import group_transport
 from .hook import local_hook
 
@@ -91,7 +92,7 @@ def local_optimizer(ddp_model: Any, optimizer: torch.optim.Optimizer,
                           f"local_steps=H (H > 1, 4 for a transformer over slow links) or "
                           f"HVD_SLIM_LOCAL_STEPS, or use SlimState() and slim_hook to exchange "
                           f"every step", "local_steps")
-    if getattr(ddp_model, "_comm_hooks", None):
+    if has_comm_hook(ddp_model):
         raise RuntimeError("local_optimizer: this DDP model has a communication hook already; "
                            "build local_optimizer on a DDP model without one (it registers "
                            "its own, which keeps gradients local)")

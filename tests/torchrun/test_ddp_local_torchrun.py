@@ -6,6 +6,7 @@ are bitwise the same at its end; a checkpoint saved mid-round resumes bitwise; w
 work is refused by name. Every rank runs these in the same order (tests/torchrun/conftest.py)."""
 from __future__ import annotations
 
+import contextlib
 import io
 from typing import Any, Callable
 
@@ -146,21 +147,16 @@ def test_no_sync_accumulation_takes_backward_passes_per_step(hvd: Any) -> None:
     ref = hvd.DistributedOptimizer(INNER["sgd"](net.parameters()),
                                    named_parameters=net.named_parameters(), **kw)
 
-    def passes(module: torch.nn.Module, t: int) -> None:
-        for half in (0, 1):
-            x, y = batch(2 * t + half, dist.get_rank())
-            torch.nn.functional.cross_entropy(module(x), y).backward()
+    def step(module: torch.nn.Module, o: torch.optim.Optimizer, t: int, first: Any) -> None:
+        o.zero_grad()
+        for half, ctx in ((0, first), (1, contextlib.nullcontext())):
+            with ctx:
+                x, y = batch(2 * t + half, dist.get_rank())
+                torch.nn.functional.cross_entropy(module(x), y).backward()
+        o.step()
 
     for t in range(2 * H):
-        opt.zero_grad()
-        with ddp.no_sync():
-            x, y = batch(2 * t, dist.get_rank())
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        x, y = batch(2 * t + 1, dist.get_rank())
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        ref.zero_grad()
-        passes(net, t)
-        ref.step()
+        step(ddp, opt, t, ddp.no_sync())
+        step(net, ref, t, contextlib.nullcontext())
         assert torch.equal(flat(ddp.module), flat(net)), f"step {t}"
     assert same_everywhere(flat(net))

@@ -252,7 +252,9 @@ class Probe:
                 agg /= count.clamp(min=1)
             else:
                 agg /= n
-            if a.pull == "union" or dens >= 1.0:
+            # A push of every coordinate is pulled whole, unless a slim pull is asked for by a
+            # ratio under 1 (a slice of the sum) or at 1 bit (every coordinate's sign)
+            if a.pull == "union" or (dens >= 1.0 and a.pull_ratio >= 1.0 and a.pull_bits != 1):
                 delivered = agg
                 nz = int((count > 0).sum())
                 self.bits_pull += nz * 32 + (0 if a.shared == "random" else index_bits(

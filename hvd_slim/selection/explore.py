@@ -22,6 +22,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
+from ..wire.indices import counting
 from ..wire.recent import Recent
 from .backend import use_torch
 
@@ -193,7 +194,7 @@ def _coordinates(cr: Union[torch.Tensor, np.ndarray], pos: np.ndarray, on_device
             p = p + torch.searchsorted(gaps, p, right=True)
         return p
     if cr.size:
-        gaps = cr - np.arange(cr.size, dtype=np.int64)
+        gaps = cr - counting(cr.size)
         pos = pos + np.searchsorted(gaps, pos, side="right")
     return torch.from_numpy(pos)
 

@@ -66,7 +66,8 @@ class IndexKernel(Protocol[A]):
         """(first, last, the first :data:`Drop` or None) of a non-empty index array."""
 
     def arange(self, n: int, like: A) -> A:
-        """``0 .. n-1`` as int64, where ``like`` lives."""
+        """``0 .. n-1`` as int64, where ``like`` lives (possibly shared: read it, never write
+        into it)."""
 
     def bits_at(self, pos: A, nbits: int) -> A:
         """``nbits`` bits, set at the int64 positions ``pos`` and clear elsewhere."""

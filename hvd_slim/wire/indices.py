@@ -54,7 +54,7 @@ class NumpyKernel:
         return int(a[0]), int(a[-1]), drop
 
     def arange(self, n: int, like: np.ndarray) -> np.ndarray:
-        return np.arange(n, dtype=np.int64)
+        return counting(n)
 
     def bits_at(self, pos: np.ndarray, nbits: int) -> np.ndarray:
         bits = np.zeros(nbits, dtype=np.uint8)
@@ -83,6 +83,33 @@ class NumpyKernel:
 
     def cat(self, parts: Sequence[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts)
+
+
+# 0, 1, 2, ... shared by every caller of :func:`counting`, never written after it is made
+_COUNTING = np.arange(0, dtype=np.int64)
+_COUNTING.flags.writeable = False
+# Longer requests get a fresh array: the shared one is kept for good, so it is bounded (32 MiB)
+_COUNTING_MAX = 1 << 22
+
+
+def counting(n: int) -> np.ndarray:
+    """``0 .. n-1`` as int64, read-only: a view of one shared array where ``n`` is within
+    :data:`_COUNTING_MAX`. A fresh ``np.arange`` of a million entries costs more than the
+    arithmetic it feeds (its pages are new each time: 1.7 of the 1.9 ms that the high part of
+    an Elias-Fano encoding of 234k indices took), and the codec and exploration ask for one
+    per slice. The shared array is only ever replaced by a longer one, never written, so
+    threads (the communication thread and the main one) may share it without a lock."""
+    global _COUNTING
+    if n <= 0:
+        return np.empty(0, dtype=np.int64)   # writable: a decoded empty set is handed on
+    a = _COUNTING
+    if n > a.size:
+        if n > _COUNTING_MAX:
+            return np.arange(n, dtype=np.int64)
+        a = np.arange(min(_COUNTING_MAX, max(n, 2 * a.size)), dtype=np.int64)
+        a.flags.writeable = False
+        _COUNTING = a
+    return a[:n]
 
 
 def _int_for(bits: int) -> type:

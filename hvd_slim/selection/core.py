@@ -225,7 +225,10 @@ class CoreSelector:
             if above < k:   # the k-th is the floor; so is the want-th when there is one
                 self._thr = floor if c >= want else self._estimate(s, want)
                 return s.keep_top(cand, vals, floor, k, ties)
-            if 2 * above < c:   # most candidates tie at the floor, below the k-th
+            # Many candidates tie at the floor, below the k-th: np.partition slows several-fold
+            # over many equal values (a 4-rank server's 569k candidates, 109k at the floor:
+            # 24.7 ms, against 6.0 with them dropped first), so a sixteenth is enough to drop.
+            if 16 * (c - above) >= c:
                 if above < want <= c:
                     at_floor_nxt = floor
                 cand, vals = s.above(cand, vals, floor)

@@ -79,6 +79,10 @@ class NumpyKernel:
         return bool(np.any(bits))
 
     def nonzero(self, bits: np.ndarray) -> np.ndarray:
+        # Read as bool (the contract's bits are 0/1): numpy's nonzero has a fast path for bool
+        # and not for uint8, 0.4 against 2.4 ms for an Elias-Fano high section of 234k indices
+        if bits.dtype == np.uint8:
+            bits = bits.view(np.bool_)
         return np.flatnonzero(bits).astype(np.int64, copy=False)
 
     def cat(self, parts: Sequence[np.ndarray]) -> np.ndarray:

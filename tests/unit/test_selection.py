@@ -143,6 +143,35 @@ def test_core_drops_a_tied_floor_below_the_kth(monkeypatch):
     assert calls
 
 
+@pytest.mark.parametrize("want_at_floor", [True, False])
+def test_exact_drops_a_fifth_tied_at_the_floor_with_the_same_result(monkeypatch, want_at_floor):
+    # A 4-rank server's candidates: a coarse grid, a fifth of them exactly at the floor, the
+    # k-th above it. The tied fifth is dropped before the partition (np.partition slows over
+    # many equal values); the slice and the carried threshold (the want-th largest candidate)
+    # are those of a full sort.
+    c = 200_000
+    g = torch.Generator().manual_seed(9)
+    vals = 1.0 + torch.randint(1, 64, (c,), generator=g).float() / 64.0
+    at_floor = torch.rand(c, generator=g) < 0.2
+    vals[at_floor] = 1.0
+    cand = torch.sort(torch.randperm(4 * c, generator=g)[:c]).values
+    n_floor = int(at_floor.sum())
+    k = c - n_floor - 5_000
+    want = c - n_floor // 2 if want_at_floor else k + 2_000
+    calls = []
+    real = NumpyScores.above
+    monkeypatch.setattr(NumpyScores, "above",
+                        staticmethod(lambda *a: calls.append(1) or real(*a)))
+    sel = CoreSelector()
+    s = NumpyScores(np.zeros(4 * c, dtype=np.float32), magnitude=True)
+    s.take_sample(64)
+    got = sel._exact(s, cand.numpy(), vals.numpy(), k, want, floor=1.0, ties=0)
+    order = np.lexsort((np.arange(c), -vals.numpy()))
+    assert np.array_equal(got, np.sort(cand.numpy()[order[:k]]))
+    assert sel._thr == float(np.sort(vals.numpy())[c - want])
+    assert calls, "the tied floor was partitioned with the rest"
+
+
 def test_core_takes_a_needed_tied_level_by_lowest_indices():
     # The k-th value is the tied level itself: all above it, then the tied entries in index
     # order, from one candidate pass, with that level carried as the next threshold.

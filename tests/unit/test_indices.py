@@ -155,3 +155,35 @@ def test_reject_out_of_range_and_unsorted():
     for bad in ([7, 7], [9, 7], [40, 33]):
         with pytest.raises(WireError, match="strictly increasing"):
             decode_indices(IDX_EF, _ef_pack(np.array(bad), 100), 100, 2)
+
+
+def test_counting_is_a_shared_read_only_range_that_grows_and_stays_bounded(monkeypatch):
+    import hvd_slim.wire.indices as ix
+    monkeypatch.setattr(ix, "_COUNTING_MAX", 1000)
+    monkeypatch.setattr(ix, "_COUNTING", np.arange(0, dtype=np.int64))
+    a = ix.counting(300)
+    assert a.dtype == np.int64 and np.array_equal(a, np.arange(300))
+    assert not a.flags.writeable   # a caller writing into it would corrupt every other one
+    with pytest.raises(ValueError):
+        a[0] = 7
+    b = ix.counting(200)
+    assert np.shares_memory(a, b) and np.array_equal(b, np.arange(200))   # no fresh pages
+    c = ix.counting(500)   # grows: to at least twice what it held
+    assert np.array_equal(c, np.arange(500)) and ix._COUNTING.size == 600
+    c = ix.counting(900)   # ... and never past the bound
+    assert np.array_equal(c, np.arange(900)) and ix._COUNTING.size == 1000
+    assert np.array_equal(a, np.arange(300))   # what a caller held stays as it was
+    big = ix.counting(5000)   # past the bound: a fresh array, the shared one unchanged
+    assert np.array_equal(big, np.arange(5000)) and ix._COUNTING.size == 1000
+    empty = ix.counting(0)
+    assert empty.size == 0 and empty.flags.writeable and empty.dtype == np.int64
+
+
+def test_decoded_indices_do_not_share_the_counting_range():
+    # Decoding subtracts the shared range from the high bits: the result is the caller's own.
+    idx = np.array([3, 17, 40, 41, 99], dtype=np.int64)
+    kind, enc = encode_indices(idx, 128)
+    out = decode_indices(kind, enc, 128, idx.size)
+    assert np.array_equal(out, idx) and out.flags.writeable
+    out[0] = 5   # writing into it must not touch anything shared
+    assert np.array_equal(decode_indices(kind, enc, 128, idx.size), idx)

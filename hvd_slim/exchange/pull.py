@@ -154,4 +154,4 @@ class Puller:
         return slice_indices(pb.numel, indices_on(sec.indices, pb), pb.k_pull_explore,
                              seed=self.cfg.seed, role=ROLE_PULL,
                              rank=self.shards.roots[p.shard], step=t, bucket=pb.index,
-                             device=pb.device)
+                             device=pb.device, keep=False)   # the last to ask for it

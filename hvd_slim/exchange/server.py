@@ -218,8 +218,10 @@ class Server:
     def _push_slice(self, b: Bucket, j: int, sec: wm.Section, step: int, plan: "_Plan"
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """The coordinates (core, then exploration) and values of rank ``j``'s sliced push."""
-        idx = slice_indices(b.numel, indices_on(sec.indices, b), b.k_explore, seed=self.cfg.seed, role=ROLE_PUSH,
-                            rank=j, step=step, bucket=b.index, device=b.device)
+        # A regeneration: its own push's set is found kept; nothing asks for any of them again.
+        idx = slice_indices(b.numel, indices_on(sec.indices, b), b.k_explore,
+                            seed=self.cfg.seed, role=ROLE_PUSH, rank=j, step=step,
+                            bucket=b.index, device=b.device, keep=False)
         return idx, section_values(sec, b, idx.numel())
 
     def _accumulate(self, b: Bucket, j: int, sec: wm.Section, step: int, total: torch.Tensor,

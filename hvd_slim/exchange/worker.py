@@ -189,8 +189,10 @@ class Worker:
         for p, ap in zip(pieces, _cut(a, pieces)):
             pb = p.b
             core = self._select_core(pb, ap, None if w is None else w[p.lo:p.hi]).to(b.device)
+            # Kept only where this rank serves the piece: its server regenerates the set.
             sel = slice_indices(pb.numel, core, pb.k_explore, seed=cfg.seed, role=ROLE_PUSH,
-                                rank=self.rank, step=t, bucket=pb.index, device=b.device)
+                                rank=self.rank, step=t, bucket=pb.index, device=b.device,
+                                keep=self.shards.roots[p.shard] == self.rank)
             t_code = time.perf_counter()
             # value_bits: the values travel in the slice dtype; what rounding lost stays in the
             # residual (``delivered`` is what the server decodes), to be sent later.

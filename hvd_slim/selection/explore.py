@@ -148,13 +148,17 @@ def _positions(key: Sequence[int], m: int, c: int) -> np.ndarray:
     return np.concatenate([pick[split:] - m, pick[:split]])
 
 
-def explore(d: int, core: torch.Tensor, k_e: int, key: Sequence[int]) -> torch.Tensor:
+def explore(d: int, core: torch.Tensor, k_e: int, key: Sequence[int], keep: bool = True
+            ) -> torch.Tensor:
     """``min(k_e, d - len(core))`` distinct indices in [0, d) outside ``core``, ascending (int64).
 
     ``core``: sorted unique int64 indices. ``key``: non-negative ints, e.g.
     ``(seed, role, rank, step, bucket)``; the same key always gives the same output, on the
     core's device. A core on a GPU stays there: the random positions depend only on the key and
-    the sizes, so they are drawn on the host and only they cross to the device.
+    the sizes, so they are drawn on the host and only they cross to the device. ``keep``: keep
+    the result for a later call with the same key in this process (:data:`RECENT`); False
+    where none will come, since keeping copies the core and the result (a third of the call
+    for a 470k core).
     """
     d, k_e = int(d), int(k_e)
     if d < 0 or k_e < 0:
@@ -171,7 +175,7 @@ def explore(d: int, core: torch.Tensor, k_e: int, key: Sequence[int]) -> torch.T
         if known is not None:
             return known
     out = _coordinates(cr, _positions(key, m, c), on_device)
-    if c >= _RECALL_MIN:
+    if keep and c >= _RECALL_MIN:
         RECENT.put(memo, cr, out)
     return out
 
@@ -200,11 +204,14 @@ def _coordinates(cr: Union[torch.Tensor, np.ndarray], pos: np.ndarray, on_device
 
 
 def slice_indices(d: int, core: torch.Tensor, k_e: int, *, seed: int, role: int, rank: int,
-                  step: int, bucket: int, device: torch.device) -> torch.Tensor:
+                  step: int, bucket: int, device: torch.device, keep: bool = True
+                  ) -> torch.Tensor:
     """A slice's coordinates on ``device``: ``core``, then its exploration set keyed by
     ``(seed, role, rank, step, bucket)`` (``role``: :data:`ROLE_PUSH` or :data:`ROLE_PULL`).
 
     The sender and every receiver call this with the same arguments, so the explored indices
     never travel. ``core`` is expected on ``device`` already; the result is not sorted (the
-    core's entries come first)."""
-    return torch.cat([core, explore(d, core, k_e, (seed, role, rank, step, bucket)).to(device)])
+    core's entries come first). ``keep``: as :func:`explore`'s (True where this process will
+    ask again: a worker on its own push's server rank, a server for its own worker's pull)."""
+    return torch.cat([core, explore(d, core, k_e, (seed, role, rank, step, bucket),
+                                    keep).to(device)])

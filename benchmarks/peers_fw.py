@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .models import Workload
 from .peers import Peer, ring_allreduce_bytes, stats_counters, stats_phases
+from .report import local_steps
 
 _counted = {"bytes": 0, "calls": 0}
 _original_all_reduce = dist.all_reduce
@@ -74,7 +75,7 @@ class Ddp(Peer):
         elif hook.startswith("local"):
             from hvd_slim.ddp import local_optimizer
             self.opt = self.state = local_optimizer(self.module, self.opt,
-                                                    local_steps=int(hook[len("local"):]),
+                                                    local_steps=local_steps(self.name, {}),
                                                     warmup_decay_steps=0)
         elif self.slim:
             from hvd_slim.ddp import SlimState, slim_hook

@@ -136,7 +136,8 @@ def _nic(rec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 def local_steps(name: str, env: Dict[str, str]) -> int:
     """The rounds a peer runs: ``ddp-localH``'s H, hvd_slim's ``HVD_SLIM_LOCAL_STEPS`` (from
-    ``--env``), else 1 (a step exchanges every time)."""
+    ``--env``), else 1 (a step exchanges every time). The DDP peer (peers_fw.py) reads its H
+    here too."""
     if name.startswith("ddp-local"):
         return int(name[len("ddp-local"):])
     if name.startswith("hvd_slim-"):

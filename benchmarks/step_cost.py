@@ -8,7 +8,9 @@ The gradients are seeded and cycled (benchmarks/models.py, ``SyntheticGrads``), 
 copy. Each repeat times, interleaved on one thread: backward alone, backward plus SGD's step,
 backward plus hvd_slim's step at its defaults, the same parameters as one flat tensor; a step's
 cost is its time less backward's. The automatic warm-up (the first ``1/density`` steps, denser)
-is timed on its own, before the steady state. It prints the ratios the local-work issue sets
+is timed afterwards on a fresh optimizer over the same shapes, each of its steps beside one
+steady step of the first (the same load for both: a drift of the machine moves both alike,
+and the first steps' allocations are not the only ones timed). It prints the ratios the local-work issue sets
 targets for (hvd_slim over SGD, 62 tensors over one flat tensor, warm-up over steady), the
 steady steps' phase times from ``comm_stats()``, and the machine's load: timing on a busy machine says
 little, so run it quiet.
@@ -20,7 +22,7 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -80,8 +82,8 @@ def measure(model: str, steps: int, repeats: int) -> Dict[str, Any]:
     many, flat = _Setup(shapes), _Setup([("flat", (numel,))])
     warm = many.slim.slim_config.warmup_steps
     load = [os.getloadavg()[0]]
-    # The automatic warm-up, both layouts: its steps are denser than steady ones.
-    warmup = _timed(many.slim_step, range(warm))
+    # Through the automatic warm-up, both layouts: the steady state is timed first.
+    _timed(many.slim_step, range(warm))
     _timed(flat.slim_step, range(warm))
     for fn in (many.plain, many.only_backward, flat.plain, flat.only_backward):
         fn(0)   # first-touch allocations out of the timings
@@ -99,11 +101,12 @@ def measure(model: str, steps: int, repeats: int) -> Dict[str, Any]:
         times["flat_sgd"] += _timed(flat.plain, block)
         times["flat_slim"] += _timed(flat.slim_step, block)
         t0 += steps
+    after = many.slim.comm_stats()
+    warmup, beside = _warmup_beside(shapes, many, warm, t0)
     load.append(os.getloadavg()[0])
     med = {k: statistics.median(v) for k, v in times.items()}
     sgd, slim = med["sgd"] - med["backward"], med["slim"] - med["backward"]
     flat_slim = med["flat_slim"] - med["flat_backward"]
-    after = many.slim.comm_stats()
     # comm_stats() sums each phase's seconds: the steady steps' share, per step.
     phases = {k[:-len("_seconds")]: (after[k] - before[k]) / (steps * repeats)
               for k in ("prepare_seconds", "select_seconds", "serve_seconds", "apply_seconds")}
@@ -111,9 +114,21 @@ def measure(model: str, steps: int, repeats: int) -> Dict[str, Any]:
             "repeats": repeats, "warmup_steps": warm, "load": load,
             "sgd_step_s": sgd, "slim_step_s": slim, "flat_slim_step_s": flat_slim,
             "slim_over_sgd": slim / sgd, "tensors_over_flat": slim / flat_slim,
-            "warmup_over_steady": (statistics.median(warmup) - med["backward"]) / slim
-            if warmup else None,
+            "warmup_over_steady": (statistics.median(warmup) - med["backward"])
+            / (statistics.median(beside) - med["backward"]) if warmup else None,
             "phases_s": phases, "medians_s": med}
+
+
+def _warmup_beside(shapes: Any, steady: _Setup, warm: int, t0: int
+                   ) -> Tuple[List[float], List[float]]:
+    """The automatic warm-up's steps of a fresh optimizer over ``shapes``, each timed beside
+    one step of ``steady`` (past its warm-up, from step ``t0``): both lists of seconds."""
+    fresh = _Setup(shapes)
+    warmup, beside = [], []
+    for t in range(warm):
+        warmup += _timed(fresh.slim_step, range(t, t + 1))
+        beside += _timed(steady.slim_step, range(t0 + t, t0 + t + 1))
+    return warmup, beside
 
 
 def probe_parser(doc: str, steps: int, repeats: int) -> argparse.ArgumentParser:

@@ -1,8 +1,9 @@
 """The GPU tier: tests/gpu/check_gpu.py on CUDA parameters under mpirun, over NCCL and over
 MPI/Gloo (2 ranks, sharing the GPUs round-robin, so one GPU serves both), and three simulated ranks
-on one GPU in one process, and the CUDA launches of a steady step at 9 and 90 tensors. Skipped
-without a GPU. Run it alone with ``bash tests/gpu/run.sh``
-(under 5 minutes).
+on one GPU in one process, the CUDA launches of a steady step at 9 and 90 tensors, and the DDP
+hook on CUDA models under torchrun (tests/gpu/check_ddp_gpu.py: over NCCL, over Gloo, and
+Lightning's own registration of it on CUDA). Skipped without a GPU, except each check script's
+own run on CPU tensors. Run it alone with ``bash tests/gpu/run.sh`` (under 5 minutes).
 
 NCCL itself refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected",
 ncclInvalidUsage, since NCCL 2.5). With a single GPU the NCCL checks therefore run at one rank:
@@ -11,6 +12,7 @@ communicator, where the rank is its own server.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-from tests.mpi_launch import run_mpi, tail
+from tests.mpi_launch import run_mpi, run_session, session_env, tail
 
 SCRIPT = ROOT / "tests" / "gpu" / "check_gpu.py"
 TIMEOUT = float(os.environ.get("HVD_SLIM_GPU_TIMEOUT", "150"))
@@ -85,6 +87,72 @@ def test_the_check_script_itself_on_cpu(tmp_path: Path) -> None:
     """No GPU needed: check_gpu.py's closed forms and plumbing, on CPU tensors over Gloo."""
     rc, out = run_checks(tmp_path, "gloo", {"HVD_SLIM_GPU_CHECK_ON_CPU": "1"})
     assert_passed(rc, out, tmp_path, [f"{c}[gloo]" for c in PER_TRANSPORT + [HOST_COPIES]])
+
+
+DDP_SCRIPT = ROOT / "tests" / "gpu" / "check_ddp_gpu.py"
+DDP_CHECKS = ["check_hook_replicas_identical", "check_hook_adamw_update",
+              "check_hook_density_one_is_ddp_allreduce", "check_hook_resume_bitwise",
+              "check_hook_amp_gradscaler"]
+DDP_PAYLOADS, DDP_LIGHTNING = "check_hook_payloads_stay_on_the_gpu", \
+    "check_lightning_strategy_and_callback"
+
+
+def run_ddp_checks(tmp_path: Path, backend: str, np_: int, extra=None,
+                   lightning: bool = True) -> tuple:
+    """tests/gpu/check_ddp_gpu.py under torchrun at ``np_`` processes (no MPI involved)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(np_), "--max-restarts", "0", str(DDP_SCRIPT), "--backend", backend]
+    env = {**session_env(("HVD_SLIM_TRANSPORT", "TORCHELASTIC_", "GROUP_RANK", "ROLE_")),
+           "HVD_SLIM_REPORT_DIR": str(tmp_path), "HVD_SLIM_TRANSPORT_TIMEOUT": "60",
+           "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"), **(extra or {})}
+    rc, out, seconds = run_session(argv + ([] if lightning else ["--no-lightning"]), TIMEOUT,
+                                   env)
+    print(f"[gpu tier] DDP hook over {backend} at {np_} rank(s): exit {rc} after "
+          f"{seconds:.1f}s\n{tail(out, 30)}")
+    found = set()
+    for r in range(np_):
+        path = tmp_path / f"rank{r}.txt"
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        found |= {(r, m) for m in re.findall(
+            rf"^hvd_slim-gpu-ddp: rank {r} of {np_} PASS (\S+?)\[", text, re.M)}
+    return rc, out, found
+
+
+def assert_ddp_passed(rc: int, out: str, found: set, expected: List[str], np_: int) -> None:
+    missing = [(r, c) for r in range(np_) for c in expected if (r, c) not in found]
+    assert rc == 0 and not missing, f"exit {rc}, not passed (rank, check): {missing}\n{tail(out)}"
+
+
+def lightning_installed() -> bool:
+    return importlib.util.find_spec("lightning") is not None
+
+
+@needs_gpu
+def test_ddp_hook_on_cuda_over_nccl(tmp_path: Path) -> None:
+    """The hook on CUDA models over NCCL (one rank per GPU), payloads kept on the device, and
+    Lightning's own registration of it on CUDA with the callback handing over AdamW."""
+    np_ = nccl_ranks()
+    rc, out, found = run_ddp_checks(tmp_path, "nccl", np_)
+    expected = DDP_CHECKS + [DDP_PAYLOADS] + ([DDP_LIGHTNING] if lightning_installed() else [])
+    assert_ddp_passed(rc, out, found, expected, np_)
+
+
+@needs_gpu
+def test_ddp_hook_on_cuda_over_gloo(tmp_path: Path) -> None:
+    """CUDA tensors through Gloo's pinned host frames, at 2 ranks sharing the GPUs (Lightning
+    only with a GPU per rank: it puts rank r on cuda:r)."""
+    lightning = torch.cuda.device_count() >= 2 and lightning_installed()
+    rc, out, found = run_ddp_checks(tmp_path, "gloo", 2, lightning=lightning)
+    assert_ddp_passed(rc, out, found, DDP_CHECKS + ([DDP_LIGHTNING] if lightning else []), 2)
+
+
+def test_the_ddp_check_script_itself_on_cpu(tmp_path: Path) -> None:
+    """No GPU needed: check_ddp_gpu.py's checks and plumbing on CPU tensors over Gloo."""
+    lightning = lightning_installed()
+    rc, out, found = run_ddp_checks(tmp_path, "gloo", 2, {"HVD_SLIM_GPU_CHECK_ON_CPU": "1"},
+                                    lightning=lightning)
+    assert_ddp_passed(rc, out, found, DDP_CHECKS + [DDP_PAYLOADS]
+                      + ([DDP_LIGHTNING] if lightning else []), 2)
 
 
 @needs_gpu

@@ -134,9 +134,11 @@ class ResidualMemory:
 
     def takes_left(self, sent: int) -> bool:
         """Whether :meth:`update` writes ``left`` for ``sent`` coordinates (one scatter) rather
-        than subtracting what was delivered: up to 40% of the buffer, so a warm-up's denser
-        slices too. A sender computes ``left`` only then."""
-        return 5 * sent <= 2 * self.numel
+        than subtracting what was delivered: up to a sixth of the buffer, so the automatic
+        warm-up's start at 8x the default density too. Above it the subtraction gains little
+        and ``left`` would hold a large share of a residual's memory until the commit. A
+        sender computes ``left`` only then."""
+        return 6 * sent <= self.numel
 
     def update(self, sent: Optional[torch.Tensor], delivered: Optional[torch.Tensor] = None,
                mask_velocity: float = 1.0, left: Optional[torch.Tensor] = None) -> None:
@@ -148,7 +150,7 @@ class ResidualMemory:
         ``delivered``), when the caller has it: a sender gathered the values it sent, so one
         scatter writes it, bitwise the indexed subtraction (on a CPU, 11.7M coordinates, 7
         December: 0.6 against 1.5 ms at 2%, 2.4 against 4.4 at 5.7%, a warm-up step's, 2.9
-        against 4.5 at 16%, 7.3 against 7.9 at 40%; above that the subtraction stays).
+        against 4.5 at 16%, but 7.3 against 7.9 at 40%, where the subtraction stays).
         ``mask_velocity`` is the share of the velocity dropped at ``sent`` (True: all; False
         keeps it: ``flush`` and dense warm-up steps send the residual, not the momentum;
         sparse steps pass the ``momentum_masking`` setting).

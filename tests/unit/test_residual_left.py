@@ -1,7 +1,7 @@
 """What stays at the sent coordinates, written by one scatter (``left``) instead of subtracting
 what was delivered: the worker and the server hand ``ResidualMemory.update`` their gathered
-values less the delivered ones wherever the memory takes them (up to 40% of the buffer, so a
-warm-up's denser slices too). Both ways must leave bitwise the same residual and velocity, or
+values less the delivered ones wherever the memory takes them (up to a sixth of the buffer,
+so the automatic warm-up's denser slices too). Both ways must leave bitwise the same residual and velocity, or
 a warm-up step would change the training it only makes cheaper."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _memory(numel: int, seed: int, momentum: bool) -> ResidualMemory:
     return mem
 
 
-@pytest.mark.parametrize("density", [0.02, 0.057, 0.16, 0.4])
+@pytest.mark.parametrize("density", [0.02, 0.057, 0.16])
 @pytest.mark.parametrize("momentum", [False, True])
 def test_left_scatter_is_bitwise_the_subtraction(density, momentum):
     numel = 20_000
@@ -45,9 +45,9 @@ def test_left_scatter_is_bitwise_the_subtraction(density, momentum):
         assert torch.equal(by_sub.velocity, by_left.velocity)
 
 
-def test_the_scatter_stops_at_two_fifths_of_the_buffer():
-    mem = ResidualMemory(1000, torch.float32, torch.device("cpu"))
-    assert mem.takes_left(400) and not mem.takes_left(401)
+def test_the_scatter_stops_at_a_sixth_of_the_buffer():
+    mem = ResidualMemory(1200, torch.float32, torch.device("cpu"))
+    assert mem.takes_left(200) and not mem.takes_left(201)
     # Above it, a left handed in is not what is written: the subtraction runs.
     mem.residual.fill_(1.0)
     sent = torch.arange(500)

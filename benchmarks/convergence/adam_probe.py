@@ -219,6 +219,9 @@ class Probe:
                 shared = torch.randperm(self.d, generator=self.gen)[:max(1, round(dens * self.d))]
             elif a.shared == "sum" and dens < 1.0:    # oracle: the top-k of the summed residual
                 shared = self.sel(sum(props), dens)
+            elif a.shared == "stride" and dens < 1.0:   # every P-th coordinate, in turn
+                period = max(1, round(1 / dens))
+                shared = torch.arange(t % period, self.d, period)
             for i, r in enumerate(props):
                 idx = self.sel(r, dens) if shared is None else shared
                 k = idx.numel()
@@ -244,7 +247,7 @@ class Probe:
                     self.m[i][idx] *= 1 - a.mask
                 agg[idx] += vals
                 count[idx] += 1
-                free = a.shared == "random"   # the receiver draws the same coordinates
+                free = a.shared in FREE   # the receiver knows the same coordinates
                 self.bits_push += (k + ke) * min(a.bits, 32) + \
                     (0 if free else index_bits(self.d, k)) if dens < 1.0 else \
                     min(a.bits, 32) * self.d
@@ -253,18 +256,19 @@ class Probe:
             else:
                 agg /= n
             # A push of every coordinate is pulled whole, unless a slim pull is asked for by a
-            # ratio under 1 (a slice of the sum) or at 1 bit (every coordinate's sign)
-            if a.pull == "union" or (dens >= 1.0 and a.pull_ratio >= 1.0 and a.pull_bits != 1):
+            # ratio under 1 (a slice of the sum) or at fewer bits (every coordinate's sign, say)
+            if a.pull == "union" or (dens >= 1.0 and a.pull_ratio >= 1.0
+                                     and a.pull_bits in (0, 32)):
                 delivered = agg
                 nz = int((count > 0).sum())
-                self.bits_pull += nz * 32 + (0 if a.shared == "random" else index_bits(
+                self.bits_pull += nz * 32 + (0 if a.shared in FREE else index_bits(
                     self.d, nz)) if dens < 1.0 else 32 * self.d
             else:
                 e = self.server
                 e.mul_(a.server_decay).add_(agg)
                 pd = min(1.0, dens * a.pull_ratio)
-                idx = self.sel(e, pd)
-                if a.pull_explore:   # the server's own exploration, coded with its core
+                idx = shared if a.shared == "stride" and shared is not None else self.sel(e, pd)
+                if a.pull_explore and a.shared != "stride":   # the server's own exploration, coded with its core
                     extra = torch.randint(0, self.d, (round(a.pull_explore * idx.numel()),),
                                           generator=self.gen)
                     idx = torch.unique(torch.cat([idx, extra]))
@@ -273,7 +277,8 @@ class Probe:
                 delivered = torch.zeros(self.d)
                 delivered[idx] = vals
                 self.bits_pull += idx.numel() * min(a.pull_bits or a.bits, 32) + \
-                    index_bits(self.d, idx.numel())
+                    (0 if a.shared == "stride" and shared is not None else
+                     index_bits(self.d, idx.numel()))
             if a.scheme == "grad":
                 self.apply(self.adam_dir(delivered, self.gm, self.gv, t, b1, b2, eps) * lr,
                            lr, wd)
@@ -286,6 +291,10 @@ class Probe:
             n = p.numel()
             p.mul_(1 - lr * wd).sub_(delta[off:off + n].view_as(p))
             off += n
+
+
+# Shared selections whose coordinates every rank knows without being sent them.
+FREE = ("random", "stride")
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
@@ -317,10 +326,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     ap.add_argument("--pull-explore", type=float, default=0.0,
                     help="the server's explored share of its slice")
     ap.add_argument("--sender-mean", action="store_true")
-    ap.add_argument("--shared", choices=("none", "leader", "sum", "random"), default="none",
+    ap.add_argument("--shared", choices=("none", "leader", "sum", "random", "stride"),
+                    default="none",
                     help="every worker sends the same coordinates: a rotating leader's top-k, "
-                         "(oracle) the top-k of the summed residuals, or a seeded random draw "
-                         "(its indices free)")
+                         "(oracle) the top-k of the summed residuals, a seeded random draw, or "
+                         "every round(1/density)-th coordinate in turn (the last two: indices "
+                         "free; with stride a slim pull sends the same coordinates)")
     ap.add_argument("--v-correct", action="store_true",
                     help="estimate the average gradient's second moment locally (update)")
     ap.add_argument("--oracle-v", action="store_true",

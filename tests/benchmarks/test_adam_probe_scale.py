@@ -27,3 +27,17 @@ def test_the_least_squares_rule_clips_the_largest_values_for_a_closer_bulk():
     assert s < two_bit_scale(x, "max")
     top = float(quantize(x, 2, "mse").abs().max())
     assert top == pytest.approx(1.5 * s) and top < float(x.abs().max())
+
+
+def test_a_stride_push_sends_every_pth_coordinate_and_no_index_bytes():
+    """``--shared stride``: at density 1/P each rank sends every P-th coordinate in turn, the
+    same ones on every rank, so the union pull is those coordinates and no index travels
+    either way: with 32-bit values each rank pushes P-th of the dense bytes, and the pull
+    carries the same share."""
+    from benchmarks.convergence.adam_probe import main
+    out = main(["--workers", "2", "--width", "16", "--layers", "1", "--heads", "2",
+                "--context", "16", "--batch", "2", "--steps", "4", "--evals", "1",
+                "--val-windows", "4", "--density", "0.5", "--bits", "32",
+                "--shared", "stride", "--pull", "union"])
+    assert out["push_ratio"] == pytest.approx(2 / 2)   # two ranks, each half the coordinates
+    assert out["pull_ratio"] == pytest.approx(2.0)

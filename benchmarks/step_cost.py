@@ -9,11 +9,10 @@ copy. Each repeat times, interleaved on one thread: backward alone, backward plu
 backward plus hvd_slim's step at its defaults, the same parameters as one flat tensor; a step's
 cost is its time less backward's. The automatic warm-up (the first ``1/density`` steps, denser)
 is timed afterwards on a fresh optimizer over the same shapes, each of its steps beside one
-steady step of the first (the same load for both: a drift of the machine moves both alike,
-and the first steps' allocations are not the only ones timed). It prints the ratios the local-work issue sets
-targets for (hvd_slim over SGD, 62 tensors over one flat tensor, warm-up over steady), the
-steady steps' phase times from ``comm_stats()``, and the machine's load: timing on a busy machine says
-little, so run it quiet.
+steady step of the first (a drift of the machine's load moves both alike). It prints the
+ratios the local-work issue sets targets for (hvd_slim over SGD, 62 tensors over one flat
+tensor, warm-up over steady), the steady steps' phase times from ``comm_stats()``, and the
+machine's load: timing on a busy machine says little, so run it quiet.
 """
 from __future__ import annotations
 

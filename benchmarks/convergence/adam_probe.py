@@ -268,7 +268,8 @@ class Probe:
                 e.mul_(a.server_decay).add_(agg)
                 pd = min(1.0, dens * a.pull_ratio)
                 idx = shared if a.shared == "stride" and shared is not None else self.sel(e, pd)
-                if a.pull_explore and a.shared != "stride":   # the server's own exploration, coded with its core
+                # the server's own exploration, coded with its core
+                if a.pull_explore and a.shared != "stride":
                     extra = torch.randint(0, self.d, (round(a.pull_explore * idx.numel()),),
                                           generator=self.gen)
                     idx = torch.unique(torch.cat([idx, extra]))

@@ -1,8 +1,8 @@
 """What stays at the sent coordinates, written by one scatter (``left``) instead of subtracting
 what was delivered: the worker and the server hand ``ResidualMemory.update`` their gathered
 values less the delivered ones wherever the memory takes them (up to a sixth of the buffer,
-so the automatic warm-up's denser slices too). Both ways must leave bitwise the same residual and velocity, or
-a warm-up step would change the training it only makes cheaper."""
+so the automatic warm-up's denser slices too). Both ways must leave bitwise the same residual
+and velocity, or a warm-up step would change the training it only makes cheaper."""
 from __future__ import annotations
 
 import pytest

@@ -267,7 +267,9 @@ class Probe:
                 e = self.server
                 e.mul_(a.server_decay).add_(agg)
                 pd = min(1.0, dens * a.pull_ratio)
-                idx = shared if a.shared == "stride" and shared is not None else self.sel(e, pd)
+                # a stride push is pulled on its own coordinates, which every rank knows
+                stride = a.shared == "stride" and shared is not None
+                idx = shared if stride else self.sel(e, pd)
                 # the server's own exploration, coded with its core
                 if a.pull_explore and a.shared != "stride":
                     extra = torch.randint(0, self.d, (round(a.pull_explore * idx.numel()),),
@@ -278,8 +280,7 @@ class Probe:
                 delivered = torch.zeros(self.d)
                 delivered[idx] = vals
                 self.bits_pull += idx.numel() * min(a.pull_bits or a.bits, 32) + \
-                    (0 if a.shared == "stride" and shared is not None else
-                     index_bits(self.d, idx.numel()))
+                    (0 if stride else index_bits(self.d, idx.numel()))
             if a.scheme == "grad":
                 self.apply(self.adam_dir(delivered, self.gm, self.gv, t, b1, b2, eps) * lr,
                            lr, wd)

@@ -36,7 +36,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hvd_slim.ddp import SlimState, slim_hook
 
 ON_CPU = os.environ.get("HVD_SLIM_GPU_CHECK_ON_CPU") == "1"
-KEPT: List[Any] = []   # collectives' tensors, freed only after the process group (docs/ddp.md)
 
 
 def device() -> torch.device:
@@ -267,10 +266,12 @@ def main() -> int:
             failed.append(check.__name__)
         if len(set(verdicts)) > 1:   # some ranks failed: the others are out of step
             os._exit(1)
+    # Every rank leaves together, the barrier's work still referenced while the group goes
+    # (Gloo's teardown, docs/ddp.md).
     done = dist.barrier(async_op=True)
     done.wait()
-    KEPT.append(done)
     dist.destroy_process_group()
+    del done
     return 1 if failed else 0
 
 

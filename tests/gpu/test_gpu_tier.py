@@ -39,12 +39,14 @@ def nccl_ranks() -> int:
     return max(1, min(2, torch.cuda.device_count()))
 
 
-def passed_checks(reports: Path, np_: int) -> set:
+def passed_checks(reports: Path, np_: int, tag: str = "hvd_slim-gpu") -> set:
+    """(rank, "check[transport]") for every PASS line the ranks' reports hold under ``tag``
+    (check_gpu.py's, or check_ddp_gpu.py's ``hvd_slim-gpu-ddp``)."""
     found = set()
     for r in range(np_):
         path = reports / f"rank{r}.txt"
         text = path.read_text(encoding="utf-8") if path.exists() else ""
-        found |= {(r, m) for m in re.findall(rf"^hvd_slim-gpu: rank {r} of {np_} PASS (\S+?):", text,
+        found |= {(r, m) for m in re.findall(rf"^{tag}: rank {r} of {np_} PASS (\S+?):", text,
                                              re.M)}
     return found
 
@@ -62,8 +64,9 @@ def run_checks(tmp_path: Path, transports: str, extra=None, np_: int = 2) -> tup
     return rc, out
 
 
-def assert_passed(rc: int, out: str, tmp_path: Path, expected: List[str], np_: int = 2) -> None:
-    passed = passed_checks(tmp_path, np_)
+def assert_passed(rc: int, out: str, tmp_path: Path, expected: List[str], np_: int = 2,
+                  tag: str = "hvd_slim-gpu") -> None:
+    passed = passed_checks(tmp_path, np_, tag)
     missing = [(r, c) for r in range(np_) for c in expected if (r, c) not in passed]
     assert rc == 0 and not missing, f"exit {rc}, not passed (rank, check): {missing}\n{tail(out)}"
 
@@ -109,18 +112,13 @@ def run_ddp_checks(tmp_path: Path, backend: str, np_: int, extra=None,
                                    env)
     print(f"[gpu tier] DDP hook over {backend} at {np_} rank(s): exit {rc} after "
           f"{seconds:.1f}s\n{tail(out, 30)}")
-    found = set()
-    for r in range(np_):
-        path = tmp_path / f"rank{r}.txt"
-        text = path.read_text(encoding="utf-8") if path.exists() else ""
-        found |= {(r, m) for m in re.findall(
-            rf"^hvd_slim-gpu-ddp: rank {r} of {np_} PASS (\S+?)\[", text, re.M)}
-    return rc, out, found
+    return rc, out
 
 
-def assert_ddp_passed(rc: int, out: str, found: set, expected: List[str], np_: int) -> None:
-    missing = [(r, c) for r in range(np_) for c in expected if (r, c) not in found]
-    assert rc == 0 and not missing, f"exit {rc}, not passed (rank, check): {missing}\n{tail(out)}"
+def assert_ddp_passed(rc: int, out: str, tmp_path: Path, backend: str, expected: List[str],
+                      np_: int) -> None:
+    assert_passed(rc, out, tmp_path, [f"{c}[{backend}]" for c in expected], np_,
+                  tag="hvd_slim-gpu-ddp")
 
 
 def lightning_installed() -> bool:
@@ -132,9 +130,9 @@ def test_ddp_hook_on_cuda_over_nccl(tmp_path: Path) -> None:
     """The hook on CUDA models over NCCL (one rank per GPU), payloads kept on the device, and
     Lightning's own registration of it on CUDA with the callback handing over AdamW."""
     np_ = nccl_ranks()
-    rc, out, found = run_ddp_checks(tmp_path, "nccl", np_)
+    rc, out = run_ddp_checks(tmp_path, "nccl", np_)
     expected = DDP_CHECKS + [DDP_PAYLOADS] + ([DDP_LIGHTNING] if lightning_installed() else [])
-    assert_ddp_passed(rc, out, found, expected, np_)
+    assert_ddp_passed(rc, out, tmp_path, "nccl", expected, np_)
 
 
 @needs_gpu
@@ -142,17 +140,18 @@ def test_ddp_hook_on_cuda_over_gloo(tmp_path: Path) -> None:
     """CUDA tensors through Gloo's pinned host frames, at 2 ranks sharing the GPUs (Lightning
     only with a GPU per rank: it puts rank r on cuda:r)."""
     lightning = torch.cuda.device_count() >= 2 and lightning_installed()
-    rc, out, found = run_ddp_checks(tmp_path, "gloo", 2, lightning=lightning)
-    assert_ddp_passed(rc, out, found, DDP_CHECKS + ([DDP_LIGHTNING] if lightning else []), 2)
+    rc, out = run_ddp_checks(tmp_path, "gloo", 2, lightning=lightning)
+    assert_ddp_passed(rc, out, tmp_path, "gloo",
+                      DDP_CHECKS + ([DDP_LIGHTNING] if lightning else []), 2)
 
 
 def test_the_ddp_check_script_itself_on_cpu(tmp_path: Path) -> None:
     """No GPU needed: check_ddp_gpu.py's checks and plumbing on CPU tensors over Gloo."""
     lightning = lightning_installed()
-    rc, out, found = run_ddp_checks(tmp_path, "gloo", 2, {"HVD_SLIM_GPU_CHECK_ON_CPU": "1"},
-                                    lightning=lightning)
-    assert_ddp_passed(rc, out, found, DDP_CHECKS + [DDP_PAYLOADS]
-                      + ([DDP_LIGHTNING] if lightning else []), 2)
+    rc, out = run_ddp_checks(tmp_path, "gloo", 2, {"HVD_SLIM_GPU_CHECK_ON_CPU": "1"},
+                             lightning=lightning)
+    assert_ddp_passed(rc, out, tmp_path, "gloo",
+                      DDP_CHECKS + [DDP_PAYLOADS] + ([DDP_LIGHTNING] if lightning else []), 2)
 
 
 @needs_gpu

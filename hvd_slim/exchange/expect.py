@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
 from ..wire.values import FP8, packed_nbytes
-from .layout import DENSE, Bucket, slice_is_smaller, sent_whole
+from .layout import DENSE, Bucket, coded_whole, slice_is_smaller, sent_whole
 from .shards import ShardPlan
 
 
@@ -105,8 +105,14 @@ def _expect(buckets: List[Bucket], flush: bool, sparse: Callable[[Bucket], Modes
 
 def push_expect(buckets: List[Bucket], flush: bool = False) -> List[wm.Expect]:
     """What the server accepts from a worker, for a step's ``buckets`` (their sizes at it)."""
-    return _expect(buckets, flush, lambda b: {wm.M_DENSE: (b.numel, 0)} if sent_whole(b)
-                   else _slice_modes(b.k, b.k_core, b.slice_bits))
+    def sparse(b: Bucket) -> Modes:
+        if coded_whole(b):
+            return {wm.M_CODED: (packed_nbytes(b.numel, b.slice_bits), 0)}
+        if sent_whole(b):
+            return {wm.M_DENSE: (b.numel, 0)}
+        return _slice_modes(b.k, b.k_core, b.slice_bits)
+
+    return _expect(buckets, flush, sparse)
 
 
 def pull_expect(buckets: List[Bucket], pull: str, flush: bool = False,

@@ -4,7 +4,8 @@ Parameters are ordered by name (the same on every rank whatever the registration
 split by size: tensors under ``min_compress_numel`` are fused into a dense bucket per dtype; the
 rest form one compressed bucket per dtype, a single flat vector of ``d`` coordinates on which the
 slice is chosen (docs/design.md §2). A compressed bucket whose slice would not be smaller than
-dense is sent dense ("dense fallback"), which also makes ``density=1.0`` exactly a dense average.
+dense is sent dense ("dense fallback"), which also makes ``density=1.0`` exactly a dense average,
+except at ``value_bits=1``: there every coordinate's sign goes, coded whole (:func:`coded_whole`).
 """
 from __future__ import annotations
 
@@ -115,13 +116,21 @@ def slice_is_smaller(d: int, k: int, k_core: int, slice_bytes: int, value_bytes:
     return k < d and values + index_bytes_bound(d, k_core) < d * value_bytes
 
 
+def coded_whole(b: Bucket) -> bool:
+    """A compressed bucket whose push holds every coordinate at 1 bit (``value_bits=1`` at
+    ``density=1.0``): it travels coded, with no indices (``M_CODED``), 32x smaller than dense,
+    and what the signs lose stays in the residual. (Not a dense warm-up step, which is sent
+    whole and exact: :meth:`Layout.at_step`.)"""
+    return b.kind == SPARSE and b.slice_bits == 1 and b.k >= b.numel and b.whole is not True
+
+
 def sent_whole(b: Bucket) -> bool:
     """A compressed bucket whose push slice (at a warm-up step's size) would not be smaller than
     all of it: that step sends it whole, the residual included (see the worker)."""
     if b.kind == SPARSE and b.whole is not None:
         return b.whole
-    return b.kind == SPARSE and not slice_is_smaller(b.numel, b.k, b.k_core, b.slice_bytes,
-                                                     b.value_bytes, b.slice_bits)
+    return b.kind == SPARSE and not coded_whole(b) and not slice_is_smaller(
+        b.numel, b.k, b.k_core, b.slice_bytes, b.value_bytes, b.slice_bits)
 
 
 class Layout:
@@ -171,8 +180,8 @@ class Layout:
                 b.k, b.k_core, b.k_explore = slice_sizes(off, config.density, config.exploration)
                 b.k_pull, b.k_pull_core, b.k_pull_explore = slice_sizes(
                     off, config.effective_pull_density, config.exploration)
-                if not slice_is_smaller(off, b.k, b.k_core, b.slice_bytes, b.value_bytes,
-                                        b.slice_bits):
+                if not coded_whole(b) and not slice_is_smaller(
+                        off, b.k, b.k_core, b.slice_bytes, b.value_bytes, b.slice_bits):
                     b.kind = DENSE  # dense fallback: no residual, exactly a dense average
                     b.slice_dtype, b.slice_bits, b.pull_slice = comm, 0, None
             self.buckets.append(b)
@@ -198,8 +207,11 @@ class Layout:
                 if b.kind == SPARSE:
                     k, kc, ke = slice_sizes(b.numel, dens[0], expl)
                     kp, kpc, kpe = slice_sizes(b.numel, dens[1], expl)
+                    # A dense warm-up step (warmup_dense_steps) is the exact dense average at
+                    # any value_bits, signs (coded_whole) included.
                     b = dataclasses.replace(b, k=k, k_core=kc, k_explore=ke, k_pull=kp,
-                                            k_pull_core=kpc, k_pull_explore=kpe)
+                                            k_pull_core=kpc, k_pull_explore=kpe,
+                                            whole=True if dens[0] >= 1.0 else b.whole)
                 out.append(b)
             self._at = (key, out)
         return self._at[1]

@@ -24,7 +24,7 @@ from ..wire.indices import index_bytes_bound
 from ..wire.values import quantize
 from .expect import pull_is_dense, push_expect
 from .finite import nonfinite_sent, nonfinite_text
-from .layout import DENSE, Bucket, Layout
+from .layout import DENSE, Bucket, Layout, coded_whole
 from .sections import indices_on, itemsizes, section_values
 from .wirepath import HostPath, WirePath
 
@@ -179,6 +179,11 @@ class Server:
         zeroed dense buffer and adding ``e`` (three full passes fewer). ``e``'s old values
         there are kept in the plan, so a step that does not go through restores them exactly."""
         e = self.memory[b.index].residual
+        if coded_whole(b):   # every rank sent every coordinate: senders are all N ranks
+            plan.saved.append((e, None, e.clone()))
+            for sec in secs:
+                e.add_(section_values(sec, b, b.numel).to(e.dtype), alpha=scale)
+            return self._slice_pull(b, e, step, plan)
         pushes = [self._push_slice(b, j, secs[j], step, plan)
                   for j in range(self.size)]
         touched = torch.cat([idx for idx, _ in pushes])
@@ -229,8 +234,8 @@ class Server:
                     senders: Optional[torch.Tensor] = None) -> None:
         if sec.mode == wm.M_EMPTY:
             return
-        if sec.mode == wm.M_DENSE:
-            total.add_(section_values(sec, b))
+        if sec.mode in (wm.M_DENSE, wm.M_CODED):
+            total.add_(section_values(sec, b, b.numel).to(total.dtype))
             if touched is not None:
                 touched.fill_(True)
             if senders is not None:
@@ -348,7 +353,8 @@ class _Plan:
         self.memory: List[tuple] = []        # (memory, proposed residual, sent, delivered)
         # (memory, sent, delivered, what stays there or None): aggregated in place
         self.forget: List[tuple] = []
-        self.saved: List[tuple] = []         # (residual, coordinates, their values before)
+        # (residual, coordinates or None for all of them, their values before)
+        self.saved: List[tuple] = []
         self.overflow: List[str] = []        # parameters whose pulled values overflow the wire
         self.sent_dtype: Optional[torch.dtype] = None
 
@@ -366,6 +372,9 @@ class _Plan:
         """The step does not go through: give residuals aggregated in place their old values
         back (exactly; a coordinate two pushes touched was saved twice, with the same value)."""
         for e, idx, before in reversed(self.saved):
-            e.index_put_((idx,), before)
+            if idx is None:   # all of it was saved (a coded push touches every coordinate)
+                e.copy_(before)
+            else:
+                e.index_put_((idx,), before)
         self.saved = []
 

@@ -20,7 +20,7 @@ from ..selection import ROLE_PUSH, CoreSelector, significance, slice_indices
 from ..wire import message as wm
 from ..wire.values import quantize
 from .finite import nonfinite_params, nonfinite_sent, nonfinite_text
-from .layout import DENSE, Bucket, Layout, sent_whole
+from .layout import DENSE, Bucket, Layout, coded_whole, sent_whole
 from .pull import Puller
 from .shards import Piece, ShardPlan
 from .stats import ExchangeStats
@@ -182,6 +182,8 @@ class Worker:
             secs = [self.path.section(wm.M_DENSE, part, p.b.numel)
                     for p, part in zip(pieces, _cut(coded, pieces))]
             return secs, _lossy(delivered, coded), None
+        if coded_whole(b):
+            return self._coded(b, pieces, a, u_new)
         t_sel = time.perf_counter()
         w = self.layout.read_params(b, torch.empty_like(a)) if cfg.magnitude_weight else None
         secs, sels, delivered, left = [], [], [], []
@@ -215,6 +217,22 @@ class Worker:
                                       left=(left[0] if len(left) == 1 else torch.cat(left))
                                       if left else None))
         return secs, lossy, sel
+
+    def _coded(self, b: Bucket, pieces: List[Piece], a: torch.Tensor,
+               u_new: Optional[torch.Tensor]
+               ) -> Tuple[List[wm.Section], Optional[Lossy], Optional[torch.Tensor]]:
+        """Every coordinate's sign (``value_bits=1`` at ``density=1.0``), each piece at its own
+        scale; what the signs lose stays in the residual, and the velocity is not masked (as in
+        a dense warm-up step: masking every coordinate every step would cancel the momentum)."""
+        secs, got = [], []
+        for p, part in zip(pieces, _cut(a, pieces)):
+            coded, _, delivered = quantize(part, p.b.slice_dtype, p.b.slice_bits)
+            secs.append(self.path.section(wm.M_CODED, coded, p.b.numel))
+            got.append(delivered)
+        delivered = got[0] if len(got) == 1 else torch.cat(got)
+        self._pending.append(Proposal(index=b.index, sel=None, delivered=delivered,
+                                      mask_velocity=0.0, a=a, u_new=u_new))
+        return secs, (delivered, coded.dtype), None
 
     def _select_core(self, pb: Bucket, a: torch.Tensor, w: Optional[torch.Tensor]
                      ) -> torch.Tensor:

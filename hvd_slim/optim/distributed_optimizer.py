@@ -83,8 +83,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             job rank in the set (default: its first). Build it on every rank alike: as in
             Horovod, a rank outside the set gets the plain optimizer (no exchange).
         density: Fraction of the compressed coordinates each worker pushes (default 0.02).
-        value_bits: 2, 4, 8 (default), 16 or 32: the precision of sliced values; what rounding
-            loses stays in the residual.
+        value_bits: 1, 2, 4, 8 (default), 16 or 32: the precision of sliced values; what rounding
+            loses stays in the residual. 1 is each value's sign at the section's mean
+            magnitude; with ``density=1.0`` every coordinate's sign is pushed, no indices (1-bit
+            Adam's push: 32x fewer bytes), where other bits at 1.0 are the exact dense average.
         pull_value_bits: The same for the server's slice (default None: ``value_bits``).
         exploration: Share of each slice spent on seeded random coordinates (default 0.1).
         servers: Server shards, 1 (default) to the number of ranks, or ``"auto"``: each

@@ -1,5 +1,5 @@
-"""How a slice's values travel: at full precision, as bfloat16, as 8-bit floats with a scale, or
-packed 4 or 2 bits a value on a uniform grid with a float32 scale.
+"""How a slice's values travel: at full precision, as bfloat16, as 8-bit floats with a scale,
+packed 4 or 2 bits a value on a uniform grid with a float32 scale, or packed as signs (1 bit).
 
 ``value_bits`` (a Slim-DP keyword) sets the precision of sliced sections: the worker's push and
 the server's ``pull="slim"`` slice. Dense sections (small tensors, dense fallback, flush) and
@@ -17,6 +17,10 @@ binades) scaled by a power of two chosen per section so that its largest magnitu
 scale ``s`` and then the codes, two or four to a byte, low bits first. 4 bits: the levels
 ``-7s .. 7s`` (``s = max|x| / 7``, round to nearest); 2 bits: ``±0.5s`` and ``±1.5s``
 (``s = max|x| / 1.5``: the top-k coordinates are rarely near zero, so no level is spent on it).
+1-bit values are signs: ``+s`` for ``x >= 0``, ``-s`` below, with ``s = mean|x|``, the scale
+that leaves the least squared error for a sign code (EF-signSGD's, 1-bit Adam's). Pushed
+whole (``density=1.0``: every coordinate, no indices, exchange/layout.py's ``coded_whole``) it
+is 32x fewer bytes than float32; what the sign loses stays in the sender's residual.
 Such a section's table count is its byte count; the receiver knows how many values it holds
 (the slice's coordinates), and every rank decodes the same bytes with the same operations.
 """
@@ -27,8 +31,8 @@ from typing import Optional, Tuple
 
 import torch
 
-VALUE_BITS = (2, 4, 8, 16, 32)
-PACKED_BITS = (2, 4)   # value_bits packed below a byte (pack, unpack)
+VALUE_BITS = (1, 2, 4, 8, 16, 32)
+PACKED_BITS = (1, 2, 4)   # value_bits packed below a byte (pack, unpack)
 _LEVELS = {4: 7.0, 2: 1.5}   # the largest level, in units of the scale
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -118,6 +122,10 @@ def packed_nbytes(n: int, bits: int) -> int:
 def pack(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(coded, delivered)``: ``x`` packed at ``bits`` (a uint8 tensor of
     :func:`packed_nbytes` bytes on ``x``'s device) and what the receiver will decode from it."""
+    if bits == 1:   # a NaN/Inf makes the scale, and so every value decoded, non-finite
+        m = x.abs().to(torch.float32).mean() if x.numel() else \
+            torch.zeros((), device=x.device)
+        return _packed((x >= 0).to(torch.uint8), m.reshape(1), bits, x)
     top = _LEVELS[bits]
     m = x.abs().max().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
     scale = (m / top).reshape(1)
@@ -128,6 +136,13 @@ def pack(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
     else:
         codes = torch.floor(y + 2.0).clamp_(0, 3)
     codes = torch.nan_to_num(codes, nan=0.0).to(torch.uint8)
+    return _packed(codes, scale, bits, x)
+
+
+def _packed(codes: torch.Tensor, scale: torch.Tensor, bits: int, x: torch.Tensor
+            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The float32 ``scale`` and the ``codes`` packed ``8 // bits`` to a byte, low bits first,
+    and what the receiver decodes from them."""
     per = 8 // bits
     pad = (-codes.numel()) % per
     if pad:
@@ -148,8 +163,23 @@ def unpack(coded: torch.Tensor, n: int, bits: int, dtype: torch.dtype) -> torch.
                          f"{packed_nbytes(n, bits)} bytes, got {coded.numel()}")
     scale = coded[:4].clone().view(torch.float32)
     body = coded[4:]
+    if bits == 1:   # each byte's eight signs read from a table: one gather, not eight passes
+        levels = _sign_table(body.device).index_select(0, body.to(torch.int32)).reshape(-1)[:n]
+        return (levels * scale).to(dtype)
     per, mask = 8 // bits, (1 << bits) - 1
     codes = torch.stack([(body >> (bits * i)) & mask for i in range(per)], dim=1).reshape(-1)[:n]
     levels = codes.to(torch.float32)
     levels = levels - 8.0 if bits == 4 else levels - 1.5
     return (levels * scale).to(dtype)
+
+
+_SIGN_TABLES: dict = {}   # device -> the 256 x 8 signs (+-1.0) a packed byte stands for
+
+
+def _sign_table(device: torch.device) -> torch.Tensor:
+    table = _SIGN_TABLES.get(device)
+    if table is None:
+        byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+        bit = (byte >> torch.arange(8, dtype=torch.int32)) & 1
+        table = _SIGN_TABLES[device] = (bit.to(torch.float32) * 2.0 - 1.0).to(device)
+    return table

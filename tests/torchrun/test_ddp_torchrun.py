@@ -337,17 +337,21 @@ def test_adamw_under_a_changing_grad_scaler_is_adamw_without_one(hvd: Any) -> No
     assert torch.equal(scaled, run(False)) and same_everywhere(scaled)
 
 
+@pytest.mark.parametrize("push", ["slices", "signs"])
 @pytest.mark.parametrize("how", ["register", "direct"])
 @pytest.mark.parametrize("adam", [False, True], ids=["sgd", "adamw"])
 def test_in_one_bucket_the_hook_is_distributed_optimizer(hvd: Any, adam: bool,
-                                                         how: str) -> None:
+                                                         how: str, push: str) -> None:
     """Real DDP, every parameter in one bucket: the hook trains bit for bit as
     ``DistributedOptimizer`` over the same Gloo transport, through the warm-up into steady
     slicing (40 steps at 0.05). Registered with ``state.register(ddp)``, the exchange lays the
     parameters out by name, as ``DistributedOptimizer`` does by default; registered directly
     (``register_comm_hook``), it has no names and takes them in DDP's first bucket's order,
-    the model's: ``DistributedOptimizer`` with names that sort so is its twin then."""
-    kw = dict(density=0.05, min_compress_numel=100)
+    the model's: ``DistributedOptimizer`` with names that sort so is its twin then. "signs":
+    every coordinate's sign pushed (``value_bits=1`` at ``density=1.0``), half pulled."""
+    kw = dict(density=0.05, min_compress_numel=100) if push == "slices" else \
+        dict(density=1.0, value_bits=1, pull_density=0.5, pull_value_bits=8,
+             min_compress_numel=100)
 
     def inner(params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1) if adam else \

@@ -119,6 +119,8 @@ def message(seed):
             # a short slice, beside the full slice it stands in for
             wm.M_SHORT: (kc, _sorted_sample(rng, d, kc), {wm.M_SLICE: (k, kc),
                                                          wm.M_SHORT: None}),
+            # every coordinate coded (1-bit signs and their scale), no indices
+            wm.M_CODED: (4 + (d + 7) // 8, None, {wm.M_CODED: (4 + (d + 7) // 8, 0)}),
         }[mode]
         values = rng.integers(0, 256, count * isz, dtype=np.uint8)
         sections.append(wm.make_section(mode, values, d, indices=idx, exp=exp))

@@ -120,4 +120,4 @@ def resolve_config(explicit: Mapping[str, Any], environ: Optional[Mapping[str, s
     # Which keywords the user set (passed or from a variable): the rest may take the defaults
     # of the mode the optimizer resolves to (SlimConfig.update_defaults).
     object.__setattr__(config, "_given", frozenset(explicit) | frozenset(from_env))
-    return config
+    return config.replaced(**config.sign_defaults())   # value_bits=1: every coordinate's sign

@@ -66,6 +66,13 @@ LOCAL_DEFAULTS = {"density": 0.01, "value_bits": 2, "pull_value_bits": 8,
                   "min_compress_numel": 0, "warmup_decay_steps": None, "warmup_settle": 0.5,
                   "sparse_average": "senders"}
 LOCAL_PULL_RATIO = 4.0
+# value_bits=1, for the keywords a user leaves unset, whatever the optimizer: every coordinate's
+# sign (density 1.0: no indices, 32x fewer pushed bytes than float32; 1-bit Adam's push, with
+# error feedback) and the server's larger half pulled at 8 bits. In the Adam screen (N = 4, 3
+# seeds) that ended +0.17% against dense where the update exchange's defaults ended +1.45%; a
+# pull of every sign lost (+1.89%), and so did a fifth at 8 bits (+2.88%): docs/accuracy.md.
+SIGN_DEFAULTS = {"density": 1.0, "pull_value_bits": 8}
+SIGN_PULL_RATIO = 0.5
 ENV_PREFIX = "HVD_SLIM_"
 
 
@@ -451,8 +458,23 @@ class SlimConfig:
     def update_defaults(self) -> Dict[str, Any]:
         """The update exchange's defaults (``UPDATE_DEFAULTS``, a pull ``UPDATE_PULL_RATIO``
         times the push): what :meth:`replaced` applies once ``adam_exchange`` resolves to
-        "update"."""
+        "update"; at ``value_bits=1``, :meth:`sign_defaults` instead (signs of Adam's update
+        are that mode's point)."""
+        if self.value_bits == 1:
+            return self.sign_defaults()
         return self._mode_fields(UPDATE_DEFAULTS, UPDATE_PULL_RATIO)
+
+    def sign_defaults(self) -> Dict[str, Any]:
+        """``value_bits=1``'s defaults (``SIGN_DEFAULTS``, a pull ``SIGN_PULL_RATIO`` times the
+        push, where the push is every coordinate), which
+        :func:`~hvd_slim.config.env.resolve_config` applies; else nothing. (Signs of a slice,
+        a density set below 1.0, keep the default pull, :func:`default_pull_density`.)"""
+        if self.value_bits != 1:
+            return {}
+        out = self._mode_fields(SIGN_DEFAULTS, SIGN_PULL_RATIO)
+        if out.get("density", self.density) < 1.0:
+            out.pop("pull_density", None)
+        return out
 
     def local_defaults(self) -> Dict[str, Any]:
         """The local-steps defaults (``LOCAL_DEFAULTS``, a pull ``LOCAL_PULL_RATIO`` times the
@@ -483,7 +505,10 @@ class SlimConfig:
 
     def mode_sources(self) -> Dict[str, str]:
         """The settings taken from a mode's defaults, each with the mode's name: the update
-        exchange's (``adam_exchange`` resolved to "update") or the local steps'."""
+        exchange's (``adam_exchange`` resolved to "update"), the local steps' or
+        ``value_bits=1``'s (which the update exchange's give way to)."""
+        if self.value_bits == 1:
+            return dict.fromkeys(self.sign_defaults(), "value_bits=1 default")
         if self.adam_exchange == "update":
             return dict.fromkeys(self.update_defaults(), "update default")
         if self.sparse_rounds:

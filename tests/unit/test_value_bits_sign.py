@@ -117,3 +117,33 @@ def test_a_dense_warm_up_step_is_exact_then_signs_follow():
     big = [n for n, s in SHAPES.items() if math.prod(s) >= 1000]
     step1 = res[0][0][1][big[0]].reshape(-1)
     assert step1.abs().unique().numel() <= 4   # a mean of two ranks' signs: few magnitudes
+
+
+def test_value_bits_one_alone_pushes_every_sign_and_pulls_half_at_8_bits(caplog, monkeypatch):
+    """value_bits=1's defaults, for what the user leaves unset, whatever the optimizer: the
+    update exchange's (density 0.05 at 2 bits) give way to them; a keyword or variable wins."""
+    import logging
+
+    import hvd_slim
+    from hvd_slim.config.env import resolve_config
+    from hvd_slim.transport import FakeCluster
+
+    c = resolve_config({"value_bits": 1})
+    assert (c.density, c.effective_pull_density, c.effective_pull_value_bits) == (1.0, 0.5, 8)
+    c = resolve_config({"pull_density": 0.25}, {"HVD_SLIM_VALUE_BITS": "1"})
+    assert (c.density, c.effective_pull_density) == (1.0, 0.25)
+    c = resolve_config({"value_bits": 1, "density": 0.05})   # signs of a slice: the usual pull
+    assert (c.density, c.effective_pull_density) == (0.05, 0.1)
+    assert resolve_config({"value_bits": 2}).density == 0.02
+
+    monkeypatch.setenv("HVD_SLIM_VALUE_BITS", "1")
+    m = torch.nn.Linear(80, 60)
+    with caplog.at_level(logging.INFO, logger="hvd_slim"):
+        opt = hvd_slim.DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                            named_parameters=m.named_parameters(),
+                                            transport=FakeCluster(1).transport(0))
+    assert "density=1.0 (value_bits=1 default)" in caplog.text
+    assert "pull_value_bits=8 (value_bits=1 default)" in caplog.text
+    assert "value_bits=1 (HVD_SLIM_VALUE_BITS)" in caplog.text
+    (b,) = opt._layout.sparse
+    assert b.slice_bits == 1 and b.k == b.numel

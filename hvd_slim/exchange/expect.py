@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from ..wire import message as wm
 from ..wire.indices import index_bytes_bound
 from ..wire.values import FP8, packed_nbytes
-from .layout import DENSE, Bucket, coded_whole, slice_is_smaller, sent_whole
+from .layout import DENSE, Bucket, coded_pull, coded_whole, slice_is_smaller, sent_whole
 from .shards import ShardPlan
 
 
@@ -120,9 +120,14 @@ def pull_expect(buckets: List[Bucket], pull: str, flush: bool = False,
     """What a worker accepts from the server, for a step's ``buckets``. ``size`` (the number of ranks) bounds
     a union pull: its explicit section holds at most the ``size * k`` coordinates the workers
     pushed; without it the bound assumes all d coordinates (dense)."""
+    coded = {b.index for b in buckets if coded_pull(b)}   # known before as_pulled() below
+
     def sparse(b: Bucket) -> Modes:
         if pull == "union":
             return {wm.M_EXPLICIT: None, wm.M_DENSE: (b.numel, 0)}
+        if b.index in coded:   # b is as pulled: its slice coding is the pull's
+            return {wm.M_CODED: (packed_nbytes(b.numel, b.slice_bits) if b.slice_bits
+                                 else b.numel, 0)}
         if pull_is_dense(b):
             return {wm.M_DENSE: (b.numel, 0)}
         return _slice_modes(b.k_pull, b.k_pull_core, b.slice_bits, short=True)

@@ -124,6 +124,14 @@ def coded_whole(b: Bucket) -> bool:
     return b.kind == SPARSE and b.slice_bits == 1 and b.k >= b.numel and b.whole is not True
 
 
+def coded_pull(b: Bucket) -> bool:
+    """A bucket of :func:`coded_whole` pushes whose server pulls every coordinate
+    (``pull_density=1.0``) at ``pull_value_bits`` below the comm dtype's: the whole sum coded
+    (``M_CODED``, no indices, no selection), what the coding loses kept in the server's
+    residual. At 32 bits the pull is the exact dense sum."""
+    return coded_whole(b) and b.k_pull >= b.numel and b.as_pulled().slice_dtype != b.comm_dtype
+
+
 def sent_whole(b: Bucket) -> bool:
     """A compressed bucket whose push slice (at a warm-up step's size) would not be smaller than
     all of it: that step sends it whole, the residual included (see the worker)."""

@@ -27,6 +27,10 @@ from .wirepath import WirePath
 Rendered = Dict[int, Tuple[torch.Tensor, bool]]
 
 
+# The modes of a pulled section that holds every coordinate of its piece.
+WHOLE = (wm.M_DENSE, wm.M_CODED)
+
+
 class Puller:
     """Reads the replies of a plan's servers and applies the pulled sections."""
 
@@ -113,8 +117,8 @@ class Puller:
                     (torch.cat([section_values(sec, p.b) for p, sec in got]), False)
                 continue
             # A compressed bucket's values are in true units: the loss scale goes back in.
-            if len(got) == 1 and got[0][1].mode == wm.M_DENSE:
-                whole = section_values(got[0][1], got[0][0].b)
+            if len(got) == 1 and got[0][1].mode in WHOLE:
+                whole = self._whole(*got[0])
                 values[b.index] = (whole if scale == 1.0 else whole.to(b.dtype) * scale, False)
                 continue
             # The pull is scattered into a buffer this rank keeps: no copy into separate .grad
@@ -127,8 +131,8 @@ class Puller:
                 flat.zero_()
             for p, sec in got:
                 part = flat[p.lo:p.hi]
-                if sec.mode == wm.M_DENSE:
-                    part.copy_(section_values(sec, p.b))
+                if sec.mode in WHOLE:
+                    part.copy_(self._whole(p, sec))
                     if scale != 1.0:   # in the gradients' dtype: a comm dtype may overflow
                         part.mul_(scale)
                 else:
@@ -144,6 +148,16 @@ class Puller:
                     part.index_copy_(0, idx, got_values if scale == 1.0 else got_values * scale)
             values[b.index] = (flat, True)
         return values
+
+    def _whole(self, p: Piece, sec: wm.Section) -> torch.Tensor:
+        """The values of a section of every coordinate of a piece: dense, or coded at
+        ``pull_value_bits`` (``M_CODED``)."""
+        if sec.mode == wm.M_DENSE:
+            return section_values(sec, p.b)
+        try:
+            return section_values(sec, p.b.as_pulled(), p.b.numel)
+        except wm.WireError as exc:
+            raise ExchangeError(f"rank {self.rank}: {exc}") from None
 
     def _indices(self, p: Piece, sec: wm.Section, t: int) -> torch.Tensor:
         """The coordinates of a pulled slice in its piece: explicit, or the server's core plus

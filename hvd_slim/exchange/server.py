@@ -24,7 +24,7 @@ from ..wire.indices import index_bytes_bound
 from ..wire.values import quantize
 from .expect import pull_is_dense, push_expect
 from .finite import nonfinite_sent, nonfinite_text
-from .layout import DENSE, Bucket, Layout, coded_whole
+from .layout import DENSE, Bucket, Layout, coded_pull, coded_whole
 from .sections import indices_on, itemsizes, section_values
 from .wirepath import HostPath, WirePath
 
@@ -268,6 +268,11 @@ class Server:
         # A flush, or a pull slice no smaller than dense (a sliced pull goes _slim_section).
         mem = self.memory[b.index]
         v = total.add_(mem.residual)   # e + G, proposed: e itself changes only at commit
+        if coded_pull(b) and not flush:   # every coordinate at pull_value_bits: coded copies
+            pb = b.as_pulled()
+            coded, exp, delivered = quantize(v, pb.slice_dtype, pb.slice_bits)
+            plan.memory.append((mem, v, None, delivered))
+            return self._checked(b, coded, delivered, None, plan, wm.M_CODED, None, exp)
         # Sent as a copy, since commit zeroes v's buffer.
         coded, _, delivered = quantize(v.clone() if v.dtype == b.comm_dtype else v, b.comm_dtype)
         plan.memory.append((mem, v, None, delivered))

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .layout import SPARSE, Bucket, Layout, Segment, coded_whole, sent_whole
+from .layout import SPARSE, Bucket, Layout, Segment, coded_pull, coded_whole, sent_whole
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,8 @@ class ShardPlan:
             kc, ke, kpc, kpe = (sz[s] for sz in sizes)
             if coded_whole(b):   # every piece codes all of its part, as the bucket does
                 kc, ke = lengths[s], 0
+            if coded_pull(b):
+                kpc, kpe = lengths[s], 0
             pb = dataclasses.replace(
                 b, index=piece_id(b.index, s, S), segments=_clip(b.segments, cuts[s], cuts[s + 1]),
                 numel=lengths[s],

@@ -125,7 +125,8 @@ def pack(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
     if bits == 1:   # a NaN/Inf makes the scale, and so every value decoded, non-finite
         m = x.abs().to(torch.float32).mean() if x.numel() else \
             torch.zeros((), device=x.device)
-        return _packed((x >= 0).to(torch.uint8), m.reshape(1), bits, x)
+        coded = _packed((x >= 0).to(torch.uint8), m.reshape(1), bits)
+        return coded, unpack(coded, x.numel(), bits, x.dtype)   # a gather: 3x torch.where
     top = _LEVELS[bits]
     m = x.abs().max().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
     scale = (m / top).reshape(1)
@@ -135,14 +136,13 @@ def pack(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
         codes = torch.round(y).clamp_(-7, 7).add_(8)
     else:
         codes = torch.floor(y + 2.0).clamp_(0, 3)
-    codes = torch.nan_to_num(codes, nan=0.0).to(torch.uint8)
-    return _packed(codes, scale, bits, x)
+    coded = _packed(torch.nan_to_num(codes, nan=0.0).to(torch.uint8), scale, bits)
+    return coded, unpack(coded, x.numel(), bits, x.dtype)
 
 
-def _packed(codes: torch.Tensor, scale: torch.Tensor, bits: int, x: torch.Tensor
-            ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The float32 ``scale`` and the ``codes`` packed ``8 // bits`` to a byte, low bits first,
-    and what the receiver decodes from them."""
+def _packed(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The float32 ``scale``, then the ``codes`` packed ``8 // bits`` to a byte, low bits
+    first."""
     per = 8 // bits
     pad = (-codes.numel()) % per
     if pad:
@@ -151,8 +151,7 @@ def _packed(codes: torch.Tensor, scale: torch.Tensor, bits: int, x: torch.Tensor
     packed = groups[:, 0].clone()
     for i in range(1, per):
         packed |= groups[:, i] << (bits * i)
-    coded = torch.cat([scale.view(torch.uint8), packed])
-    return coded, unpack(coded, x.numel(), bits, x.dtype)
+    return torch.cat([scale.view(torch.uint8), packed])
 
 
 def unpack(coded: torch.Tensor, n: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
@@ -163,9 +162,9 @@ def unpack(coded: torch.Tensor, n: int, bits: int, dtype: torch.dtype) -> torch.
                          f"{packed_nbytes(n, bits)} bytes, got {coded.numel()}")
     scale = coded[:4].clone().view(torch.float32)
     body = coded[4:]
-    if bits == 1:   # each byte's eight signs read from a table: one gather, not eight passes
-        levels = _sign_table(body.device).index_select(0, body.to(torch.int32)).reshape(-1)[:n]
-        return (levels * scale).to(dtype)
+    if bits == 1:   # each byte's eight values read from a scaled table: one gather
+        table = _sign_table(body.device) * scale
+        return table.index_select(0, body.to(torch.int32)).reshape(-1)[:n].to(dtype)
     per, mask = 8 // bits, (1 << bits) - 1
     codes = torch.stack([(body >> (bits * i)) & mask for i in range(per)], dim=1).reshape(-1)[:n]
     levels = codes.to(torch.float32)

@@ -119,14 +119,16 @@ def variant(name):
     machine are one host, MPI's shared-memory split, so the host phases carry everything and
     each cross exchange has one rank), or overlapped with backward in 3 stages (and with the
     next forward: ``overlap_forward``), or both (each stage hosts first); or at other value
-    bits ("signs": every coordinate's sign pushed, half the server's sum pulled at 8 bits)."""
+    bits ("signs": every coordinate's sign pushed, half the server's sum pulled at 8 bits, or
+    all of it)."""
     signs = {"density": 1.0, "value_bits": 1, "pull_density": 0.5, "pull_value_bits": 8}
     return {"flat": {}, "hier": {"hierarchical": True}, "overlap": {"overlap": 3},
             "forward": {"overlap": 3, "overlap_forward": True},
             "hier-overlap": {"hierarchical": True, "overlap": 3},
             "hier-forward": {"hierarchical": True, "overlap": 3, "overlap_forward": True},
             "4-bit": {"value_bits": 4}, "2-bit": {"value_bits": 2}, "signs": signs,
-            "hier-overlap-signs": dict(signs, hierarchical=True, overlap=3)}[name]
+            "hier-overlap-signs": dict(signs, hierarchical=True, overlap=3),
+            "signs-pull-all": dict(signs, pull_density=1.0)}[name]
 
 
 @pytest.mark.parametrize("pull, servers, shape", [
@@ -134,7 +136,7 @@ def variant(name):
     ("slim", 1, "hier"), ("union", 1, "hier"), ("slim", 1, "overlap"), ("slim", "all", "overlap"),
     ("slim", "all", "forward"), ("slim", "all", "4-bit"), ("union", 1, "2-bit"),
     ("slim", 1, "hier-overlap"), ("slim", 1, "hier-forward"), ("slim", "all", "signs"),
-    ("union", 1, "signs"), ("slim", 1, "hier-overlap-signs")])
+    ("union", 1, "signs"), ("slim", 1, "hier-overlap-signs"), ("slim", "all", "signs-pull-all")])
 def test_fifty_steps_keep_replicas_identical(pull, servers, shape):
     model = Net()
     opt = wrap(model, **dict(dict(density=0.01, pull=pull, servers=servers_of(servers)),

@@ -8,7 +8,7 @@ import torch
 
 from hvd_slim.config import ConfigError, SlimConfig
 from hvd_slim.exchange import DENSE, SPARSE, Layout, SlimExchange
-from hvd_slim.exchange.expect import push_expect
+from hvd_slim.exchange.expect import pull_expect, push_expect
 from hvd_slim.transport import run_ranks
 from hvd_slim.wire import message as wm
 from hvd_slim.wire.values import pack, packed_nbytes, unpack
@@ -57,11 +57,12 @@ def test_conservation_and_identity_of_a_sign_push(servers, pull, device):
 
 
 def test_a_dense_pull_delivers_the_mean_of_every_ranks_signs():
-    """A closed form: with the pull as dense as the push, each step delivers exactly the mean
-    over the ranks of ``s_i sign(r_i)``, ``r_i`` being rank i's gradient plus what its signs
-    lost before, ``s_i = mean |r_i|`` over the bucket."""
+    """A closed form: with the pull as dense as the push at 32 bits (exact), each step
+    delivers exactly the mean over the ranks of ``s_i sign(r_i)``, ``r_i`` being rank i's
+    gradient plus what its signs lost before, ``s_i = mean |r_i|`` over the bucket."""
     size, steps = 3, 4
-    res = simulate(size, steps, density=1.0, value_bits=1, pull_density=1.0)
+    res = simulate(size, steps, density=1.0, value_bits=1, pull_density=1.0,
+                   pull_value_bits=32)
     names = [n for n, s in SHAPES.items() if math.prod(s) >= 1000]
     resid = [torch.zeros(sum(math.prod(SHAPES[n]) for n in names)) for _ in range(size)]
     for t in range(steps):
@@ -110,7 +111,8 @@ def test_one_bit_is_validated_and_named():
 
 def test_a_dense_warm_up_step_is_exact_then_signs_follow():
     """warmup_dense_steps: those steps are the exact dense average at value_bits=1 too."""
-    res = simulate(2, 3, density=1.0, value_bits=1, pull_density=1.0, warmup_dense_steps=1)
+    res = simulate(2, 3, density=1.0, value_bits=1, pull_density=1.0, pull_value_bits=32,
+                   warmup_dense_steps=1)
     for name in SHAPES:
         mean = (res[0][1][0][name].double() + res[1][1][0][name].double()) / 2
         assert torch.allclose(res[0][0][0][name].double(), mean, atol=1e-6)
@@ -147,3 +149,37 @@ def test_value_bits_one_alone_pushes_every_sign_and_pulls_half_at_8_bits(caplog,
     assert "value_bits=1 (HVD_SLIM_VALUE_BITS)" in caplog.text
     (b,) = opt._layout.sparse
     assert b.slice_bits == 1 and b.k == b.numel
+
+
+@pytest.mark.parametrize("pull_bits", [8, 2])
+@pytest.mark.parametrize("servers, device", [(1, False), (2, True)])
+def test_every_coordinate_pulled_coded_keeps_the_invariants(pull_bits, servers, device):
+    """pull_density=1.0 at pull_value_bits below 32 after a sign push: the server's whole sum
+    coded (M_CODED, no indices), what the coding loses kept in its residual."""
+    assert_conserved_and_identical(simulate(3, 5, device=device, op="sum", density=1.0,
+                                            value_bits=1, pull_density=1.0,
+                                            pull_value_bits=pull_bits, servers=servers), 5)
+    config = SlimConfig(min_compress_numel=1000, density=1.0, value_bits=1, pull_density=1.0,
+                        pull_value_bits=pull_bits)
+    layout = Layout(make_params(), config, lambda dt: dt)
+    b = layout.sparse[0]
+    (ex,) = [e for e, bb in zip(pull_expect(layout.buckets, "slim"), layout.buckets)
+             if bb is b]
+    size = b.numel if pull_bits == 8 else packed_nbytes(b.numel, pull_bits)
+    assert ex.modes == {wm.M_CODED: (size, 0)} and ex.scaled == (pull_bits == 8)
+
+
+def test_an_8_bit_pull_of_every_coordinate_delivers_the_sum_within_float8():
+    """The coded pull after one step: the mean of the ranks' signs, within float8's 6.25%, and
+    the server's residual holds exactly what float8 lost (nothing before)."""
+    res = simulate(2, 1, density=1.0, value_bits=1, pull_density=1.0, pull_value_bits=8)
+    names = [n for n, s in SHAPES.items() if math.prod(s) >= 1000]
+    want = 0
+    for i in range(2):
+        r = torch.cat([res[i][1][0][n].reshape(-1) for n in names])
+        s = r.abs().mean()
+        want = want + torch.where(r >= 0, s, -s) / 2
+    got = torch.cat([res[0][0][0][n].reshape(-1) for n in names])
+    assert torch.all((got - want).abs() <= 0.0625 * want.abs() + 1e-7)
+    server = res[0][2].server.memory[res[0][2].layout.sparse[0].index].residual
+    assert torch.allclose(server + got, want, atol=1e-7)

@@ -79,11 +79,13 @@ def test_a_dense_pull_delivers_the_mean_of_every_ranks_signs():
             assert all(torch.equal(res[0][0][t][n], r[0][t][n]) for n in SHAPES)
 
 
-def test_the_push_is_a_bit_a_coordinate_and_resumes_bitwise():
+@pytest.mark.parametrize("pull_density", [0.5, 1.0])
+def test_the_push_is_a_bit_a_coordinate_and_resumes_bitwise(pull_density):
     """Each step pushes d/8 bytes (and a 4-byte scale) and no index bytes, and a checkpoint
-    taken mid-run resumes bitwise: the residuals hold what the signs lost."""
-    config = SlimConfig(min_compress_numel=1000, density=1.0, value_bits=1, pull_density=0.5,
-                        pull_value_bits=8)
+    taken mid-run resumes bitwise: the residuals hold what the signs (and the server's 8-bit
+    pull, sliced or coded whole) lost."""
+    config = SlimConfig(min_compress_numel=1000, density=1.0, value_bits=1,
+                        pull_density=pull_density, pull_value_bits=8)
 
     def body(rank, tr):
         named = make_params()

@@ -178,6 +178,28 @@ def check_adam_update_exchange(transport: str) -> str:
     return f"{len(moments)} bucket(s) of moments on {device()}"
 
 
+def check_sign_push(transport: str) -> str:
+    """``value_bits=1`` under AdamW on the device: every coordinate's sign pushed (a coded
+    section, no indices), the server's sum pulled half at 8 bits and then whole (coded):
+    replicas stay bitwise equal and the push is about 1/32 of the compressed bytes."""
+    out = []
+    for pull_density in (0.5, 1.0):
+        model = Net().to(device())
+        opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                       named_parameters=model.named_parameters(),
+                                       transport=transport, min_compress_numel=1000,
+                                       value_bits=1, pull_density=pull_density)
+        (b,) = opt._layout.sparse
+        assert b.slice_bits == 1 and b.k == b.numel and b.device == device()
+        train(model, opt, range(10))
+        assert_same_on_every_rank(flat(model), f"replicas (pull_density={pull_density})")
+        last = opt.comm_stats()["last_step"]
+        assert last["push_index_bytes"] == 0 and \
+            last["push_sparse_value_bytes"] == 4 + (b.numel + 7) // 8, last
+        out.append(f"pull {pull_density}: {last['pull_sparse_value_bytes']} B")
+    return ", ".join(out)
+
+
 def check_resume_from_a_cpu_mapped_checkpoint(transport: str) -> str:
     """A checkpoint saved from the GPU and loaded with ``map_location="cpu"`` (how a script
     loads one anywhere) resumes bitwise as an uninterrupted run: residuals, selectors and,
@@ -296,7 +318,7 @@ def check_bad_device_combinations_are_refused(_: str) -> str:
 
 PER_TRANSPORT = [check_replicas_identical, check_density_one_is_the_dense_average,
                  check_flush_lands_on_the_closed_form, check_adam_on_sparse_deliveries,
-                 check_adam_update_exchange,
+                 check_adam_update_exchange, check_sign_push,
                  check_resume_from_a_cpu_mapped_checkpoint, check_deterministic_algorithms]
 # Transports on which the device path keeps payloads off the host: NCCL (and Gloo on CPU tensors).
 DEVICE_RESIDENT = {"nccl", "gloo"} if ON_CPU else {"nccl"}

@@ -29,6 +29,7 @@ SCRIPT = ROOT / "tests" / "gpu" / "check_gpu.py"
 TIMEOUT = float(os.environ.get("HVD_SLIM_GPU_TIMEOUT", "150"))
 PER_TRANSPORT = ["check_replicas_identical", "check_density_one_is_the_dense_average",
                  "check_flush_lands_on_the_closed_form", "check_adam_on_sparse_deliveries",
+                 "check_adam_update_exchange", "check_sign_push",
                  "check_resume_from_a_cpu_mapped_checkpoint", "check_deterministic_algorithms"]
 HOST_COPIES = "check_no_payload_goes_through_the_host"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")

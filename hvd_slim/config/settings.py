@@ -138,8 +138,8 @@ class SlimConfig:
     # --- selection ---------------------------------------------------------------------------
     exploration: float = 0.1           # epsilon: share of each slice given to random exploration
     magnitude_weight: float = 0.0      # lambda in |a| + lambda*|w|; 0 = gradient magnitude only
-    value_bits: int = 8                # bits of each sliced value: 1 (signs), 2, 4 (packed), 8 (fp8),
-    #                                    16 (bf16), 32
+    value_bits: int = 8                # bits of each sliced value: 1 (signs), 2, 4 (packed),
+    #                                    8 (scaled fp8), 16 (bf16), 32
     # The server's pull slice (pull="slim") at these bits; None: value_bits
     pull_value_bits: Optional[int] = None
     # --- warm-up (see densities_at) -----------------------------------------------------------

@@ -136,7 +136,8 @@ def variant(name):
     ("slim", 1, "hier"), ("union", 1, "hier"), ("slim", 1, "overlap"), ("slim", "all", "overlap"),
     ("slim", "all", "forward"), ("slim", "all", "4-bit"), ("union", 1, "2-bit"),
     ("slim", 1, "hier-overlap"), ("slim", 1, "hier-forward"), ("slim", "all", "signs"),
-    ("union", 1, "signs"), ("slim", 1, "hier-overlap-signs"), ("slim", "all", "signs-pull-all")])
+    ("union", 1, "signs"), ("slim", 1, "hier-overlap-signs"),
+    ("slim", "all", "signs-pull-all")])
 def test_fifty_steps_keep_replicas_identical(pull, servers, shape):
     model = Net()
     opt = wrap(model, **dict(dict(density=0.01, pull=pull, servers=servers_of(servers)),

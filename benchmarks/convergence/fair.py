@@ -146,6 +146,9 @@ SIGN = (("sign push, half pulled at 8 bits", "slim", 1.0, {"slim": SIGN_PUSH}),
         # ... and every coordinate of the server's sum pulled at 8 bits (a coded section, no
         # selection, no indices): 4x fewer pulled bytes where half was 5.5x, -0.34% in the screen
         ("sign push, all pulled at 8 bits", "slim", 1.0,
+         {"slim": dict(SIGN_PUSH, pull_density=1.0)}),
+        # ... which ended +0.12% over seeds 0-2 (half pulled: +1.33%): through the hook too
+        ("sign push, all pulled at 8 bits, DDP hook", "slim-hook", 1.0,
          {"slim": dict(SIGN_PUSH, pull_density=1.0)}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's
 # final never reaches it on its own curve, and one cannot be stretched without changing its

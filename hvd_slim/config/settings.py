@@ -68,11 +68,12 @@ LOCAL_DEFAULTS = {"density": 0.01, "value_bits": 2, "pull_value_bits": 8,
 LOCAL_PULL_RATIO = 4.0
 # value_bits=1, for the keywords a user leaves unset, whatever the optimizer: every coordinate's
 # sign (density 1.0: no indices, 32x fewer pushed bytes than float32; 1-bit Adam's push, with
-# error feedback) and the server's larger half pulled at 8 bits. In the Adam screen (N = 4, 3
-# seeds) that ended +0.17% against dense where the update exchange's defaults ended +1.45%; a
-# pull of every sign lost (+1.89%), and so did a fifth at 8 bits (+2.88%): docs/accuracy.md.
+# error feedback) and the server's whole sum pulled at 8 bits (coded, no selection: 4x fewer
+# bytes than float32). AdamW at the fair horizon (3 seeds): +0.12% against dense, where half
+# the sum pulled at 8 bits (5.5x) ended +1.33% and the update exchange's defaults +1.92% on
+# the same seeds; a pull of every sign lost in the screen (+1.89%): docs/accuracy.md.
 SIGN_DEFAULTS = {"density": 1.0, "pull_value_bits": 8}
-SIGN_PULL_RATIO = 0.5
+SIGN_PULL_RATIO = 1.0
 ENV_PREFIX = "HVD_SLIM_"
 
 

@@ -87,8 +87,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             loses stays in the residual. 1 is each value's sign at the section's mean
             magnitude; with ``density=1.0`` every coordinate's sign is pushed, no indices (1-bit
             Adam's push: 32x fewer bytes), where other bits at 1.0 are the exact dense average.
-            Alone, ``value_bits=1`` sets ``density=1.0`` and half the server's sum pulled at 8
-            bits (``pull_density=0.5``, ``pull_value_bits=8``) where those are not set.
+            Alone, ``value_bits=1`` sets ``density=1.0`` and the server's whole sum pulled at 8
+            bits (``pull_density=1.0``, ``pull_value_bits=8``) where those are not set.
         pull_value_bits: The same for the server's slice (default None: ``value_bits``).
         exploration: Share of each slice spent on seeded random coordinates (default 0.1).
         servers: Server shards, 1 (default) to the number of ranks, or ``"auto"``: each

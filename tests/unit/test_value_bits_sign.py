@@ -9,6 +9,7 @@ import torch
 from hvd_slim.config import ConfigError, SlimConfig
 from hvd_slim.exchange import DENSE, SPARSE, Layout, SlimExchange
 from hvd_slim.exchange.expect import pull_expect, push_expect
+from hvd_slim.exchange.layout import coded_pull
 from hvd_slim.transport import run_ranks
 from hvd_slim.wire import message as wm
 from hvd_slim.wire.values import pack, packed_nbytes, unpack
@@ -123,7 +124,7 @@ def test_a_dense_warm_up_step_is_exact_then_signs_follow():
     assert step1.abs().unique().numel() <= 4   # a mean of two ranks' signs: few magnitudes
 
 
-def test_value_bits_one_alone_pushes_every_sign_and_pulls_half_at_8_bits(caplog, monkeypatch):
+def test_value_bits_one_alone_pushes_every_sign_and_pulls_all_at_8_bits(caplog, monkeypatch):
     """value_bits=1's defaults, for what the user leaves unset, whatever the optimizer: the
     update exchange's (density 0.05 at 2 bits) give way to them; a keyword or variable wins."""
     import logging
@@ -133,7 +134,7 @@ def test_value_bits_one_alone_pushes_every_sign_and_pulls_half_at_8_bits(caplog,
     from hvd_slim.transport import FakeCluster
 
     c = resolve_config({"value_bits": 1})
-    assert (c.density, c.effective_pull_density, c.effective_pull_value_bits) == (1.0, 0.5, 8)
+    assert (c.density, c.effective_pull_density, c.effective_pull_value_bits) == (1.0, 1.0, 8)
     c = resolve_config({"pull_density": 0.25}, {"HVD_SLIM_VALUE_BITS": "1"})
     assert (c.density, c.effective_pull_density) == (1.0, 0.25)
     c = resolve_config({"value_bits": 1, "density": 0.05})   # signs of a slice: the usual pull
@@ -150,7 +151,7 @@ def test_value_bits_one_alone_pushes_every_sign_and_pulls_half_at_8_bits(caplog,
     assert "pull_value_bits=8 (value_bits=1 default)" in caplog.text
     assert "value_bits=1 (HVD_SLIM_VALUE_BITS)" in caplog.text
     (b,) = opt._layout.sparse
-    assert b.slice_bits == 1 and b.k == b.numel
+    assert b.slice_bits == 1 and b.k == b.numel and coded_pull(b)
 
 
 @pytest.mark.parametrize("pull_bits", [8, 2])

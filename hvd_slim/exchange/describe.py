@@ -70,7 +70,7 @@ def params_of(desc: Any) -> Dict[str, list]:
 
 RESOLVED = ("pull_density", "warmup_decay_steps", "warmup_start_density")
 # The settings that choose other settings' defaults (SlimConfig.mode_sources).
-MODES = ("local_steps", "adam_exchange", "value_bits")
+MODES = ("local_steps", "adam_exchange")
 
 
 def config_difference(configs: Dict[Hashable, Any], where: Callable[[List[Any]], str],

@@ -37,15 +37,17 @@ def test_the_default_is_flag_and_a_clean_run_does_not_notice_it():
         assert torch.equal(got, ref)
 
 
-def test_flag_skips_bitwise_and_hands_nan_grads_to_every_rank():
+@pytest.mark.parametrize("kw", [{}, {"value_bits": 1, "density": 1.0}], ids=["slices", "signs"])
+def test_flag_skips_bitwise_and_hands_nan_grads_to_every_rank(kw):
     """One rank's NaN at step 3: every rank's step() returns None with parameters, residuals,
     velocities (momentum correction), selectors and step count untouched, every gradient
-    is NaN on every rank, and the run equals one that never took that step."""
+    is NaN on every rank, and the run equals one that never took that step; also where every
+    coordinate's sign is pushed (value_bits=1), whose coding would spread a NaN to them all."""
     steps, bad = 7, 3
 
     def body(rank, tr, poison):
         m = model()
-        opt = wrap(m, tr)
+        opt = wrap(m, tr, **kw)
         flagged = None
         for t in range(steps):
             if not poison and t == bad:

@@ -46,7 +46,11 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
                   "update exchange nearly exact (0.5 at 32 bits, pull union)": [0, 1, 2],
                   "0.08, pull 4x": [0, 1, 2], "the defaults' push, pull union": [0, 1, 2],
                   "0.05 at 32 bits, pull union": [0, 1, 2], "0.2, pull 4x": [0, 1, 2],
-                  "0.5 at 2 bits, pull union": [0, 1, 2]}
+                  "0.5 at 2 bits, pull union": [0, 1, 2],
+                  "sign push, half pulled at 8 bits": [0, 1, 2],
+                  "sign push, half pulled at 8 bits, DDP hook": [0, 1, 2],
+                  "sign push, all pulled at 8 bits": [0, 1, 2],
+                  "sign push, all pulled at 8 bits, DDP hook": [0, 1, 2]}
     assert sgd == {"dense": [0, 1, 2], "default": [0, 1, 2], "pull 4x": [0], "bf16 dense": [0],
                    "bf16 default": [0], "local_steps=4": [0, 1, 2]}
     # the bisection's rows change only what each names
@@ -55,6 +59,10 @@ def test_the_plan_runs_the_main_rows_at_every_seed_and_the_peers_once():
     assert parts["0.05 at 32 bits, pull union"] == (None, {"value_bits": 32, "pull": "union"})
     assert parts["0.2, pull 4x"] == (0.2, {})
     assert parts["0.5 at 2 bits, pull union"] == (0.5, {"pull": "union"})
+    # the sign push: every coordinate at one bit, the sum pulled half or whole at 8 bits
+    sign = {"value_bits": 1, "pull_value_bits": 8}
+    assert parts["sign push, half pulled at 8 bits"] == (1.0, dict(sign, pull_density=0.5))
+    assert parts["sign push, all pulled at 8 bits"] == (1.0, dict(sign, pull_density=1.0))
     # local steps at their own defaults: only H is given
     assert parts["local_steps=8, senders and settle"] == (None, {"local_steps": 8})
     assert parts["local_steps=4"] == (None, {"local_steps": 4})

@@ -138,8 +138,8 @@ PARTS = (("update exchange nearly exact (0.5 at 32 bits, pull union)", "slim", 0
          # ... which bought nothing: the nearly exact row's density at the defaults' 2 bits
          ("0.5 at 2 bits, pull union", "slim", 0.5, {"slim": {"pull": "union"}}))
 # The sign push (``lm-fair-sign``, every seed): 32x fewer pushed bytes on the sliced tensors, a
-# pull 5.5x smaller than dense where the defaults' is 12x; in the screen (N = 4, 3 seeds) +0.17%
-# against dense where the defaults end +1.45%
+# pull 6x smaller than dense where the defaults' is 12x; in the screen (N = 4, 3 seeds) +0.17%
+# against dense where the defaults end +1.45%; here +1.32% (seeds 0-2)
 SIGN_PUSH = {"value_bits": 1, "pull_density": 0.5, "pull_value_bits": 8}
 SIGN = (("sign push, half pulled at 8 bits", "slim", 1.0, {"slim": SIGN_PUSH}),
         ("sign push, half pulled at 8 bits, DDP hook", "slim-hook", 1.0, {"slim": SIGN_PUSH}),
@@ -147,7 +147,7 @@ SIGN = (("sign push, half pulled at 8 bits", "slim", 1.0, {"slim": SIGN_PUSH}),
         # selection, no indices): 4x fewer pulled bytes where half was 5.5x, -0.34% in the screen
         ("sign push, all pulled at 8 bits", "slim", 1.0,
          {"slim": dict(SIGN_PUSH, pull_density=1.0)}),
-        # ... which ended +0.12% over seeds 0-2 (half pulled: +1.33%): through the hook too
+        # ... which ended +0.11% over seeds 0-2 (-0.01% over 5): through the hook too
         ("sign push, all pulled at 8 bits, DDP hook", "slim-hook", 1.0,
          {"slim": dict(SIGN_PUSH, pull_density=1.0)}))
 # Steps to dense's final loss (``lm-fair-longer``, every seed): a run that ends above dense's

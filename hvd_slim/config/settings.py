@@ -69,9 +69,11 @@ LOCAL_PULL_RATIO = 4.0
 # value_bits=1, for the keywords a user leaves unset, whatever the optimizer: every coordinate's
 # sign (density 1.0: no indices, 32x fewer pushed bytes than float32; 1-bit Adam's push, with
 # error feedback) and the server's whole sum pulled at 8 bits (coded, no selection: 4x fewer
-# bytes than float32). AdamW at the fair horizon (3 seeds): +0.12% against dense, where half
-# the sum pulled at 8 bits (5.5x) ended +1.33% and the update exchange's defaults +1.92% on
-# the same seeds; a pull of every sign lost in the screen (+1.89%): docs/accuracy.md.
+# bytes than float32). AdamW at the fair horizon: -0.01% ± 0.41 against dense over 5 seeds,
+# ahead of the update exchange's defaults (+2.03%) on every seed; half the sum pulled at 8 bits
+# (6x) ended +1.32% (3 seeds); a pull of every sign lost in the screen (+1.89%). The price: 24x
+# fewer pushed bytes where the defaults push 45x fewer, and 5x their arithmetic on a CPU
+# (docs/accuracy.md, "The sign push at the fair horizon").
 SIGN_DEFAULTS = {"density": 1.0, "pull_value_bits": 8}
 SIGN_PULL_RATIO = 1.0
 ENV_PREFIX = "HVD_SLIM_"

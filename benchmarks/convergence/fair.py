@@ -35,9 +35,10 @@ warm-up and a cosine schedule over the whole run, as a user's script sets it. Gr
   bits; a push of 0.2 at 2 bits (the pull 4x it); and 0.5 at 2 bits with the union pull, at
   every seed;
 - ``lm-fair-sign``: every coordinate's sign pushed (``value_bits=1`` at ``density=1.0``, 1-bit
-  Adam's push of the update, with error feedback), the server's larger half pulled at 8 bits
-  (``pull_density=0.5, pull_value_bits=8``), the screen's best per-step result
-  (docs/accuracy.md), through ``DistributedOptimizer`` and through the DDP hook, every seed;
+  Adam's push of the update, with error feedback), the server's sum pulled at 8 bits, its
+  larger half (``pull_density=0.5``, the screen's best per-step result) or all of it
+  (``pull_density=1.0``, coded: ``value_bits=1``'s default since), through
+  ``DistributedOptimizer`` and through the DDP hook, every seed;
 - ``lm-fair-bf16``: the AdamW run with its parameters in bfloat16 (gradients, and so what the
   exchange is handed, too; hvd_slim keeps its residuals and Adam moments in float32), dense
   against hvd_slim with no keyword, the first seed only.

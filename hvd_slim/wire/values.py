@@ -27,6 +27,7 @@ Such a section's table count is its byte count; the receiver knows how many valu
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -62,7 +63,14 @@ def scale_exponent(x: torch.Tensor) -> int:
 
 
 def _abs_max(x: torch.Tensor) -> float:
-    return float(x.abs().max()) if x.numel() else 0.0
+    return float(_abs_max_tensor(x)) if x.numel() else 0.0
+
+
+def _abs_max_tensor(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` of a non-empty ``x`` (NaN if it holds one), from its least and greatest
+    values: one read and no |x| written (on a CPU, 11.7M values: 2.4 against 21.8 ms)."""
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(lo.abs(), hi.abs())
 
 
 def _exponent_for(m: float, dtype: torch.dtype) -> int:
@@ -102,16 +110,35 @@ def dequantize(coded: torch.Tensor, exp: int, dtype: torch.dtype) -> torch.Tenso
     if coded.dtype == FP8 and coded.device.type == "cpu":
         # A 256-entry table built by the same conversion: bitwise its result, 4-7x faster
         # than torch's element-wise float8 decoding on a CPU (four of these run every step).
-        table = _FP8_TABLES.get(dtype)
-        if table is None:
-            table = _FP8_TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(FP8).to(dtype)
-        out = table.index_select(0, coded.view(torch.uint8).to(torch.int32))
+        out = _fp8_from_table(coded.view(torch.uint8), dtype)
     else:
         out = coded.to(dtype)
     return out.mul_(2.0 ** exp) if exp else out
 
 
 _FP8_TABLES: dict = {}   # target dtype -> the 256 values a float8 byte decodes to
+_FP8_PAIRS: dict = {}    # target dtype -> the 65,536 x 2 values a pair of float8 bytes decodes to
+# Byte pairs read as one little-endian int16 index: half the indices to convert and gather
+# (11.7M values: 34 against 45 ms), where the buffer allows a 2-byte view.
+_PAIR_MIN = 1 << 16
+
+
+def _fp8_from_table(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float8 bytes ``raw`` (uint8, on a CPU) decoded by table lookup: bitwise what torch's
+    conversion gives (the tables are made by it)."""
+    table = _FP8_TABLES.get(dtype)
+    if table is None:
+        table = _FP8_TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(FP8).to(dtype)
+    n = raw.numel()
+    if n < _PAIR_MIN or n % 2 or raw.storage_offset() % 2 or not raw.is_contiguous() \
+            or sys.byteorder != "little":
+        return table.index_select(0, raw.to(torch.int32))
+    pairs = _FP8_PAIRS.get(dtype)
+    if pairs is None:   # row lo + 256 * hi: (value of lo, value of hi)
+        pairs = _FP8_PAIRS[dtype] = torch.stack([table.repeat(256),
+                                                 table.repeat_interleave(256)], 1).contiguous()
+    index = raw.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
+    return pairs.index_select(0, index).view(-1)
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -128,7 +155,7 @@ def pack(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
         coded = _packed((x >= 0).to(torch.uint8), m.reshape(1), bits)
         return coded, unpack(coded, x.numel(), bits, x.dtype)   # a gather: 3x torch.where
     top = _LEVELS[bits]
-    m = x.abs().max().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
+    m = _abs_max_tensor(x).to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
     scale = (m / top).reshape(1)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     y = x.to(torch.float32) * inv

@@ -90,3 +90,19 @@ def test_numpy_and_torch_encoders_agree_on_the_exponent():
     assert np.array_equal(_message(-12), _message(-12, path="torch").numpy())
     assert math.isclose(2.0 ** -12, float(dequantize(torch.ones(1, dtype=FP8), -12,
                                                      torch.float32)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_float8_decoding_by_byte_pairs_is_bitwise_torchs(dtype):
+    """Long sections decode two float8 bytes per lookup (wire/values.py, _fp8_from_table):
+    bitwise torch's own conversion for every byte in either place of a pair, at even and odd
+    lengths and offsets (where a pair view is impossible, one byte per lookup)."""
+    from hvd_slim.wire.values import FP8, dequantize
+    every = torch.arange(1 << 16, dtype=torch.int32)
+    pairs = torch.stack([every & 0xFF, every >> 8], 1).reshape(-1).to(torch.uint8)
+    buf = torch.cat([torch.tensor([7], dtype=torch.uint8), pairs, pairs[:3]])
+    bits = torch.int32 if dtype == torch.float32 else torch.int16   # NaN compared as bits
+    for raw in (pairs, buf[1:1 + pairs.numel()], buf[:pairs.numel()], buf):
+        want = raw.view(FP8).to(dtype)
+        got = dequantize(raw.view(FP8), 0, dtype)
+        assert torch.equal(got.view(bits), want.view(bits)), raw.storage_offset()

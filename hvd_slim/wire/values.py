@@ -153,7 +153,9 @@ def pack(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
         m = x.abs().to(torch.float32).mean() if x.numel() else \
             torch.zeros((), device=x.device)
         coded = _packed((x >= 0).to(torch.uint8), m.reshape(1), bits)
-        return coded, unpack(coded, x.numel(), bits, x.dtype)   # a gather: 3x torch.where
+        # What the receiver decodes, decoded the same way: one table gather, 3x faster on a
+        # CPU than building it with torch.where from the signs
+        return coded, unpack(coded, x.numel(), bits, x.dtype)
     top = _LEVELS[bits]
     m = _abs_max_tensor(x).to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
     scale = (m / top).reshape(1)
